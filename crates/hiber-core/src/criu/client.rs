@@ -1,0 +1,340 @@
+//! A small client for `criu swrk`.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use prost::Message;
+
+use super::rpc::{self, CriuReqType};
+use crate::sys;
+
+/// The descriptor number of the RPC socket inside the `criu swrk` child.
+const SWRK_FD: RawFd = 3;
+/// Descriptors handed to CRIU for `inherit_fd` are placed from this number up.
+const FIRST_INHERITED_FD: RawFd = 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    #[error("CRIU was not found (looked at $HIBER_CRIU, next to hiber, and on PATH)")]
+    NotFound,
+    #[error("could not start {path}: {source}")]
+    Spawn { path: PathBuf, source: io::Error },
+    #[error("CRIU RPC {step}: {source}")]
+    Io { step: &'static str, source: io::Error },
+    #[error("CRIU RPC: {0}")]
+    Protocol(String),
+    #[error("CRIU {version} is too old: hiber needs {}.{} or newer", super::MIN_VERSION.0, super::MIN_VERSION.1)]
+    TooOld { version: String },
+    #[error("criu {op} failed{}{}", errno_text(*.errno), detail_text(.detail))]
+    Failed { op: &'static str, errno: Option<i32>, detail: Option<String>, log: Option<PathBuf> },
+}
+
+fn errno_text(errno: Option<i32>) -> String {
+    match errno {
+        Some(e) if e != 0 => format!(" ({})", io::Error::from_raw_os_error(e)),
+        _ => String::new(),
+    }
+}
+
+fn detail_text(detail: &Option<String>) -> String {
+    detail.as_ref().map(|d| format!(": {d}")).unwrap_or_default()
+}
+
+impl CriuError {
+    /// The errno CRIU reported, if any.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            CriuError::Failed { errno, .. } => *errno,
+            _ => None,
+        }
+    }
+
+    /// The CRIU log of a failed request, where there is one.
+    pub fn log(&self) -> Option<&Path> {
+        match self {
+            CriuError::Failed { log, .. } => log.as_deref(),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CriuVersion {
+    pub major: i32,
+    pub minor: i32,
+    pub sublevel: i32,
+    pub gitid: Option<String>,
+}
+
+impl std::fmt::Display for CriuVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)?;
+        if self.sublevel != 0 {
+            write!(f, ".{}", self.sublevel)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a dump request carries besides the pid.
+pub struct DumpOptions<'a> {
+    pub pid: i32,
+    pub images_dir: &'a Path,
+    /// Where CRIU writes `dump.log`; kept apart from the image so the image holds only
+    /// what a restore reads.
+    pub work_dir: &'a Path,
+    pub leave_running: bool,
+    pub shell_job: bool,
+}
+
+pub struct RestoreOptions<'a> {
+    pub images_dir: &'a Path,
+    pub work_dir: &'a Path,
+    /// `(key, fd)`: CRIU opens this descriptor in place of the file named by `key` (for a
+    /// regular file, its path without the leading '/').
+    pub inherit: Vec<(String, RawFd)>,
+    pub shell_job: bool,
+}
+
+/// A located CRIU binary.
+#[derive(Debug, Clone)]
+pub struct Criu {
+    path: PathBuf,
+}
+
+impl Criu {
+    /// Finds CRIU: `$HIBER_CRIU`, then next to the hiber executable, then on PATH and in
+    /// the sbin directories (which a root shell has but `sudo` may not).
+    pub fn locate() -> Result<Criu, CriuError> {
+        if let Some(p) = std::env::var_os("HIBER_CRIU") {
+            return Ok(Criu { path: PathBuf::from(p) });
+        }
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+            dirs.push(dir);
+        }
+        if let Some(path) = std::env::var_os("PATH") {
+            dirs.extend(std::env::split_paths(&path));
+        }
+        dirs.extend(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from));
+        dirs.into_iter()
+            .map(|d| d.join("criu"))
+            .find(|p| p.is_file())
+            .map(|path| Criu { path })
+            .ok_or(CriuError::NotFound)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn version(&self) -> Result<CriuVersion, CriuError> {
+        let resp = self.call(request(CriuReqType::Version, None), &[], &mut |_| Ok(()), "version", None)?;
+        let v = resp.version.ok_or_else(|| CriuError::Protocol("VERSION reply without a version".into()))?;
+        Ok(CriuVersion { major: v.major_number, minor: v.minor_number, sublevel: v.sublevel.unwrap_or(0), gitid: v.gitid })
+    }
+
+    /// Fails with [`CriuError::TooOld`] unless the CRIU found is recent enough.
+    pub fn require_supported(&self) -> Result<CriuVersion, CriuError> {
+        let v = self.version()?;
+        if (v.major, v.minor) < super::MIN_VERSION {
+            return Err(CriuError::TooOld { version: v.to_string() });
+        }
+        Ok(v)
+    }
+
+    /// `criu check` over RPC: whether this kernel has what CRIU needs.
+    pub fn check(&self, work_dir: &Path) -> Result<(), CriuError> {
+        let dir = File::open(work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
+        let opts = rpc::CriuOpts {
+            images_dir_fd: -1,
+            images_dir: Some(work_dir.display().to_string()),
+            work_dir_fd: Some(dir.as_raw_fd()),
+            log_file: Some("check.log".into()),
+            log_level: Some(4),
+            ..Default::default()
+        };
+        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", Some(work_dir.join("check.log")))
+            .map(|_| ())
+    }
+
+    /// Dumps the tree rooted at `opts.pid`. `on_notify` is called for each of CRIU's
+    /// notifications with the script name; an `Err` makes CRIU fail the dump and resume
+    /// the tree.
+    pub fn dump(&self, opts: &DumpOptions<'_>, on_notify: &mut dyn FnMut(&str) -> Result<(), String>) -> Result<(), CriuError> {
+        let work = File::open(opts.work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
+        let o = rpc::CriuOpts {
+            images_dir_fd: -1,
+            images_dir: Some(opts.images_dir.display().to_string()),
+            pid: Some(opts.pid),
+            leave_running: Some(opts.leave_running),
+            shell_job: Some(opts.shell_job),
+            file_locks: Some(true),
+            ext_unix_sk: Some(true),
+            tcp_established: Some(true),
+            notify_scripts: Some(true),
+            work_dir_fd: Some(work.as_raw_fd()),
+            log_file: Some("dump.log".into()),
+            log_level: Some(4),
+            ..Default::default()
+        };
+        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", Some(opts.work_dir.join("dump.log")))
+            .map(|_| ())
+    }
+
+    /// Restores an image as a child of the calling process and returns its root's PID.
+    pub fn restore(&self, opts: &RestoreOptions<'_>, on_notify: &mut dyn FnMut(&str) -> Result<(), String>) -> Result<i32, CriuError> {
+        let work = File::open(opts.work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
+        let inherit: Vec<rpc::InheritFd> = opts
+            .inherit
+            .iter()
+            .enumerate()
+            .map(|(i, (key, _))| rpc::InheritFd { key: key.clone(), fd: FIRST_INHERITED_FD + i as RawFd })
+            .collect();
+        let fds: Vec<RawFd> = opts.inherit.iter().map(|(_, fd)| *fd).collect();
+        let o = rpc::CriuOpts {
+            images_dir_fd: -1,
+            images_dir: Some(opts.images_dir.display().to_string()),
+            rst_sibling: Some(true),
+            shell_job: Some(opts.shell_job),
+            file_locks: Some(true),
+            ext_unix_sk: Some(true),
+            tcp_established: Some(true),
+            notify_scripts: Some(true),
+            inherit_fd: inherit,
+            work_dir_fd: Some(work.as_raw_fd()),
+            log_file: Some("restore.log".into()),
+            log_level: Some(4),
+            ..Default::default()
+        };
+        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, on_notify, "restore", Some(opts.work_dir.join("restore.log")))?;
+        resp.restore
+            .map(|r| r.pid)
+            .ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
+    }
+
+    fn spawn(&self, inherit: &[RawFd]) -> Result<(Child, File), CriuError> {
+        let (ours, theirs) = sys::seqpacket_pair().map_err(|source| CriuError::Io { step: "socketpair", source })?;
+        let theirs_raw = theirs.as_raw_fd();
+        let inherit = inherit.to_vec();
+        let mut cmd = Command::new(&self.path);
+        cmd.arg("swrk").arg(SWRK_FD.to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        // CRIU outlives a killed hiber: in its own process group, a signal to hiber's group
+        // does not reach it, so it can finish and resume the tree (see the journal).
+        cmd.process_group(0);
+        // SAFETY: the closure runs between fork and exec and calls only dup2 and fcntl,
+        // which are async-signal-safe; it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                sys::dup2(theirs_raw, SWRK_FD)?;
+                for (i, fd) in inherit.iter().enumerate() {
+                    sys::dup2(*fd, FIRST_INHERITED_FD + i as RawFd)?;
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|source| CriuError::Spawn { path: self.path.clone(), source })?;
+        drop(theirs);
+        Ok((child, File::from(OwnedFd::from(ours))))
+    }
+
+    fn call(
+        &self,
+        req: rpc::CriuReq,
+        inherit: &[RawFd],
+        on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
+        op: &'static str,
+        log: Option<PathBuf>,
+    ) -> Result<rpc::CriuResp, CriuError> {
+        let (mut child, mut sock) = self.spawn(inherit)?;
+        let result = exchange(&mut sock, req, on_notify, op, log);
+        drop(sock);
+        let _ = child.wait();
+        result
+    }
+}
+
+fn request(kind: CriuReqType, opts: Option<rpc::CriuOpts>) -> rpc::CriuReq {
+    rpc::CriuReq { r#type: kind as i32, opts, ..Default::default() }
+}
+
+fn exchange(
+    sock: &mut File,
+    req: rpc::CriuReq,
+    on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
+    op: &'static str,
+    log: Option<PathBuf>,
+) -> Result<rpc::CriuResp, CriuError> {
+    send(sock, &req)?;
+    loop {
+        let resp = recv(sock)?;
+        if resp.r#type == CriuReqType::Notify as i32 {
+            let script = resp.notify.as_ref().and_then(|n| n.script.clone()).unwrap_or_default();
+            let outcome = on_notify(&script);
+            if let Err(reason) = &outcome {
+                tracing::warn!(script, reason, "refusing CRIU notification");
+            }
+            let ack = rpc::CriuReq { r#type: CriuReqType::Notify as i32, notify_success: Some(outcome.is_ok()), ..Default::default() };
+            send(sock, &ack)?;
+            continue;
+        }
+        if resp.success {
+            return Ok(resp);
+        }
+        let detail = resp.cr_errmsg.clone().filter(|m| !m.is_empty()).or_else(|| log.as_deref().and_then(last_error_line));
+        return Err(CriuError::Failed { op, errno: resp.cr_errno, detail, log });
+    }
+}
+
+fn send(sock: &mut File, msg: &rpc::CriuReq) -> Result<(), CriuError> {
+    sock.write_all(&msg.encode_to_vec()).map_err(|source| CriuError::Io { step: "send", source })
+}
+
+fn recv(sock: &mut File) -> Result<rpc::CriuResp, CriuError> {
+    let mut buf = vec![0u8; 1 << 20];
+    let n = sock.read(&mut buf).map_err(|source| CriuError::Io { step: "receive", source })?;
+    if n == 0 {
+        return Err(CriuError::Protocol("criu swrk closed the connection (crashed or was killed?)".into()));
+    }
+    rpc::CriuResp::decode(&buf[..n]).map_err(|e| CriuError::Protocol(format!("undecodable reply: {e}")))
+}
+
+/// The last line of a CRIU log that reports an error, for a one-line reason. CRIU is
+/// driven over RPC; its log is read only to explain a failure to a person.
+fn last_error_line(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text.lines().rev().find(|l| l.contains("Error (") && !l.contains("Dumping FAILED") && !l.contains("Restoring FAILED"))?;
+    // "(00.123456) Error (criu/foo.c:12): message" -> "message"
+    let msg = line.split_once("): ").map(|(_, m)| m).unwrap_or(line);
+    Some(msg.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_line_is_taken_from_the_end_of_the_log() {
+        let dir = std::env::temp_dir().join(format!("hiber-criu-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("dump.log");
+        std::fs::write(
+            &log,
+            "(00.000100) Error (criu/a.c:1): first\n(00.000200) Error (criu/files-reg.c:2175): File tmp/x has bad size 3 (expect 4)\n(00.000300) Error (criu/cr-dump.c:2111): Dumping FAILED.\n",
+        )
+        .unwrap();
+        assert_eq!(last_error_line(&log).as_deref(), Some("File tmp/x has bad size 3 (expect 4)"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn version_display() {
+        let v = CriuVersion { major: 4, minor: 1, sublevel: 1, gitid: None };
+        assert_eq!(v.to_string(), "4.1.1");
+        assert!((v.major, v.minor) >= crate::criu::MIN_VERSION);
+    }
+}

@@ -1,0 +1,76 @@
+//! `hiber doctor`: what this machine offers for checkpointing, checked for real.
+
+use serde::Serialize;
+
+use crate::criu::Criu;
+use crate::engine::cuda;
+use crate::state::StateDir;
+use crate::sys;
+
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_CHECKPOINT_RESTORE: u32 = 40;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub ok: bool,
+    pub detail: String,
+    /// A failed check that does not stop CPU checkpoints (no GPU, say).
+    pub optional: bool,
+}
+
+fn effective_caps() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()))
+        .unwrap_or(0)
+}
+
+pub fn run(state: &StateDir) -> Vec<Check> {
+    let mut out = Vec::new();
+    let (kernel, host) = sys::uname();
+    out.push(Check { name: "kernel", ok: true, detail: format!("{kernel} on {host}"), optional: false });
+
+    let caps = effective_caps();
+    let root = sys::geteuid() == 0;
+    let has = |c: u32| caps & (1 << c) != 0;
+    out.push(Check {
+        name: "privileges",
+        ok: root || (has(CAP_CHECKPOINT_RESTORE) && has(CAP_SYS_ADMIN)),
+        detail: format!(
+            "{}; CAP_CHECKPOINT_RESTORE {}, CAP_SYS_ADMIN {}",
+            if root { "root" } else { "not root" },
+            if has(CAP_CHECKPOINT_RESTORE) { "yes" } else { "no" },
+            if has(CAP_SYS_ADMIN) { "yes" } else { "no" }
+        ),
+        optional: false,
+    });
+
+    match Criu::locate() {
+        Err(e) => out.push(Check { name: "criu", ok: false, detail: e.to_string(), optional: false }),
+        Ok(criu) => {
+            match criu.require_supported() {
+                Ok(v) => out.push(Check { name: "criu", ok: true, detail: format!("{v} at {}", criu.path().display()), optional: false }),
+                Err(e) => out.push(Check { name: "criu", ok: false, detail: format!("{e} ({})", criu.path().display()), optional: false }),
+            }
+            let dir = state.logs().join(format!("check-{}", std::process::id()));
+            let checked = state.ensure(&dir).map_err(|e| e.to_string()).and_then(|_| criu.check(&dir).map_err(|e| e.to_string()));
+            out.push(Check {
+                name: "criu check",
+                ok: checked.is_ok(),
+                detail: match &checked {
+                    Ok(()) => "looks good".into(),
+                    Err(e) => format!("{e} (log kept in {})", dir.display()),
+                },
+                optional: false,
+            });
+            if checked.is_ok() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+
+    let gpu = cuda::probe();
+    out.push(Check { name: "nvidia driver", ok: gpu.checkpoint_api, detail: gpu.summary(), optional: true });
+    out
+}

@@ -1,0 +1,454 @@
+//! The driver engine: CUDA state through the driver's own checkpoint API
+//! (`cuCheckpointProcess*`, driver 570+; GPU remapping needs CUDA 13.0 / driver 580).
+//!
+//! Checkpoint: lock every CUDA process of the tree in parallel (with a timeout), then
+//! checkpoint them in parallel; the driver moves device memory into each process's host
+//! memory and drops its device handles, so CRIU dumps it like any process. Restore: after
+//! CRIU restored the tree, restore (optionally onto other GPUs) and unlock each process.
+//! `resume` undoes whatever state a failed checkpoint left: CHECKPOINTED → restore →
+//! LOCKED → unlock → RUNNING.
+
+mod ffi;
+mod gpumap;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::{DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
+use crate::proctree::ProcessInfo;
+pub use ffi::{CuUuid, GpuPair};
+pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
+
+pub const ENGINE: &str = "cuda";
+/// cuDriverGetVersion of the first driver with the checkpoint API (CUDA 12.8).
+pub const MIN_DRIVER: i32 = 12080;
+/// First driver whose restore takes GPU pairs (CUDA 13.0).
+pub const REMAP_DRIVER: i32 = 13000;
+const DEFAULT_LOCK_TIMEOUT_MS: u32 = 10_000;
+/// Head-room kept free on a GPU beyond what the image's processes used.
+const RESTORE_MARGIN_BYTES: u64 = 256 << 20;
+
+/// `CUprocessState`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessState {
+    Running,
+    Locked,
+    Checkpointed,
+    Failed,
+    Unknown(i32),
+}
+
+impl From<i32> for ProcessState {
+    fn from(v: i32) -> Self {
+        match v {
+            0 => ProcessState::Running,
+            1 => ProcessState::Locked,
+            2 => ProcessState::Checkpointed,
+            3 => ProcessState::Failed,
+            o => ProcessState::Unknown(o),
+        }
+    }
+}
+
+/// A driver error: the CUresult and its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CuError {
+    pub code: i32,
+    pub name: String,
+}
+
+impl std::fmt::Display for CuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name, self.code)
+    }
+}
+
+/// A GPU of this machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    pub index: u32,
+    /// "GPU-xxxxxxxx-xxxx-...", as NVML and nvidia-smi print it.
+    pub uuid: String,
+    pub name: String,
+    pub memory_total: u64,
+    #[serde(default)]
+    pub memory_free: u64,
+}
+
+/// The driver calls the engine makes: the seam that lets the engine's logic (ordering,
+/// parallelism, rollback) be tested without a GPU.
+pub trait CheckpointApi: Send + Sync {
+    fn driver_version(&self) -> i32;
+    fn state(&self, pid: i32) -> Result<ProcessState, CuError>;
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), CuError>;
+    fn checkpoint(&self, pid: i32) -> Result<(), CuError>;
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuError>;
+    fn unlock(&self, pid: i32) -> Result<(), CuError>;
+    fn restore_thread(&self, pid: i32) -> Result<i32, CuError>;
+    /// GPUs with their processes' memory use: (host pid, bytes) per GPU.
+    fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)>;
+}
+
+struct RealApi {
+    cuda: ffi::CudaLib,
+    nvml: Option<ffi::Nvml>,
+}
+
+impl RealApi {
+    fn err(&self, code: i32) -> CuError {
+        CuError { code, name: self.cuda.error_name(code) }
+    }
+}
+
+impl CheckpointApi for RealApi {
+    fn driver_version(&self) -> i32 {
+        self.cuda.driver_version()
+    }
+    fn state(&self, pid: i32) -> Result<ProcessState, CuError> {
+        self.cuda.get_state(pid).map(ProcessState::from).map_err(|c| self.err(c))
+    }
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), CuError> {
+        self.cuda.lock(pid, timeout_ms).map_err(|c| self.err(c))
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), CuError> {
+        self.cuda.checkpoint(pid).map_err(|c| self.err(c))
+    }
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuError> {
+        self.cuda.restore(pid, pairs).map_err(|c| self.err(c))
+    }
+    fn unlock(&self, pid: i32) -> Result<(), CuError> {
+        self.cuda.unlock(pid).map_err(|c| self.err(c))
+    }
+    fn restore_thread(&self, pid: i32) -> Result<i32, CuError> {
+        self.cuda.restore_thread_id(pid).map_err(|c| self.err(c))
+    }
+    fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
+        let Some(nvml) = &self.nvml else { return Vec::new() };
+        nvml.gpus()
+            .into_iter()
+            .map(|g| {
+                let procs = g.processes.iter().map(|&(p, b)| (p as i32, b)).collect();
+                (Gpu { index: g.index, uuid: g.uuid, name: g.name, memory_total: g.memory.total, memory_free: g.memory.free }, procs)
+            })
+            .collect()
+    }
+}
+
+/// What `hiber doctor` reports about the NVIDIA driver.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub driver: Option<i32>,
+    pub driver_release: Option<String>,
+    pub checkpoint_api: bool,
+    pub gpus: Vec<Gpu>,
+    pub problem: Option<String>,
+}
+
+impl Probe {
+    pub fn summary(&self) -> String {
+        match (&self.problem, self.driver) {
+            (Some(p), _) => p.clone(),
+            (None, Some(v)) => {
+                let gpus: Vec<String> = self.gpus.iter().map(|g| format!("{}: {} {} ({} MiB)", g.index, g.name, g.uuid, g.memory_total >> 20)).collect();
+                format!(
+                    "driver {} (CUDA {}.{}), checkpoint API {}{}; {}",
+                    self.driver_release.as_deref().unwrap_or("?"),
+                    v / 1000,
+                    (v % 1000) / 10,
+                    if self.checkpoint_api { "present" } else { "absent (needs driver 570+)" },
+                    if v >= REMAP_DRIVER { ", GPU remapping" } else { "" },
+                    if gpus.is_empty() { "no GPUs listed".into() } else { gpus.join("; ") }
+                )
+            }
+            (None, None) => "no NVIDIA driver".into(),
+        }
+    }
+}
+
+pub fn probe() -> Probe {
+    let cuda = match ffi::CudaLib::load() {
+        Ok(c) => c,
+        Err(e) => {
+            return Probe {
+                driver: None,
+                driver_release: None,
+                checkpoint_api: false,
+                gpus: Vec::new(),
+                problem: Some(match e {
+                    ffi::LoadError::NoLibrary(why) => format!("no NVIDIA driver ({why}); CPU checkpoints only"),
+                    ffi::LoadError::MissingSymbol(s) => format!("libcuda.so.1 lacks {s}"),
+                    ffi::LoadError::Init(r) => format!("libcuda.so.1 failed to initialize (CUresult {r}): no usable GPU?"),
+                }),
+            }
+        }
+    };
+    let nvml = ffi::Nvml::load();
+    let driver_release = nvml.as_ref().and_then(|n| n.driver_version());
+    let checkpoint_api = cuda.has_checkpoint_api() && cuda.driver_version() >= MIN_DRIVER;
+    let api = RealApi { cuda, nvml };
+    Probe {
+        driver: Some(api.driver_version()),
+        driver_release,
+        checkpoint_api,
+        gpus: api.gpus().into_iter().map(|(g, _)| g).collect(),
+        problem: None,
+    }
+}
+
+/// One CUDA process as recorded in an image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CudaProcess {
+    /// PID inside the job's namespace: what the restored process will have.
+    pub ns_pid: i32,
+    pub pid: i32,
+    pub comm: String,
+    /// UUIDs of the GPUs where it held memory.
+    pub gpus: Vec<String>,
+    /// Device memory it held, per NVML, when checkpointed.
+    pub memory_bytes: u64,
+    pub state_before: ProcessState,
+}
+
+/// The engine's manifest section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Section {
+    pub driver_version: i32,
+    /// Every GPU of the machine at checkpoint time.
+    pub gpus: Vec<Gpu>,
+    pub processes: Vec<CudaProcess>,
+    /// Seconds to lock all processes, then to checkpoint all of them.
+    pub lock_seconds: f64,
+    pub checkpoint_seconds: f64,
+}
+
+pub struct DriverEngine {
+    api: Arc<dyn CheckpointApi>,
+    lock_timeout_ms: u32,
+}
+
+impl DriverEngine {
+    /// The engine, when this machine has a driver with the checkpoint API.
+    pub fn load() -> Option<DriverEngine> {
+        let cuda = ffi::CudaLib::load().ok()?;
+        if !cuda.has_checkpoint_api() || cuda.driver_version() < MIN_DRIVER {
+            return None;
+        }
+        Some(DriverEngine::with_api(Arc::new(RealApi { cuda, nvml: ffi::Nvml::load() })))
+    }
+
+    pub fn with_api(api: Arc<dyn CheckpointApi>) -> DriverEngine {
+        let lock_timeout_ms = std::env::var("HIBER_CUDA_LOCK_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_LOCK_TIMEOUT_MS);
+        DriverEngine { api, lock_timeout_ms }
+    }
+
+    pub fn set_lock_timeout_ms(&mut self, ms: u32) {
+        self.lock_timeout_ms = ms;
+    }
+
+    fn fail(message: String, hint: Option<&str>) -> EngineError {
+        EngineError::Failed { engine: ENGINE, message, hint: hint.map(String::from) }
+    }
+
+    fn driver_fail(what: &str, pid: i32, e: &CuError) -> EngineError {
+        let hint = match e.code {
+            801 => "the driver cannot checkpoint something this process uses (managed/UVM memory, CUDA IPC, MPS or MIG); see `hiber doctor`",
+            600 | 909 => "work already submitted to the GPU did not finish within the lock timeout; the process keeps running. Retry, or raise HIBER_CUDA_LOCK_TIMEOUT_MS",
+            401 => "the process is in the wrong CUDA state for this step (another checkpoint under way? `hiber recover` undoes an interrupted one)",
+            304 => "the driver could not reach the process (hiber must run as root, in the process's PID namespace or above)",
+            2 => "not enough GPU memory",
+            _ => "",
+        };
+        Self::fail(format!("{what} of process {pid} failed: {e}"), (!hint.is_empty()).then_some(hint))
+    }
+
+    /// Runs `f` for every pid on its own thread; all are attempted, the first error wins.
+    fn parallel(&self, pids: &[i32], f: impl Fn(i32) -> Result<(), EngineError> + Sync) -> Result<(), EngineError> {
+        let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = pids.iter().map(|&pid| { let f = &f; s.spawn(move || f(pid)) }).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Self::fail("a driver call panicked".into(), None)))).collect()
+        });
+        results.into_iter().collect()
+    }
+
+    /// Brings one process from any state back to RUNNING.
+    fn resume_one(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), EngineError> {
+        let state = self.api.state(pid).map_err(|e| Self::driver_fail("state query", pid, &e))?;
+        match state {
+            ProcessState::Running => return Ok(()),
+            ProcessState::Checkpointed => {
+                self.api.restore(pid, pairs).map_err(|e| Self::driver_fail("restore", pid, &e))?;
+            }
+            ProcessState::Locked => {}
+            other => return Err(Self::fail(format!("process {pid} is in CUDA state {other:?} and cannot be resumed"), None)),
+        }
+        self.api.unlock(pid).map_err(|e| Self::driver_fail("unlock", pid, &e))
+    }
+
+    fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
+        serde_json::from_value(value.clone()).map_err(|e| Self::fail(format!("unreadable cuda section in the manifest: {e}"), None))
+    }
+
+    /// The GPU pairs for a restore: empty (same GPUs) without a map, else every recorded
+    /// GPU mapped (the driver requires all of them once any is given).
+    fn pairs_for(&self, section: &Section, opts: &DeviceRestoreOptions) -> Result<Vec<GpuPair>, EngineError> {
+        let here: Vec<Gpu> = self.api.gpus().into_iter().map(|(g, _)| g).collect();
+        let used: Vec<&str> = section.processes.iter().flat_map(|p| p.gpus.iter().map(String::as_str)).collect();
+        let map = resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| Self::fail(e.to_string(), e.hint()))?;
+        if map.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.api.driver_version() < REMAP_DRIVER {
+            return Err(Self::fail(
+                format!("restoring onto other GPUs needs CUDA 13.0 (driver 580) or newer; this driver is {}", self.api.driver_version()),
+                Some("restore without --gpu-map on the same GPUs, or upgrade the driver"),
+            ));
+        }
+        map.iter()
+            .map(|(old, new)| Ok(GpuPair { old_uuid: gpumap::uuid_bytes(old)?, new_uuid: gpumap::uuid_bytes(new)? }))
+            .collect::<Result<_, GpuMapError>>()
+            .map_err(|e| Self::fail(e.to_string(), None))
+    }
+}
+
+impl DeviceEngine for DriverEngine {
+    fn name(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn claim(&self, tree: &[ProcessInfo]) -> Result<Vec<i32>, EngineError> {
+        let mut pids = Vec::new();
+        // Only processes that hold the NVIDIA device files can have CUDA state; asking the
+        // driver about others costs time and answers nothing useful.
+        for p in tree.iter().filter(|p| p.uses_nvidia) {
+            match self.api.state(p.pid) {
+                Ok(ProcessState::Running) => pids.push(p.pid),
+                Ok(state) => {
+                    return Err(Self::fail(
+                        format!("process {} ({}) is in CUDA state {:?}, not running", p.pid, p.comm, state),
+                        Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
+                    ))
+                }
+                // The driver does not know it as a CUDA process (NVML-only users, say).
+                Err(e) => tracing::debug!(pid = p.pid, error = %e, "not a CUDA process"),
+            }
+        }
+        Ok(pids)
+    }
+
+    fn quiesce(&self, pids: &[i32]) -> Result<(), EngineError> {
+        let timeout = self.lock_timeout_ms;
+        self.parallel(pids, |pid| self.api.lock(pid, timeout).map_err(|e| Self::driver_fail("lock", pid, &e)))
+    }
+
+    fn capture(&self, pids: &[i32], tree: &[ProcessInfo], _dir: &Path) -> Result<serde_json::Value, EngineError> {
+        // Ask NVML before the checkpoint releases the memory.
+        let gpus = self.api.gpus();
+        let mut per_pid: BTreeMap<i32, (Vec<String>, u64)> = BTreeMap::new();
+        for (gpu, procs) in &gpus {
+            for &(pid, bytes) in procs {
+                let e = per_pid.entry(pid).or_default();
+                e.0.push(gpu.uuid.clone());
+                e.1 += bytes;
+            }
+        }
+        let start = std::time::Instant::now();
+        self.parallel(pids, |pid| self.api.checkpoint(pid).map_err(|e| Self::driver_fail("checkpoint", pid, &e)))?;
+        let checkpoint_seconds = start.elapsed().as_secs_f64();
+        let processes = pids
+            .iter()
+            .map(|&pid| {
+                let info = tree.iter().find(|p| p.pid == pid);
+                let (gpus, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
+                CudaProcess {
+                    ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid),
+                    pid,
+                    comm: info.map(|p| p.comm.clone()).unwrap_or_default(),
+                    gpus,
+                    memory_bytes,
+                    state_before: ProcessState::Running,
+                }
+            })
+            .collect();
+        let section = Section {
+            driver_version: self.api.driver_version(),
+            gpus: gpus.into_iter().map(|(g, _)| g).collect(),
+            processes,
+            lock_seconds: 0.0,
+            checkpoint_seconds,
+        };
+        Ok(serde_json::to_value(section).expect("section serializes"))
+    }
+
+    fn resume(&self, pids: &[i32]) -> Result<(), EngineError> {
+        self.parallel(pids, |pid| self.resume_one(pid, &[]))
+    }
+
+    fn check_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
+        let section = Self::section(value)?;
+        let here: Vec<Gpu> = self.api.gpus().into_iter().map(|(g, _)| g).collect();
+        let used: Vec<&str> = section.processes.iter().flat_map(|p| p.gpus.iter().map(String::as_str)).collect();
+        let map = resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| Self::fail(e.to_string(), e.hint()))?;
+        self.pairs_for(&section, opts)?;
+        // Memory each target GPU must take.
+        let mut need: BTreeMap<String, u64> = BTreeMap::new();
+        for p in &section.processes {
+            for old in &p.gpus {
+                let target = map.get(old).cloned().unwrap_or_else(|| old.clone());
+                *need.entry(target).or_default() += p.memory_bytes / p.gpus.len().max(1) as u64;
+            }
+        }
+        for (uuid, bytes) in need {
+            let gpu = here.iter().find(|g| g.uuid == uuid).expect("resolve_gpu_map checked presence");
+            if gpu.memory_free < bytes + RESTORE_MARGIN_BYTES {
+                return Err(Self::fail(
+                    format!(
+                        "GPU {} ({}) has {} MiB free; the image needs {} MiB there",
+                        gpu.index,
+                        gpu.uuid,
+                        gpu.memory_free >> 20,
+                        (bytes + RESTORE_MARGIN_BYTES) >> 20
+                    ),
+                    Some("free GPU memory (stop other jobs) or map the GPUs elsewhere with --gpu-map OLD=NEW"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&self, value: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
+        let section = Self::section(value)?;
+        let pairs = self.pairs_for(&section, opts)?;
+        let mut targets = Vec::new();
+        for p in &section.processes {
+            let now = pids.iter().find(|r| r.ns_pid == p.ns_pid).ok_or_else(|| {
+                Self::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None)
+            })?;
+            targets.push(now.pid);
+        }
+        self.parallel(&targets, |pid| self.resume_one(pid, &pairs))
+    }
+
+    fn describe(&self, value: &serde_json::Value) -> Vec<String> {
+        describe(value)
+    }
+}
+
+/// Lines for `hiber inspect`; works without a driver.
+pub fn describe(value: &serde_json::Value) -> Vec<String> {
+    let Ok(s) = serde_json::from_value::<Section>(value.clone()) else { return vec!["(unreadable cuda section)".into()] };
+    let mut out = vec![format!("driver CUDA {}.{}, device checkpoint {:.2}s", s.driver_version / 1000, (s.driver_version % 1000) / 10, s.checkpoint_seconds)];
+    for g in &s.gpus {
+        out.push(format!("gpu {}: {} {} ({} MiB)", g.index, g.name, g.uuid, g.memory_total >> 20));
+    }
+    for p in &s.processes {
+        out.push(format!("process {} ({}): {} MiB of device memory on {}", p.ns_pid, p.comm, p.memory_bytes >> 20, p.gpus.join(", ")));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,241 @@
+//! The engine's logic against a scripted driver: ordering, parallel lock, rollback.
+
+use std::sync::Mutex;
+
+use super::*;
+
+const H100: &str = "NVIDIA H100 80GB HBM3";
+const UUID_A: &str = "GPU-11111111-2222-3333-4444-555555555555";
+const UUID_B: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+
+fn gpu(index: u32, uuid: &str, name: &str, free_gib: u64) -> Gpu {
+    Gpu { index, uuid: uuid.into(), name: name.into(), memory_total: 80 << 30, memory_free: free_gib << 30 }
+}
+
+/// A driver that keeps per-process states and a log of calls, failing where told.
+struct FakeDriver {
+    states: Mutex<BTreeMap<i32, ProcessState>>,
+    log: Mutex<Vec<String>>,
+    fail_lock: Option<i32>,
+    fail_checkpoint: Option<i32>,
+    gpus: Vec<(Gpu, Vec<(i32, u64)>)>,
+    version: i32,
+}
+
+impl FakeDriver {
+    fn new(pids: &[i32]) -> FakeDriver {
+        FakeDriver {
+            states: Mutex::new(pids.iter().map(|&p| (p, ProcessState::Running)).collect()),
+            log: Mutex::new(Vec::new()),
+            fail_lock: None,
+            fail_checkpoint: None,
+            gpus: vec![(gpu(0, UUID_A, H100, 70), pids.iter().map(|&p| (p, 1 << 30)).collect())],
+            version: 13000,
+        }
+    }
+    fn state_of(&self, pid: i32) -> ProcessState {
+        self.states.lock().unwrap()[&pid]
+    }
+    fn step(&self, pid: i32, call: &str, from: ProcessState, to: ProcessState) -> Result<(), CuError> {
+        self.log.lock().unwrap().push(format!("{call} {pid}"));
+        let mut s = self.states.lock().unwrap();
+        let cur = s.get_mut(&pid).ok_or(CuError { code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() })?;
+        if *cur != from {
+            return Err(CuError { code: 401, name: "CUDA_ERROR_ILLEGAL_STATE".into() });
+        }
+        *cur = to;
+        Ok(())
+    }
+}
+
+impl CheckpointApi for FakeDriver {
+    fn driver_version(&self) -> i32 {
+        self.version
+    }
+    fn state(&self, pid: i32) -> Result<ProcessState, CuError> {
+        self.states.lock().unwrap().get(&pid).copied().ok_or(CuError { code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() })
+    }
+    fn lock(&self, pid: i32, _timeout_ms: u32) -> Result<(), CuError> {
+        if self.fail_lock == Some(pid) {
+            return Err(CuError { code: 600, name: "CUDA_ERROR_NOT_READY".into() });
+        }
+        self.step(pid, "lock", ProcessState::Running, ProcessState::Locked)
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), CuError> {
+        if self.fail_checkpoint == Some(pid) {
+            return Err(CuError { code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into() });
+        }
+        self.step(pid, "checkpoint", ProcessState::Locked, ProcessState::Checkpointed)
+    }
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuError> {
+        self.log.lock().unwrap().push(format!("pairs {}", pairs.len()));
+        self.step(pid, "restore", ProcessState::Checkpointed, ProcessState::Locked)
+    }
+    fn unlock(&self, pid: i32) -> Result<(), CuError> {
+        self.step(pid, "unlock", ProcessState::Locked, ProcessState::Running)
+    }
+    fn restore_thread(&self, pid: i32) -> Result<i32, CuError> {
+        Ok(pid + 1)
+    }
+    fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
+        self.gpus.clone()
+    }
+}
+
+fn proc_info(pid: i32, ns_pid: i32, nvidia: bool) -> ProcessInfo {
+    ProcessInfo {
+        pid,
+        ppid: 1,
+        ns_pid,
+        comm: format!("p{pid}"),
+        cmdline: vec![],
+        threads: 1,
+        tty_nr: 0,
+        start_time: 0,
+        uid: 0,
+        rss_bytes: 0,
+        anon_bytes: 0,
+        kernel_thread: false,
+        fds: vec![],
+        uses_nvidia: nvidia,
+    }
+}
+
+fn engine(d: &Arc<FakeDriver>) -> DriverEngine {
+    DriverEngine::with_api(d.clone() as Arc<dyn CheckpointApi>)
+}
+
+#[test]
+fn checkpoint_then_resume_round_trip() {
+    let d = Arc::new(FakeDriver::new(&[10, 11]));
+    let e = engine(&d);
+    let tree = vec![proc_info(10, 1, true), proc_info(11, 2, true), proc_info(12, 3, false)];
+    let pids = e.claim(&tree).unwrap();
+    assert_eq!(pids, vec![10, 11], "only processes holding NVIDIA files are claimed");
+    e.quiesce(&pids).unwrap();
+    let v = e.capture(&pids, &tree, Path::new("/nonexistent")).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Checkpointed);
+    let section: Section = serde_json::from_value(v.clone()).unwrap();
+    assert_eq!(section.processes.len(), 2);
+    assert_eq!(section.processes[1].ns_pid, 2);
+    assert_eq!(section.processes[0].gpus, vec![UUID_A.to_string()]);
+    assert_eq!(section.processes[0].memory_bytes, 1 << 30);
+    e.resume(&pids).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running);
+    assert_eq!(d.state_of(11), ProcessState::Running);
+    // Restore maps namespace PIDs onto the new host PIDs.
+    let d2 = Arc::new(FakeDriver::new(&[20, 21]));
+    d2.states.lock().unwrap().values_mut().for_each(|s| *s = ProcessState::Checkpointed);
+    let e2 = engine(&d2);
+    e2.check_restore(&v, &DeviceRestoreOptions::default()).unwrap();
+    e2.restore(&v, &[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }], &DeviceRestoreOptions::default()).unwrap();
+    assert_eq!(d2.state_of(20), ProcessState::Running);
+    assert_eq!(d2.state_of(21), ProcessState::Running);
+}
+
+#[test]
+fn failed_lock_is_rolled_back_by_resume() {
+    let mut d = FakeDriver::new(&[10, 11]);
+    d.fail_lock = Some(11);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let err = e.quiesce(&[10, 11]).unwrap_err();
+    assert!(err.to_string().contains("lock of process 11"), "{err}");
+    assert!(err.hint().unwrap().contains("keeps running"));
+    assert_eq!(d.state_of(10), ProcessState::Locked, "the other lock went through");
+    e.resume(&[10, 11]).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running);
+    assert_eq!(d.state_of(11), ProcessState::Running);
+}
+
+#[test]
+fn failed_checkpoint_is_rolled_back_by_resume() {
+    let mut d = FakeDriver::new(&[10, 11]);
+    d.fail_checkpoint = Some(10);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    e.quiesce(&[10, 11]).unwrap();
+    let err = e.capture(&[10, 11], &[], Path::new("/x")).unwrap_err();
+    assert!(err.hint().unwrap().contains("managed/UVM"), "{err}");
+    e.resume(&[10, 11]).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running);
+    assert_eq!(d.state_of(11), ProcessState::Running);
+    let log = d.log.lock().unwrap().join(";");
+    assert!(log.contains("restore 11") && log.contains("unlock 11") && log.contains("unlock 10"), "{log}");
+}
+
+#[test]
+fn process_not_running_is_refused() {
+    let d = Arc::new(FakeDriver::new(&[10]));
+    d.states.lock().unwrap().insert(10, ProcessState::Locked);
+    let err = engine(&d).claim(&[proc_info(10, 1, true)]).unwrap_err();
+    assert!(err.to_string().contains("Locked"), "{err}");
+}
+
+#[test]
+fn restore_checks_gpu_memory_before_committing() {
+    let d = Arc::new(FakeDriver::new(&[10]));
+    let e = engine(&d);
+    let tree = vec![proc_info(10, 1, true)];
+    e.quiesce(&[10]).unwrap();
+    let mut v = e.capture(&[10], &tree, Path::new("/x")).unwrap();
+    v["processes"][0]["memory_bytes"] = serde_json::json!(75u64 << 30);
+    let err = e.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("MiB free"), "{err}");
+}
+
+#[test]
+fn missing_gpu_names_it_and_suggests_a_map() {
+    let d = Arc::new(FakeDriver::new(&[10]));
+    let e = engine(&d);
+    e.quiesce(&[10]).unwrap();
+    let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
+    let mut other = FakeDriver::new(&[]);
+    other.gpus = vec![(gpu(0, UUID_B, H100, 70), vec![])];
+    let e2 = engine(&Arc::new(other));
+    let err = e2.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
+    assert!(err.to_string().contains(UUID_A), "{err}");
+    assert!(err.hint().unwrap().contains("--gpu-map"));
+    let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())] };
+    e2.check_restore(&v, &opts).unwrap();
+    assert_eq!(e2.pairs_for(&DriverEngine::section(&v).unwrap(), &opts).unwrap().len(), 1);
+}
+
+#[test]
+fn remapping_needs_cuda_13() {
+    let mut d = FakeDriver::new(&[10]);
+    d.version = 12080;
+    let d = Arc::new(d);
+    let e = engine(&d);
+    e.quiesce(&[10]).unwrap();
+    let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
+    let opts = DeviceRestoreOptions { gpu_map: vec![("0".into(), "0".into())] };
+    assert!(e.check_restore(&v, &opts).unwrap_err().to_string().contains("CUDA 13.0"));
+}
+
+#[test]
+fn gpu_map_parsing_and_resolution() {
+    assert_eq!(parse_gpu_map("0=1, GPU-x=GPU-y").unwrap(), vec![("0".into(), "1".into()), ("GPU-x".into(), "GPU-y".into())]);
+    assert!(parse_gpu_map("0").is_err());
+    assert!(parse_gpu_map("=1").is_err());
+    let recorded = vec![gpu(0, UUID_A, H100, 0), gpu(1, UUID_B, H100, 0)];
+    let here = vec![gpu(0, UUID_B, H100, 70), gpu(1, UUID_A, H100, 70), gpu(2, "GPU-99999999-9999-9999-9999-999999999999", "NVIDIA H200", 100)];
+    let m = resolve_gpu_map(&[("0".into(), "0".into())], &recorded, &here, &[UUID_A, UUID_B]).unwrap_err();
+    assert!(matches!(m, GpuMapError::Collision { .. }), "B is kept by identity and A lands on it: {m:?}");
+    let m = resolve_gpu_map(&[("0".into(), "0".into()), ("1".into(), "1".into())], &recorded, &here, &[UUID_A, UUID_B]).unwrap();
+    assert_eq!(m[UUID_A], UUID_B);
+    assert_eq!(m[UUID_B], UUID_A);
+    assert!(matches!(resolve_gpu_map(&[("0".into(), "2".into())], &recorded, &here, &[UUID_A]), Err(GpuMapError::ChipMismatch { .. })));
+    assert!(matches!(resolve_gpu_map(&[("7".into(), "0".into())], &recorded, &here, &[UUID_A]), Err(GpuMapError::UnknownOld(_))));
+    assert!(matches!(resolve_gpu_map(&[("0".into(), "9".into())], &recorded, &here, &[UUID_A]), Err(GpuMapError::UnknownNew(_))));
+    assert!(resolve_gpu_map(&[], &recorded, &here, &[UUID_A]).unwrap().is_empty());
+}
+
+#[test]
+fn uuid_parsing() {
+    let u = gpumap::uuid_bytes(UUID_A).unwrap();
+    assert_eq!(u.bytes[0], 0x11);
+    assert_eq!(u.bytes[15], 0x55);
+    assert!(gpumap::uuid_bytes("GPU-123").is_err());
+    assert!(gpumap::uuid_bytes("GPU-zz111111-2222-3333-4444-555555555555").is_err());
+}

@@ -1,0 +1,116 @@
+//! The manifest: what an image holds, in `manifest.json`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::proctree::ProcessInfo;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FormatVersion {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for FormatVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// Where the image came from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Source {
+    /// The hiber job, when the tree was started by `hiber run` or `hiber restore`.
+    pub job: Option<String>,
+    /// The root PID as hiber saw it at checkpoint time.
+    pub pid: i32,
+    pub leave_running: bool,
+    /// The tree's root lives in a PID namespace of its own (a hiber job).
+    pub pid_namespace: bool,
+    /// Paths of the root's stdout and stderr when they were regular files: a restore hands
+    /// the new copy its own log files in their place.
+    pub stdout: Option<String>,
+    pub stderr: Option<String>,
+    pub shell_job: bool,
+}
+
+/// What one device engine recorded, opaque to the pipeline.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DeviceSection {
+    pub engine: String,
+    pub state: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileEntry {
+    /// Relative to the image directory.
+    pub path: String,
+    pub size: u64,
+    pub blake3: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub magic: String,
+    pub format: super::FormatVersion,
+    /// RFC 3339, UTC.
+    pub created: String,
+    pub host: String,
+    pub kernel: String,
+    pub criu_version: String,
+    pub hiber_version: String,
+    pub source: Source,
+    pub processes: Vec<ProcessInfo>,
+    pub devices: Vec<DeviceSection>,
+    /// Seconds the tree was frozen by CRIU, as hiber measured it.
+    pub frozen_seconds: f64,
+    pub files: Vec<FileEntry>,
+}
+
+impl Manifest {
+    /// Parses a manifest, checking only that it is well-formed JSON of the right shape;
+    /// the caller checks magic and version (which a future major may move).
+    pub fn parse(bytes: &[u8]) -> Result<Manifest, String> {
+        // Read magic and format first, so that a manifest of another major version is
+        // reported as such rather than as a shape mismatch.
+        #[derive(Deserialize)]
+        struct Head {
+            magic: String,
+            format: FormatVersion,
+        }
+        let head: Head = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if head.magic != super::MAGIC || head.format.major != super::FORMAT.major {
+            return Ok(Manifest::foreign(head.magic, head.format));
+        }
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    }
+
+    /// A placeholder for a manifest whose body this version cannot read.
+    fn foreign(magic: String, format: FormatVersion) -> Manifest {
+        Manifest {
+            magic,
+            format,
+            created: String::new(),
+            host: String::new(),
+            kernel: String::new(),
+            criu_version: String::new(),
+            hiber_version: String::new(),
+            source: Source {
+                job: None,
+                pid: 0,
+                leave_running: false,
+                pid_namespace: false,
+                stdout: None,
+                stderr: None,
+                shell_job: false,
+            },
+            processes: Vec::new(),
+            devices: Vec::new(),
+            frozen_seconds: 0.0,
+            files: Vec::new(),
+        }
+    }
+
+    pub fn device(&self, engine: &str) -> Option<&DeviceSection> {
+        self.devices.iter().find(|d| d.engine == engine)
+    }
+}

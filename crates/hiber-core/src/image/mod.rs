@@ -1,0 +1,187 @@
+//! The image format, version 1.
+//!
+//! An image is a directory:
+//! ```text
+//! IMAGE/
+//!   manifest.json   magic "HIBER-IMAGE", format {major, minor}, creation time, host,
+//!                   kernel, CRIU and hiber versions, the process tree, one section per
+//!                   device engine, and every other file with its size and blake3 hash
+//!   criu/           CRIU's image files
+//!   <engine>/       files a device engine wrote (none yet for the driver engine)
+//! ```
+//! The format version is independent of hiber's version. A reader rejects a different
+//! major or a newer minor version. Every file is listed in the manifest: a missing, extra,
+//! truncated or altered file makes the image invalid, with an error that names it.
+//!
+//! An image is written under a hidden temporary name in the destination's parent and
+//! renamed into place only when complete and fsync'd, so a crash never leaves a partial
+//! image that looks complete. Directories are 0700 and files 0600: an image holds process
+//! memory, secrets included.
+
+mod manifest;
+mod writer;
+
+pub use manifest::{DeviceSection, FileEntry, FormatVersion, Manifest, Source};
+pub use writer::{is_temp_name, ImageWriter};
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub const MAGIC: &str = "HIBER-IMAGE";
+pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 0 };
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// CRIU's files live in this subdirectory of an image.
+pub const CRIU_DIR: &str = "criu";
+/// A manifest larger than this is not a manifest; bounds what a reader decodes.
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{0}: no such image")]
+    NotFound(PathBuf),
+    #[error("{0}: not a hiber image (no {MANIFEST_FILE})")]
+    NotAnImage(PathBuf),
+    #[error("{path}: manifest is corrupt: {reason}")]
+    CorruptManifest { path: PathBuf, reason: String },
+    #[error("{path}: image format {found} is not supported (this hiber reads {}.0 to {})", FORMAT.major, FORMAT)]
+    UnsupportedFormat { path: PathBuf, found: FormatVersion },
+    #[error("{0}: file listed in the manifest is missing")]
+    MissingFile(PathBuf),
+    #[error("{0}: file is not listed in the manifest")]
+    UnexpectedFile(PathBuf),
+    #[error("{path}: truncated or resized: {found} bytes, manifest says {expected}")]
+    SizeMismatch { path: PathBuf, expected: u64, found: u64 },
+    #[error("{0}: checksum mismatch (the file was altered or damaged)")]
+    ChecksumMismatch(PathBuf),
+    #[error("{path}: {step}: {source}")]
+    Io { path: PathBuf, step: &'static str, source: io::Error },
+    #[error("{0}: already exists; choose another --out or remove it")]
+    OutputExists(PathBuf),
+}
+
+impl ImageError {
+    fn io<'a>(path: &'a Path, step: &'static str) -> impl FnOnce(io::Error) -> ImageError + 'a {
+        move |source| ImageError::Io { path: path.to_path_buf(), step, source }
+    }
+
+    /// Whether the image itself is damaged or foreign (as opposed to an I/O failure).
+    pub fn is_invalid_image(&self) -> bool {
+        !matches!(self, ImageError::Io { .. } | ImageError::OutputExists(_) | ImageError::NotFound(_))
+    }
+}
+
+/// An image whose manifest has been read and checked (but whose files have not yet been
+/// verified: see [`Image::verify`]).
+#[derive(Debug)]
+pub struct Image {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+}
+
+impl Image {
+    pub fn open(dir: &Path) -> Result<Image, ImageError> {
+        let meta = fs::metadata(dir).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ImageError::NotFound(dir.to_path_buf()),
+            _ => ImageError::Io { path: dir.to_path_buf(), step: "stat", source: e },
+        })?;
+        if !meta.is_dir() {
+            return Err(ImageError::NotAnImage(dir.to_path_buf()));
+        }
+        let mpath = dir.join(MANIFEST_FILE);
+        let mmeta = fs::metadata(&mpath).map_err(|_| ImageError::NotAnImage(dir.to_path_buf()))?;
+        if mmeta.len() > MAX_MANIFEST_BYTES {
+            return Err(ImageError::CorruptManifest { path: mpath, reason: format!("{} bytes is too large", mmeta.len()) });
+        }
+        let text = fs::read(&mpath).map_err(ImageError::io(&mpath, "read"))?;
+        let manifest = Manifest::parse(&text).map_err(|reason| ImageError::CorruptManifest { path: mpath.clone(), reason })?;
+        if manifest.magic != MAGIC {
+            return Err(ImageError::NotAnImage(dir.to_path_buf()));
+        }
+        if manifest.format.major != FORMAT.major || manifest.format.minor > FORMAT.minor {
+            return Err(ImageError::UnsupportedFormat { path: dir.to_path_buf(), found: manifest.format });
+        }
+        Ok(Image { dir: dir.to_path_buf(), manifest })
+    }
+
+    /// Checks that the directory holds exactly the files the manifest lists, with their
+    /// sizes and checksums. Returns the total bytes verified.
+    pub fn verify(&self) -> Result<u64, ImageError> {
+        let listed: BTreeMap<&str, &FileEntry> = self.manifest.files.iter().map(|f| (f.path.as_str(), f)).collect();
+        let present = list_files(&self.dir)?;
+        for rel in &present {
+            if rel != MANIFEST_FILE && !listed.contains_key(rel.as_str()) {
+                return Err(ImageError::UnexpectedFile(self.dir.join(rel)));
+            }
+        }
+        let mut total = 0;
+        for (rel, entry) in &listed {
+            let path = self.dir.join(rel);
+            if !present.iter().any(|p| p == rel) {
+                return Err(ImageError::MissingFile(path));
+            }
+            let len = fs::metadata(&path).map_err(ImageError::io(&path, "stat"))?.len();
+            if len != entry.size {
+                return Err(ImageError::SizeMismatch { path, expected: entry.size, found: len });
+            }
+            if hash_file(&path)? != entry.blake3 {
+                return Err(ImageError::ChecksumMismatch(path));
+            }
+            total += len;
+        }
+        Ok(total)
+    }
+
+    pub fn criu_dir(&self) -> PathBuf {
+        self.dir.join(CRIU_DIR)
+    }
+
+    /// Bytes of process memory CRIU stored (its `pages-*.img` files).
+    pub fn memory_bytes(&self) -> u64 {
+        self.manifest.files.iter().filter(|f| is_pages_file(&f.path)).map(|f| f.size).sum()
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.manifest.files.iter().map(|f| f.size).sum()
+    }
+}
+
+fn is_pages_file(rel: &str) -> bool {
+    Path::new(rel).file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("pages-") && n.ends_with(".img"))
+}
+
+/// blake3 of a file, hashed with all cores over a memory map.
+pub fn hash_file(path: &Path) -> Result<String, ImageError> {
+    let mut h = blake3::Hasher::new();
+    h.update_mmap_rayon(path).map_err(ImageError::io(path, "hash"))?;
+    Ok(h.finalize().to_hex().to_string())
+}
+
+/// Relative paths of every file under `dir`, sorted; errors on anything that is neither a
+/// file nor a directory (an image holds no links or devices).
+pub fn list_files(dir: &Path) -> Result<Vec<String>, ImageError> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), ImageError> {
+        for entry in fs::read_dir(dir).map_err(ImageError::io(dir, "read dir"))? {
+            let entry = entry.map_err(ImageError::io(dir, "read dir"))?;
+            let path = entry.path();
+            let ft = entry.file_type().map_err(ImageError::io(&path, "stat"))?;
+            if ft.is_dir() {
+                walk(root, &path, out)?;
+            } else if ft.is_file() {
+                let rel = path.strip_prefix(root).expect("walk stays under root");
+                out.push(rel.to_string_lossy().into_owned());
+            } else {
+                return Err(ImageError::UnexpectedFile(path));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,134 @@
+//! Format tests: every way an image can be wrong is reported, naming the file.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use super::*;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("hiber-image-test-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&p);
+        fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn sample_manifest() -> Manifest {
+    let m = Manifest::parse(br#"{"magic":"x","format":{"major":99,"minor":0}}"#).unwrap();
+    Manifest { magic: MAGIC.into(), format: FORMAT, created: "2026-11-22T00:00:00Z".into(), host: "h".into(), ..m }
+}
+
+fn write_image(root: &Path) -> PathBuf {
+    let dest = root.join("img");
+    let mut w = ImageWriter::create(&dest).unwrap();
+    fs::write(w.criu_dir().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    w.commit(sample_manifest()).unwrap();
+    dest
+}
+
+#[test]
+fn round_trip_verifies_and_is_private() {
+    let t = TempDir::new("rt");
+    let dest = write_image(&t.0);
+    let img = Image::open(&dest).unwrap();
+    assert_eq!(img.manifest.files.len(), 2);
+    assert_eq!(img.verify().unwrap(), 100_004);
+    assert_eq!(img.memory_bytes(), 100_000);
+    assert_eq!(fs::metadata(&dest).unwrap().permissions().mode() & 0o777, 0o700);
+    for f in ["manifest.json", "criu/pages-1.img"] {
+        assert_eq!(fs::metadata(dest.join(f)).unwrap().permissions().mode() & 0o777, 0o600, "{f}");
+    }
+    // No temporary directory is left beside it.
+    let names: Vec<_> = fs::read_dir(&t.0).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("img")]);
+}
+
+#[test]
+fn dropped_writer_leaves_nothing() {
+    let t = TempDir::new("drop");
+    {
+        let w = ImageWriter::create(&t.0.join("img")).unwrap();
+        fs::write(w.criu_dir().join("pages-1.img"), b"x").unwrap();
+    }
+    assert_eq!(fs::read_dir(&t.0).unwrap().count(), 0);
+}
+
+#[test]
+fn existing_output_is_refused() {
+    let t = TempDir::new("exists");
+    fs::create_dir(t.0.join("img")).unwrap();
+    assert!(matches!(ImageWriter::create(&t.0.join("img")), Err(ImageError::OutputExists(_))));
+}
+
+#[test]
+fn truncated_file_is_named() {
+    let t = TempDir::new("trunc");
+    let dest = write_image(&t.0);
+    let f = dest.join("criu/pages-1.img");
+    fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(10).unwrap();
+    match Image::open(&dest).unwrap().verify() {
+        Err(ImageError::SizeMismatch { path, expected: 100_000, found: 10 }) => assert_eq!(path, f),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn altered_file_is_named() {
+    let t = TempDir::new("alter");
+    let dest = write_image(&t.0);
+    let f = dest.join("criu/core-1.img");
+    fs::write(&f, b"CORE").unwrap();
+    assert!(matches!(Image::open(&dest).unwrap().verify(), Err(ImageError::ChecksumMismatch(p)) if p == f));
+}
+
+#[test]
+fn missing_and_extra_files_are_named() {
+    let t = TempDir::new("missing");
+    let dest = write_image(&t.0);
+    fs::remove_file(dest.join("criu/core-1.img")).unwrap();
+    assert!(matches!(Image::open(&dest).unwrap().verify(), Err(ImageError::MissingFile(p)) if p.ends_with("criu/core-1.img")));
+    let dest2 = {
+        let t2 = t.0.join("second");
+        fs::create_dir(&t2).unwrap();
+        write_image(&t2)
+    };
+    fs::write(dest2.join("criu/extra.img"), b"?").unwrap();
+    assert!(matches!(Image::open(&dest2).unwrap().verify(), Err(ImageError::UnexpectedFile(p)) if p.ends_with("criu/extra.img")));
+}
+
+#[test]
+fn other_versions_and_foreign_directories_are_rejected() {
+    let t = TempDir::new("version");
+    let dest = write_image(&t.0);
+    let mpath = dest.join(MANIFEST_FILE);
+    let text = fs::read_to_string(&mpath).unwrap();
+    for (major, minor) in [(2, 0), (1, 1), (0, 9)] {
+        let bumped = text.replacen("\"major\": 1", &format!("\"major\": {major}"), 1).replacen("\"minor\": 0", &format!("\"minor\": {minor}"), 1);
+        fs::write(&mpath, bumped).unwrap();
+        match Image::open(&dest) {
+            Err(ImageError::UnsupportedFormat { found, .. }) => assert_eq!(found, FormatVersion { major, minor }),
+            other => panic!("{major}.{minor}: {other:?}"),
+        }
+    }
+    fs::write(&mpath, b"{ not json").unwrap();
+    assert!(matches!(Image::open(&dest), Err(ImageError::CorruptManifest { .. })));
+    fs::write(&mpath, br#"{"magic":"ELF","format":{"major":1,"minor":0}}"#).unwrap();
+    assert!(matches!(Image::open(&dest), Err(ImageError::NotAnImage(_))));
+    fs::remove_file(&mpath).unwrap();
+    assert!(matches!(Image::open(&dest), Err(ImageError::NotAnImage(_))));
+    assert!(matches!(Image::open(&t.0.join("nope")), Err(ImageError::NotFound(_))));
+    let file = t.0.join("plain-file");
+    fs::write(&file, b"hello").unwrap();
+    assert!(matches!(Image::open(&file), Err(ImageError::NotAnImage(_))));
+}

@@ -1,0 +1,130 @@
+//! Writing an image: into a hidden temporary directory, renamed into place when complete.
+
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::{hash_file, list_files, FileEntry, ImageError, Manifest, CRIU_DIR, MANIFEST_FILE};
+
+/// An image being written. Dropping it without [`ImageWriter::commit`] removes the
+/// temporary directory, so a failed checkpoint leaves nothing behind.
+#[derive(Debug)]
+pub struct ImageWriter {
+    tmp: PathBuf,
+    dest: PathBuf,
+    committed: bool,
+}
+
+impl ImageWriter {
+    /// Prepares to write `dest`, which must not exist. Its parent is created (0700) when
+    /// missing.
+    pub fn create(dest: &Path) -> Result<ImageWriter, ImageError> {
+        if dest.symlink_metadata().is_ok() {
+            return Err(ImageError::OutputExists(dest.to_path_buf()));
+        }
+        let name = dest
+            .file_name()
+            .ok_or_else(|| ImageError::Io {
+                path: dest.to_path_buf(),
+                step: "name",
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "has no file name"),
+            })?
+            .to_string_lossy()
+            .into_owned();
+        let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(ImageError::io(parent, "create directory"))?;
+        let tmp = parent.join(temp_name(&name));
+        let mut b = DirBuilder::new();
+        b.mode(0o700);
+        b.create(&tmp).map_err(ImageError::io(&tmp, "create directory"))?;
+        b.create(tmp.join(CRIU_DIR)).map_err(ImageError::io(&tmp, "create directory"))?;
+        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false })
+    }
+
+    /// Reopens a temporary directory recorded in a journal, so that it can be removed.
+    pub fn adopt(tmp: PathBuf, dest: PathBuf) -> ImageWriter {
+        ImageWriter { tmp, dest, committed: false }
+    }
+
+    pub fn tmp_dir(&self) -> &Path {
+        &self.tmp
+    }
+
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    pub fn criu_dir(&self) -> PathBuf {
+        self.tmp.join(CRIU_DIR)
+    }
+
+    /// Lists and hashes every file, writes the manifest, makes it all durable and renames
+    /// the directory into place. On error nothing is renamed and the caller decides (the
+    /// drop removes the temporary directory).
+    pub fn commit(&mut self, mut manifest: Manifest) -> Result<(), ImageError> {
+        let mut entries = Vec::new();
+        for rel in list_files(&self.tmp)? {
+            if rel == MANIFEST_FILE {
+                return Err(ImageError::UnexpectedFile(self.tmp.join(rel)));
+            }
+            let path = self.tmp.join(&rel);
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(ImageError::io(&path, "chmod"))?;
+            let f = File::open(&path).map_err(ImageError::io(&path, "open"))?;
+            f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+            let size = f.metadata().map_err(ImageError::io(&path, "stat"))?.len();
+            entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size });
+        }
+        manifest.files = entries;
+        let mpath = self.tmp.join(MANIFEST_FILE);
+        let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&mpath).map_err(ImageError::io(&mpath, "create"))?;
+        f.write_all(&json).map_err(ImageError::io(&mpath, "write"))?;
+        f.sync_all().map_err(ImageError::io(&mpath, "fsync"))?;
+        sync_dirs(&self.tmp)?;
+        if self.dest.symlink_metadata().is_ok() {
+            return Err(ImageError::OutputExists(self.dest.clone()));
+        }
+        fs::rename(&self.tmp, &self.dest).map_err(ImageError::io(&self.dest, "rename into place"))?;
+        self.committed = true;
+        let parent = self.dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        sync_dir(parent)?;
+        Ok(())
+    }
+}
+
+impl Drop for ImageWriter {
+    fn drop(&mut self) {
+        if !self.committed {
+            if let Err(e) = fs::remove_dir_all(&self.tmp) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %self.tmp.display(), error = %e, "could not remove partial image");
+                }
+            }
+        }
+    }
+}
+
+/// Hidden and marked, so that neither `hiber ls` nor a reader mistakes it for an image.
+fn temp_name(final_name: &str) -> String {
+    format!(".{final_name}.partial-{}", std::process::id())
+}
+
+/// Whether a directory name is that of an unfinished image.
+pub fn is_temp_name(name: &str) -> bool {
+    name.starts_with('.') && name.contains(".partial-")
+}
+
+fn sync_dir(dir: &Path) -> Result<(), ImageError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(ImageError::io(dir, "fsync directory"))
+}
+
+fn sync_dirs(root: &Path) -> Result<(), ImageError> {
+    for entry in fs::read_dir(root).map_err(ImageError::io(root, "read dir"))? {
+        let entry = entry.map_err(ImageError::io(root, "read dir"))?;
+        if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            sync_dirs(&entry.path())?;
+        }
+    }
+    sync_dir(root)
+}

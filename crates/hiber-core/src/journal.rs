@@ -1,0 +1,194 @@
+//! The checkpoint journal: what a checkpoint has changed in the application so far.
+//!
+//! hiber writes `$STATE/journal/<id>.json` before it changes anything and updates it
+//! before each step. If hiber dies mid-checkpoint (even by SIGKILL), the next invocation
+//! finds the entry of a hiber that no longer runs and undoes what it records: it waits for
+//! CRIU to let go of the tree (CRIU runs in its own process group and, when its client is
+//! gone, fails the dump and resumes the tree), brings every claimed device back to running,
+//! and removes the unfinished image.
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::DeviceEngine;
+use crate::image::Image;
+use crate::proctree;
+use crate::state::StateDir;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Started,
+    DevicesQuiesced,
+    Dumping,
+    /// The image is complete and in place.
+    Committed,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Claim {
+    pub engine: String,
+    pub pids: Vec<i32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Entry {
+    pub hiber_pid: i32,
+    pub hiber_start_time: u64,
+    pub root_pid: i32,
+    pub tmp_dir: PathBuf,
+    pub dest: PathBuf,
+    pub leave_running: bool,
+    pub claims: Vec<Claim>,
+    pub phase: Phase,
+}
+
+/// An open journal entry; [`Journal::finish`] removes it.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    entry: Entry,
+}
+
+impl Journal {
+    pub fn begin(state: &StateDir, entry: Entry) -> io::Result<Journal> {
+        let dir = state.journal();
+        state.ensure(&dir)?;
+        let path = dir.join(format!("checkpoint-{}-{}.json", entry.root_pid, entry.hiber_pid));
+        let j = Journal { path, entry };
+        j.write()?;
+        Ok(j)
+    }
+
+    pub fn update(&mut self, f: impl FnOnce(&mut Entry)) -> io::Result<()> {
+        f(&mut self.entry);
+        self.write()
+    }
+
+    pub fn entry(&self) -> &Entry {
+        &self.entry
+    }
+
+    fn write(&self) -> io::Result<()> {
+        let tmp = self.path.with_extension("tmp");
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        f.write_all(&serde_json::to_vec(&self.entry).expect("entry serializes"))?;
+        f.sync_all()?;
+        fs::rename(&tmp, &self.path)
+    }
+
+    pub fn finish(self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// What recovery found and did for one interrupted checkpoint.
+#[derive(Debug)]
+pub struct Recovered {
+    pub root_pid: i32,
+    pub root_running: bool,
+    /// The image was complete: the checkpoint had in fact succeeded.
+    pub image_complete: Option<PathBuf>,
+    pub problems: Vec<String>,
+}
+
+/// Entries left by a hiber that no longer runs.
+pub fn stale_entries(state: &StateDir) -> Vec<(PathBuf, Entry)> {
+    let Ok(dir) = fs::read_dir(state.journal()) else { return Vec::new() };
+    dir.filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|p| {
+            let entry: Entry = serde_json::from_slice(&fs::read(&p).ok()?).ok()?;
+            (!proctree::is_same_process(entry.hiber_pid, entry.hiber_start_time)).then_some((p, entry))
+        })
+        .collect()
+}
+
+/// Undoes every interrupted checkpoint. `engines` are this machine's device engines.
+pub fn recover(state: &StateDir, engines: &[Box<dyn DeviceEngine>]) -> Vec<Recovered> {
+    stale_entries(state).into_iter().map(|(path, entry)| recover_one(&path, &entry, engines)).collect()
+}
+
+fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) -> Recovered {
+    let mut problems = Vec::new();
+    // CRIU may still be finishing (it outlives hiber on purpose): wait until it has let go
+    // of the tree, so that device state is not touched under it.
+    wait_untraced(entry.root_pid, Duration::from_secs(120));
+    for claim in &entry.claims {
+        match engines.iter().find(|e| e.name() == claim.engine) {
+            Some(engine) => {
+                let alive: Vec<i32> = claim.pids.iter().copied().filter(|&p| proctree::exists(p)).collect();
+                if let Err(e) = engine.resume(&alive) {
+                    problems.push(e.to_string());
+                }
+            }
+            None => problems.push(format!("engine {} is not available here to resume pids {:?}", claim.engine, claim.pids)),
+        }
+    }
+    let _ = fs::remove_dir_all(&entry.tmp_dir);
+    let image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());
+    let _ = fs::remove_file(path);
+    Recovered { root_pid: entry.root_pid, root_running: proctree::exists(entry.root_pid), image_complete, problems }
+}
+
+fn tracer_of(pid: i32) -> Option<i32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("TracerPid:")).and_then(|v| v.trim().parse().ok())
+}
+
+/// Waits until no process of the tree rooted at `pid` is being traced.
+fn wait_untraced(pid: i32, limit: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let traced = proctree::discover_tree(pid)
+            .map(|tree| tree.iter().any(|p| tracer_of(p.pid).unwrap_or(0) != 0))
+            .unwrap_or(false);
+        if !traced {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_entries_are_those_of_dead_hibers() {
+        let root = std::env::temp_dir().join(format!("hiber-journal-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let state = StateDir::at(&root);
+        let me = proctree::stat(std::process::id() as i32).unwrap();
+        let tmp = root.join(".img.partial-1");
+        fs::create_dir_all(&tmp).unwrap();
+        let live = Entry {
+            hiber_pid: std::process::id() as i32,
+            hiber_start_time: me.start_time,
+            root_pid: 999_999,
+            tmp_dir: tmp.clone(),
+            dest: root.join("img"),
+            leave_running: false,
+            claims: vec![],
+            phase: Phase::Dumping,
+        };
+        let j = Journal::begin(&state, live.clone()).unwrap();
+        assert!(stale_entries(&state).is_empty(), "a running hiber's entry is not stale");
+        j.finish();
+        let dead = Entry { hiber_start_time: me.start_time + 1, ..live };
+        let _j = Journal::begin(&state, dead).unwrap();
+        assert_eq!(stale_entries(&state).len(), 1);
+        let rec = recover(&state, &[]);
+        assert_eq!(rec.len(), 1);
+        assert!(rec[0].image_complete.is_none());
+        assert!(!tmp.exists(), "the partial image is removed");
+        assert!(stale_entries(&state).is_empty());
+        fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,41 @@
+//! hiber's core: the checkpoint and restore pipelines and the pieces they are made of.
+//!
+//! - [`proctree`]: which processes make up a tree, and what they hold;
+//! - [`engine`]: device engines (GPU state), behind one trait;
+//! - [`criu`]: CRIU over its RPC interface;
+//! - [`image`]: the on-disk image format;
+//! - [`jobs`] and [`launch`]: the job registry and how a job's tree is started;
+//! - [`journal`]: undoing an interrupted checkpoint;
+//! - [`checkpoint`] and [`restore`]: the pipelines.
+
+pub mod checkpoint;
+pub mod criu;
+pub mod doctor;
+pub mod engine;
+pub mod image;
+pub mod jobs;
+pub mod journal;
+pub mod launch;
+pub mod proctree;
+pub mod restore;
+pub mod state;
+pub mod sys;
+
+use std::path::PathBuf;
+
+/// What every pipeline needs: where state lives, CRIU, and this machine's device engines.
+pub struct Context {
+    pub state: state::StateDir,
+    pub criu: criu::Criu,
+    pub engines: Vec<Box<dyn engine::DeviceEngine>>,
+}
+
+impl Context {
+    /// A fresh directory under `$STATE/logs` for one CRIU run's log.
+    pub fn criu_work_dir(&self, op: &str) -> std::io::Result<PathBuf> {
+        let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+        let dir = self.state.logs().join(format!("{op}-{ms}-{}", std::process::id()));
+        self.state.ensure(&dir)?;
+        Ok(dir)
+    }
+}

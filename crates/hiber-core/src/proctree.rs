@@ -1,0 +1,265 @@
+//! Discovers a process tree and what each process holds, from /proc.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TreeError {
+    #[error("no process with PID {0}")]
+    NoSuchProcess(i32),
+    #[error("reading /proc/{pid}/{file}: {source}")]
+    Proc { pid: i32, file: &'static str, source: io::Error },
+}
+
+/// What one process of a tree looks like at discovery time.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ProcessInfo {
+    /// PID as seen from hiber's namespace.
+    pub pid: i32,
+    pub ppid: i32,
+    /// PID inside the process's own (innermost) PID namespace; what CRIU restores.
+    pub ns_pid: i32,
+    pub comm: String,
+    pub cmdline: Vec<String>,
+    pub threads: u32,
+    /// Controlling terminal (`tty_nr` of /proc/PID/stat), 0 when none.
+    pub tty_nr: i32,
+    pub start_time: u64,
+    pub uid: u32,
+    pub rss_bytes: u64,
+    pub anon_bytes: u64,
+    pub kernel_thread: bool,
+    pub fds: Vec<OpenFd>,
+    /// Holds an NVIDIA device file open or mapped: a candidate for the CUDA engine.
+    pub uses_nvidia: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OpenFd {
+    pub fd: i32,
+    /// The `/proc/PID/fd` link: a path, or `pipe:[ino]`, `socket:[ino]`, ...
+    pub target: String,
+    /// Size of a regular file when it was checkpointed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+}
+
+impl OpenFd {
+    /// A path on a filesystem (not a pipe, socket or anonymous inode).
+    pub fn is_path(&self) -> bool {
+        self.target.starts_with('/')
+    }
+
+    pub fn is_regular_file(&self) -> bool {
+        self.size.is_some()
+    }
+}
+
+fn read(pid: i32, file: &'static str) -> Result<String, TreeError> {
+    fs::read_to_string(format!("/proc/{pid}/{file}")).map_err(|source| {
+        if source.kind() == io::ErrorKind::NotFound {
+            TreeError::NoSuchProcess(pid)
+        } else {
+            TreeError::Proc { pid, file, source }
+        }
+    })
+}
+
+/// Fields of /proc/PID/stat that hiber uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stat {
+    pub comm: String,
+    pub state: char,
+    pub ppid: i32,
+    pub tty_nr: i32,
+    pub flags: u64,
+    pub threads: u32,
+    pub start_time: u64,
+}
+
+/// Parses /proc/PID/stat. The command name may hold spaces and parentheses, so the
+/// fields are found after the *last* ')'.
+pub fn parse_stat(text: &str) -> Option<Stat> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = text.get(open + 1..close)?.to_string();
+    let rest: Vec<&str> = text.get(close + 1..)?.split_whitespace().collect();
+    Some(Stat {
+        comm,
+        state: rest.first()?.chars().next()?,
+        ppid: rest.get(1)?.parse().ok()?,
+        tty_nr: rest.get(4)?.parse().ok()?,
+        flags: rest.get(6)?.parse().ok()?,
+        threads: rest.get(17)?.parse().ok()?,
+        start_time: rest.get(19)?.parse().ok()?,
+    })
+}
+
+pub fn stat(pid: i32) -> Result<Stat, TreeError> {
+    let text = read(pid, "stat")?;
+    parse_stat(&text).ok_or_else(|| TreeError::Proc {
+        pid,
+        file: "stat",
+        source: io::Error::new(io::ErrorKind::InvalidData, "unparsable"),
+    })
+}
+
+/// Whether `pid` is still the process that started at `start_time` (PIDs are reused).
+pub fn is_same_process(pid: i32, start_time: u64) -> bool {
+    matches!(stat(pid), Ok(s) if s.start_time == start_time && s.state != 'Z')
+}
+
+fn status_field<'a>(status: &'a str, key: &str) -> Option<&'a str> {
+    status.lines().find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(':')).map(str::trim))
+}
+
+fn kib(field: Option<&str>) -> u64 {
+    field.and_then(|v| v.split_whitespace().next()).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0) * 1024
+}
+
+pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
+    let st = stat(pid)?;
+    let status = read(pid, "status")?;
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| raw.split(|&b| b == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect())
+        .unwrap_or_default();
+    let ns_pid = status_field(&status, "NSpid")
+        .and_then(|v| v.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(pid);
+    let uid = status_field(&status, "Uid").and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let fds = open_fds(pid);
+    let uses_nvidia = fds.iter().any(|f| f.target.starts_with("/dev/nvidia")) || maps_nvidia(pid);
+    Ok(ProcessInfo {
+        pid,
+        ppid: st.ppid,
+        ns_pid,
+        comm: st.comm,
+        cmdline,
+        threads: st.threads,
+        tty_nr: st.tty_nr,
+        start_time: st.start_time,
+        uid,
+        rss_bytes: kib(status_field(&status, "VmRSS")),
+        anon_bytes: kib(status_field(&status, "RssAnon")),
+        kernel_thread: st.flags & PF_KTHREAD != 0,
+        fds,
+        uses_nvidia,
+    })
+}
+
+fn open_fds(pid: i32) -> Vec<OpenFd> {
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    let mut fds: Vec<OpenFd> = dir
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let fd: i32 = e.file_name().to_str()?.parse().ok()?;
+            let target = fs::read_link(e.path()).ok()?.to_string_lossy().into_owned();
+            let size = fs::metadata(e.path()).ok().filter(|m| m.is_file()).map(|m| m.len());
+            Some(OpenFd { fd, target, size })
+        })
+        .collect();
+    fds.sort_by_key(|f| f.fd);
+    fds
+}
+
+fn maps_nvidia(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/maps")).map(|m| m.contains("/dev/nvidia")).unwrap_or(false)
+}
+
+/// PID -> parent PID of every process on the system.
+fn parents() -> BTreeMap<i32, i32> {
+    let Ok(dir) = fs::read_dir("/proc") else { return BTreeMap::new() };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| Some((pid, stat(pid).ok()?.ppid)))
+        .collect()
+}
+
+/// The tree rooted at `root`, root first, then breadth-first.
+pub fn discover_tree(root: i32) -> Result<Vec<ProcessInfo>, TreeError> {
+    let root_info = read_process(root)?;
+    let parents = parents();
+    let mut out = vec![root_info];
+    let mut queue = VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        for (&child, _) in parents.iter().filter(|(_, &pp)| pp == p) {
+            // A child that exited since the scan is no longer part of the tree.
+            match read_process(child) {
+                Ok(info) => {
+                    out.push(info);
+                    queue.push_back(child);
+                }
+                Err(TreeError::NoSuchProcess(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// PIDs of `pid` and all its ancestors, for refusing to checkpoint hiber's own lineage.
+pub fn ancestors_of(pid: i32) -> Vec<i32> {
+    let mut out = vec![pid];
+    let mut cur = pid;
+    while let Ok(st) = stat(cur) {
+        if st.ppid <= 0 || out.contains(&st.ppid) {
+            break;
+        }
+        out.push(st.ppid);
+        cur = st.ppid;
+    }
+    out
+}
+
+pub fn exists(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_spaces_and_parens_in_comm() {
+        let line = "4242 (my (odd) prog) S 1 4242 4242 34816 4242 4194560 100 0 0 0 5 3 0 0 20 0 3 0 987654 1000 100 18446744073709551615";
+        let st = parse_stat(line).unwrap();
+        assert_eq!(st.comm, "my (odd) prog");
+        assert_eq!(st.state, 'S');
+        assert_eq!(st.ppid, 1);
+        assert_eq!(st.tty_nr, 34816);
+        assert_eq!(st.threads, 3);
+        assert_eq!(st.start_time, 987654);
+    }
+
+    #[test]
+    fn stat_rejects_garbage() {
+        assert!(parse_stat("garbage").is_none());
+        assert!(parse_stat("1 (x) S").is_none());
+    }
+
+    #[test]
+    fn reads_own_process() {
+        let me = read_process(std::process::id() as i32).unwrap();
+        assert!(me.threads >= 1);
+        assert!(!me.kernel_thread);
+        assert!(me.rss_bytes > 0);
+        assert!(is_same_process(me.pid, me.start_time));
+        assert!(!is_same_process(me.pid, me.start_time + 1));
+    }
+
+    #[test]
+    fn discovers_children() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let tree = discover_tree(std::process::id() as i32).unwrap();
+        assert!(tree.iter().any(|p| p.pid == child.id() as i32));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

@@ -1,0 +1,212 @@
+//! The restore pipeline: verify the image → check what it needs here (files, devices) →
+//! CRIU restore under a job shim → restore device state → record the job.
+//!
+//! Everything that can be checked is checked before CRIU starts, because a half-restored
+//! GPU process cannot always be saved.
+
+use std::collections::BTreeSet;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::criu::RestoreOptions;
+use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoredPid};
+use crate::image::{Image, ImageError};
+use crate::jobs::{Job, JobError, Registry};
+use crate::launch::{self, LaunchError, Started};
+use crate::proctree::{self, TreeError};
+use crate::{sys, Context};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error(transparent)]
+    Job(#[from] JobError),
+    #[error("{path} is missing (process {pid} had it open when checkpointed)")]
+    MissingFile { path: String, pid: i32 },
+    #[error("the image holds {engine} device state, and this machine has no {engine} engine")]
+    EngineUnavailable { engine: String },
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    #[error("criu restore failed: {message}")]
+    Criu { message: String, hint: Option<String>, log: Option<String> },
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+    #[error("restore needs root (CRIU restores PIDs, namespaces and credentials)")]
+    NotRoot,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl RestoreError {
+    pub fn hint(&self) -> Option<String> {
+        Some(match self {
+            RestoreError::Image(ImageError::NotFound(_)) => "list images with `hiber ls`".into(),
+            RestoreError::Image(e) if e.is_invalid_image() => "the image cannot be trusted; checkpoint again".into(),
+            RestoreError::Job(JobError::Exists(_)) => "pick another --name, or `hiber rm` the old job".into(),
+            RestoreError::MissingFile { .. } => "put the file back where it was (same path), then restore again".into(),
+            RestoreError::EngineUnavailable { engine } if engine == "cuda" => "restore on a machine with an NVIDIA GPU and driver 570 or newer (`hiber doctor` says what this one has)".into(),
+            RestoreError::Engine(e) => return e.hint().map(String::from),
+            RestoreError::Criu { hint, log, .. } => match (hint, log) {
+                (Some(h), _) => h.clone(),
+                (None, Some(l)) => format!("CRIU's log: {l}"),
+                (None, None) => return None,
+            },
+            RestoreError::NotRoot => "run hiber as root".into(),
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RestoreRequest {
+    pub image: PathBuf,
+    pub name: Option<String>,
+    pub devices: DeviceRestoreOptions,
+}
+
+#[derive(Debug, Clone)]
+pub struct RestoreReport {
+    pub job: Job,
+    pub verify: Duration,
+    pub criu: Duration,
+    pub devices: Duration,
+    pub total: Duration,
+}
+
+/// Files the tree had open that a restore needs to find in place: regular files, not
+/// the ones CRIU carries in the image (deleted files) and not the root's stdout/stderr,
+/// which the new job replaces with its own logs.
+fn required_files(image: &Image) -> Vec<(String, i32)> {
+    let replaced: BTreeSet<&str> = [&image.manifest.source.stdout, &image.manifest.source.stderr].into_iter().flatten().map(String::as_str).collect();
+    let mut out = Vec::new();
+    for p in &image.manifest.processes {
+        for f in &p.fds {
+            if f.is_regular_file() && f.is_path() && !f.target.ends_with(" (deleted)") && !replaced.contains(f.target.as_str()) {
+                out.push((f.target.clone(), p.ns_pid));
+            }
+        }
+    }
+    out
+}
+
+pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, RestoreError> {
+    let started = Instant::now();
+    if sys::geteuid() != 0 {
+        return Err(RestoreError::NotRoot);
+    }
+    let image = Image::open(&req.image)?;
+    image.verify()?;
+    let verify = started.elapsed();
+
+    for (path, pid) in required_files(&image) {
+        if !Path::new(&path).exists() {
+            return Err(RestoreError::MissingFile { path, pid });
+        }
+    }
+    for section in &image.manifest.devices {
+        let engine = engine::for_section(&ctx.engines, &section.engine)
+            .ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone() })?;
+        engine.check_restore(&section.state, &req.devices)?;
+    }
+
+    let registry = Registry::new(&ctx.state);
+    let base = image.manifest.source.job.clone().unwrap_or_else(|| image.manifest.processes[0].comm.clone());
+    let name = match &req.name {
+        Some(n) => n.clone(),
+        None => registry.free_name(&base),
+    };
+    let job_dir = registry.create_dir(&name)?;
+    let result = restore_into_job(ctx, &image, &registry, &name, &job_dir, req, started, verify);
+    if result.is_err() {
+        let _ = registry.remove(&name);
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn restore_into_job(
+    ctx: &Context,
+    image: &Image,
+    registry: &Registry,
+    name: &str,
+    job_dir: &Path,
+    req: &RestoreRequest,
+    started: Instant,
+    verify: Duration,
+) -> Result<RestoreReport, RestoreError> {
+    let (stdout, stderr) = registry.open_logs(name)?;
+    let src = &image.manifest.source;
+    let mut inherit: Vec<(String, i32)> = Vec::new();
+    for (path, file) in [(&src.stdout, &stdout), (&src.stderr, &stderr)] {
+        if let Some(p) = path {
+            let key = p.trim_start_matches('/').to_string();
+            if !inherit.iter().any(|(k, _)| *k == key) {
+                inherit.push((key, file.as_raw_fd()));
+            }
+        }
+    }
+    let work = ctx.criu_work_dir("restore")?;
+    let criu_dir = image.criu_dir();
+    let criu_start = Instant::now();
+    let started_report = launch::spawn_shim(job_dir, || {
+        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, shell_job: false };
+        match ctx.criu.restore(&opts, &mut |_| Ok(())) {
+            Ok(pid) => Started::Running { pid },
+            Err(e) => Started::Failed {
+                message: e.to_string(),
+                hint: restore_hint(image, &e),
+                log: e.log().map(|l| l.display().to_string()),
+            },
+        }
+    })?;
+    let root = match started_report {
+        Started::Running { pid } => pid,
+        Started::Failed { message, hint, log } => return Err(RestoreError::Criu { message, hint, log }),
+    };
+    let criu = criu_start.elapsed();
+    let _ = std::fs::remove_dir_all(&work);
+
+    let devices_start = Instant::now();
+    if !image.manifest.devices.is_empty() {
+        let tree = proctree::discover_tree(root)?;
+        let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
+        for section in &image.manifest.devices {
+            let engine = engine::for_section(&ctx.engines, &section.engine).expect("checked before restore");
+            if let Err(e) = engine.restore(&section.state, &pids, &req.devices) {
+                // The tree cannot run without its device state: stop it rather than leave
+                // a broken copy running.
+                let _ = sys::kill(root, libc::SIGKILL);
+                return Err(e.into());
+            }
+        }
+    }
+    let devices = devices_start.elapsed();
+
+    let st = proctree::stat(root)?;
+    let job = Job {
+        name: name.to_string(),
+        pid: root,
+        start_time: st.start_time,
+        command: image.manifest.processes[0].cmdline.clone(),
+        created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        restored_from: Some(image.dir.display().to_string()),
+        checkpointed_to: None,
+    };
+    registry.save(&job)?;
+    Ok(RestoreReport { job, verify, criu, devices, total: started.elapsed() })
+}
+
+fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
+    let src = &image.manifest.source;
+    if !src.pid_namespace && e.to_string().contains("already") {
+        return Some(format!(
+            "the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first",
+            src.pid
+        ));
+    }
+    e.log().map(|l| format!("CRIU's log: {}", l.display()))
+}

@@ -1,0 +1,195 @@
+//! Thin, safe wrappers over the few raw system calls hiber needs that std does not offer.
+//!
+//! Every `unsafe` block of the core crate outside the CUDA FFI lives here.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// A connected `AF_UNIX`/`SOCK_SEQPACKET` pair, close-on-exec on both ends.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid, writable array of two ints, as socketpair(2) requires.
+    cvt(unsafe {
+        libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr())
+    })?;
+    // SAFETY: socketpair succeeded, so both descriptors are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// A close-on-exec pipe: (read end, write end).
+pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid, writable array of two ints, as pipe2(2) requires.
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Clears close-on-exec so that `fd` survives into an exec'd child.
+pub fn clear_cloexec(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFD/F_SETFD only read and set flags of a descriptor number; an invalid
+    // number is reported as EBADF.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) })?;
+    Ok(())
+}
+
+/// `dup2(old, new)`, for use between fork and exec.
+pub fn dup2(old: RawFd, new: RawFd) -> io::Result<()> {
+    // SAFETY: dup2 takes plain descriptor numbers and reports bad ones as errors.
+    cvt(unsafe { libc::dup2(old, new) })?;
+    Ok(())
+}
+
+pub fn setsid() -> io::Result<()> {
+    // SAFETY: setsid has no memory-safety preconditions.
+    cvt(unsafe { libc::setsid() })?;
+    Ok(())
+}
+
+/// Moves the *children* of the caller into a new PID namespace.
+pub fn unshare_pid_namespace() -> io::Result<()> {
+    // SAFETY: unshare has no memory-safety preconditions.
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID) })?;
+    Ok(())
+}
+
+pub enum Fork {
+    Child,
+    Parent(i32),
+}
+
+/// Forks the calling process.
+///
+/// The caller must be single-threaded (hiber forks before it starts any thread), so the
+/// child may run ordinary Rust code up to its `exit` or `exec`.
+pub fn fork() -> io::Result<Fork> {
+    // SAFETY: hiber calls this only while single-threaded (see above), so no lock held by
+    // another thread can be inherited in a locked state.
+    let pid = cvt(unsafe { libc::fork() })?;
+    Ok(if pid == 0 { Fork::Child } else { Fork::Parent(pid) })
+}
+
+/// Ends the process immediately, without running destructors or atexit handlers: what a
+/// forked child must do so that it does not flush or drop state that belongs to its parent.
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit never returns and has no preconditions.
+    unsafe { libc::_exit(code) }
+}
+
+/// Replaces the process image; returns only on failure.
+pub fn execvp(argv: &[CString]) -> io::Error {
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: `ptrs` is a NULL-terminated array of pointers to NUL-terminated strings that
+    // outlive the call (owned by `argv`).
+    unsafe { libc::execvp(ptrs[0], ptrs.as_ptr()) };
+    io::Error::last_os_error()
+}
+
+/// Exit status of a waited-for child, as the shell would report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    Code(i32),
+    Signal(i32),
+}
+
+pub fn waitpid(pid: i32) -> io::Result<ExitStatus> {
+    let mut status: libc::c_int = 0;
+    loop {
+        // SAFETY: `status` is a valid out-pointer for waitpid.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        break;
+    }
+    Ok(if libc::WIFSIGNALED(status) {
+        ExitStatus::Signal(libc::WTERMSIG(status))
+    } else {
+        ExitStatus::Code(libc::WEXITSTATUS(status))
+    })
+}
+
+/// Sends `sig` to `pid`. `Ok(false)` when the process no longer exists.
+pub fn kill(pid: i32, sig: i32) -> io::Result<bool> {
+    // SAFETY: kill has no memory-safety preconditions.
+    match cvt(unsafe { libc::kill(pid, sig) }) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+pub fn geteuid() -> u32 {
+    // SAFETY: geteuid cannot fail and has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+pub fn getpid() -> i32 {
+    std::process::id() as i32
+}
+
+/// Bytes available to an unprivileged writer on the filesystem holding `path`.
+pub fn available_bytes(path: &Path) -> io::Result<u64> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    // SAFETY: statvfs is plain old data; all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
+    cvt(unsafe { libc::statvfs(c.as_ptr(), &mut st) })?;
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The kernel's `uname` release and node name.
+pub fn uname() -> (String, String) {
+    // SAFETY: utsname is plain old data; all-zero is a valid value.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid out-pointer; on success its fields are NUL-terminated.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return ("unknown".into(), "unknown".into());
+    }
+    let field = |f: &[libc::c_char]| {
+        let bytes: Vec<u8> = f.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    (field(&u.release), field(&u.nodename))
+}
+
+/// Sets a receive timeout on a socket.
+pub fn set_recv_timeout(fd: &impl AsRawFd, secs: u64) -> io::Result<()> {
+    let tv = libc::timeval { tv_sec: secs as libc::time_t, tv_usec: 0 };
+    // SAFETY: `tv` is a valid timeval and its size is passed alongside.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const libc::timeval as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+pub fn chdir(dir: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: `dir` is a valid NUL-terminated string.
+    cvt(unsafe { libc::chdir(dir.as_ptr()) })?;
+    Ok(())
+}
