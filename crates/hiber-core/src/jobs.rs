@@ -177,6 +177,11 @@ impl Registry {
         }
     }
 
+    /// Whether the job's shim has recorded how the root exited.
+    pub fn has_exit(&self, name: &str) -> bool {
+        read_exit(&self.dir_of(name)).is_some()
+    }
+
     /// Removes a job's directory (logs included). The caller has made sure it is not
     /// running.
     pub fn remove(&self, name: &str) -> Result<(), JobError> {

@@ -126,7 +126,7 @@ pub fn start_in_namespace(cmd: Command) -> Started {
         Err(e) => failed(format!("fork: {e}")),
         Ok(Fork::Child) => {
             drop(err_rd);
-            let e = exec_job(&cmd);
+            let e = exec_job(&cmd, err_wr.as_raw_fd());
             let code = e.raw_os_error().unwrap_or(libc::EINVAL);
             let _ = File::from(err_wr).write_all(&code.to_ne_bytes());
             sys::exit_now(127)
@@ -153,7 +153,7 @@ pub fn start_in_namespace(cmd: Command) -> Started {
 }
 
 /// In the namespace's init: own session, stdio, working directory, then exec.
-fn exec_job(cmd: &Command) -> std::io::Error {
+fn exec_job(cmd: &Command, keep: RawFd) -> std::io::Error {
     if let Err(e) = sys::setsid() {
         return e;
     }
@@ -173,5 +173,8 @@ fn exec_job(cmd: &Command) -> std::io::Error {
     if let Err(e) = sys::chdir(&cmd.cwd) {
         return e;
     }
+    // Nothing the caller of hiber leaked (a terminal's pipes, say) reaches the job; the
+    // exec-error pipe is close-on-exec and survives until the exec itself.
+    sys::close_from_except(3, keep);
     sys::execvp(&cmd.argv)
 }

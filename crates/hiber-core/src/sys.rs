@@ -193,3 +193,34 @@ pub fn chdir(dir: &std::ffi::CStr) -> io::Result<()> {
     cvt(unsafe { libc::chdir(dir.as_ptr()) })?;
     Ok(())
 }
+
+/// Duplicates `fd` onto the lowest free number at or above `min`, close-on-exec.
+pub fn dup_at_least(fd: RawFd, min: RawFd) -> io::Result<RawFd> {
+    // SAFETY: F_DUPFD_CLOEXEC takes a descriptor number and a minimum; bad ones are errors.
+    cvt(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) })
+}
+
+/// Closes every descriptor from `first` up except `keep`, so that a job starts with only
+/// what hiber gave it.
+pub fn close_from_except(first: RawFd, keep: RawFd) {
+    let close_range = |lo: RawFd, hi: libc::c_uint| {
+        if (lo as libc::c_uint) > hi {
+            return;
+        }
+        // SAFETY: close_range only closes descriptors; the caller is about to exec and
+        // holds no reference to any of them.
+        let r = unsafe { libc::syscall(libc::SYS_close_range, lo as libc::c_uint, hi, 0 as libc::c_uint) };
+        if r != 0 {
+            for fd in lo..(hi.min(4095) as RawFd + 1) {
+                // SAFETY: as above; closing a number that is not open is harmless (EBADF).
+                unsafe { libc::close(fd) };
+            }
+        }
+    };
+    if keep >= first {
+        close_range(first, keep as libc::c_uint - 1);
+        close_range(keep + 1, libc::c_uint::MAX);
+    } else {
+        close_range(first, libc::c_uint::MAX);
+    }
+}

@@ -1,1 +1,80 @@
-fn main(){}
+//! The `hiber` command: one file per verb under `commands/`, each turning its arguments
+//! into a request for the core library.
+
+mod cli_error;
+mod commands;
+mod workload;
+
+use clap::{Parser, Subcommand};
+
+
+#[derive(Parser)]
+#[command(name = "hiber", version, about = "Checkpoint, restore and migrate (GPU) applications", long_about = None)]
+struct Cli {
+    /// Show the full error chain and debug logs.
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a command as a job that can always be checkpointed and restored.
+    Run(commands::run::Args),
+    /// Checkpoint a job (or any process tree by PID) into an image.
+    Checkpoint(commands::checkpoint::Args),
+    /// Restore an image as a new, detached job.
+    Restore(commands::restore::Args),
+    /// List jobs and images with their state.
+    Ls(commands::ls::Args),
+    /// Show what an image holds, and verify every file of it.
+    Inspect(commands::inspect::Args),
+    /// Remove jobs (stopping them) or images.
+    Rm(commands::rm::Args),
+    /// Print a job's stdout and stderr.
+    Logs(commands::logs::Args),
+    /// Checkpoint, kill and restore a built-in workload, and report.
+    Demo(commands::demo::Args),
+    /// Check what this machine offers: CRIU, kernel, privileges, NVIDIA driver.
+    Doctor(commands::doctor::Args),
+    /// Undo checkpoints that were interrupted (hiber killed mid-way).
+    Recover,
+    /// Built-in workloads used by `hiber demo` and the tests.
+    #[command(hide = true)]
+    Workload(workload::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = if cli.verbose { "debug" } else { "warn" };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("HIBER_LOG").unwrap_or_else(|_| filter.into()))
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+    let result = match cli.command {
+        Command::Workload(a) => workload::run(a),
+        Command::Recover => commands::recover::run(),
+        other => {
+            commands::recover::recover_stale_quietly();
+            match other {
+                Command::Run(a) => commands::run::run(a),
+                Command::Checkpoint(a) => commands::checkpoint::run(a),
+                Command::Restore(a) => commands::restore::run(a),
+                Command::Ls(a) => commands::ls::run(a),
+                Command::Inspect(a) => commands::inspect::run(a),
+                Command::Rm(a) => commands::rm::run(a),
+                Command::Logs(a) => commands::logs::run(a),
+                Command::Demo(a) => commands::demo::run(a),
+                Command::Doctor(a) => commands::doctor::run(a),
+                Command::Recover | Command::Workload(_) => unreachable!("handled above"),
+            }
+        }
+    };
+    if let Err(e) = result {
+        e.report(cli.verbose);
+        std::process::exit(e.code);
+    }
+}

@@ -16,6 +16,8 @@ use crate::sys;
 const SWRK_FD: RawFd = 3;
 /// Descriptors handed to CRIU for `inherit_fd` are placed from this number up.
 const FIRST_INHERITED_FD: RawFd = 10;
+/// CRIU's standard error, in the work directory beside its log.
+const STDERR_FILE: &str = "criu.stderr";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CriuError {
@@ -133,7 +135,10 @@ impl Criu {
     }
 
     pub fn version(&self) -> Result<CriuVersion, CriuError> {
-        let resp = self.call(request(CriuReqType::Version, None), &[], &mut |_| Ok(()), "version", None)?;
+        let dir = std::env::temp_dir();
+        let resp = self.call(request(CriuReqType::Version, None), &[], &mut |_| Ok(()), "version", &dir, None);
+        let _ = std::fs::remove_file(dir.join(STDERR_FILE));
+        let resp = resp?;
         let v = resp.version.ok_or_else(|| CriuError::Protocol("VERSION reply without a version".into()))?;
         Ok(CriuVersion { major: v.major_number, minor: v.minor_number, sublevel: v.sublevel.unwrap_or(0), gitid: v.gitid })
     }
@@ -151,14 +156,13 @@ impl Criu {
     pub fn check(&self, work_dir: &Path) -> Result<(), CriuError> {
         let dir = File::open(work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
         let opts = rpc::CriuOpts {
-            images_dir_fd: -1,
-            images_dir: Some(work_dir.display().to_string()),
+            images_dir_fd: dir.as_raw_fd(),
             work_dir_fd: Some(dir.as_raw_fd()),
             log_file: Some("check.log".into()),
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", Some(work_dir.join("check.log")))
+        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", work_dir, Some("check.log"))
             .map(|_| ())
     }
 
@@ -167,9 +171,9 @@ impl Criu {
     /// the tree.
     pub fn dump(&self, opts: &DumpOptions<'_>, on_notify: &mut dyn FnMut(&str) -> Result<(), String>) -> Result<(), CriuError> {
         let work = File::open(opts.work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
+        let images = File::open(opts.images_dir).map_err(|source| CriuError::Io { step: "open images dir", source })?;
         let o = rpc::CriuOpts {
-            images_dir_fd: -1,
-            images_dir: Some(opts.images_dir.display().to_string()),
+            images_dir_fd: images.as_raw_fd(),
             pid: Some(opts.pid),
             leave_running: Some(opts.leave_running),
             shell_job: Some(opts.shell_job),
@@ -182,7 +186,7 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", Some(opts.work_dir.join("dump.log")))
+        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", opts.work_dir, Some("dump.log"))
             .map(|_| ())
     }
 
@@ -196,9 +200,9 @@ impl Criu {
             .map(|(i, (key, _))| rpc::InheritFd { key: key.clone(), fd: FIRST_INHERITED_FD + i as RawFd })
             .collect();
         let fds: Vec<RawFd> = opts.inherit.iter().map(|(_, fd)| *fd).collect();
+        let images = File::open(opts.images_dir).map_err(|source| CriuError::Io { step: "open images dir", source })?;
         let o = rpc::CriuOpts {
-            images_dir_fd: -1,
-            images_dir: Some(opts.images_dir.display().to_string()),
+            images_dir_fd: images.as_raw_fd(),
             rst_sibling: Some(true),
             shell_job: Some(opts.shell_job),
             file_locks: Some(true),
@@ -211,27 +215,39 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, on_notify, "restore", Some(opts.work_dir.join("restore.log")))?;
+        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, on_notify, "restore", opts.work_dir, Some("restore.log"))?;
         resp.restore
             .map(|r| r.pid)
             .ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
     }
 
-    fn spawn(&self, inherit: &[RawFd]) -> Result<(Child, File), CriuError> {
+    fn spawn(&self, inherit: &[RawFd], work_dir: &Path) -> Result<(Child, File), CriuError> {
+        // What CRIU prints before its log file is set up goes here.
+        let stderr = File::create(work_dir.join(STDERR_FILE)).map_err(|source| CriuError::Io { step: "create stderr file", source })?;
         let (ours, theirs) = sys::seqpacket_pair().map_err(|source| CriuError::Io { step: "socketpair", source })?;
         let theirs_raw = theirs.as_raw_fd();
+        if inherit.len() > 16 {
+            return Err(CriuError::Protocol("more than 16 inherited descriptors".into()));
+        }
         let inherit = inherit.to_vec();
         let mut cmd = Command::new(&self.path);
-        cmd.arg("swrk").arg(SWRK_FD.to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        cmd.arg("swrk").arg(SWRK_FD.to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
         // CRIU outlives a killed hiber: in its own process group, a signal to hiber's group
         // does not reach it, so it can finish and resume the tree (see the journal).
         cmd.process_group(0);
-        // SAFETY: the closure runs between fork and exec and calls only dup2 and fcntl,
+        // SAFETY: the closure runs between fork and exec and calls only fcntl and dup2,
         // which are async-signal-safe; it allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
-                sys::dup2(theirs_raw, SWRK_FD)?;
-                for (i, fd) in inherit.iter().enumerate() {
+                // Move every source out of the way first: a source may sit on a target
+                // number (the RPC socket on 10, say).
+                let sock = sys::dup_at_least(theirs_raw, 256)?;
+                let mut moved = [0 as RawFd; 16];
+                for (i, fd) in inherit.iter().enumerate().take(moved.len()) {
+                    moved[i] = sys::dup_at_least(*fd, 256)?;
+                }
+                sys::dup2(sock, SWRK_FD)?;
+                for (i, fd) in moved.iter().enumerate().take(inherit.len()) {
                     sys::dup2(*fd, FIRST_INHERITED_FD + i as RawFd)?;
                 }
                 Ok(())
@@ -248,9 +264,11 @@ impl Criu {
         inherit: &[RawFd],
         on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
         op: &'static str,
-        log: Option<PathBuf>,
+        work_dir: &Path,
+        log: Option<&str>,
     ) -> Result<rpc::CriuResp, CriuError> {
-        let (mut child, mut sock) = self.spawn(inherit)?;
+        let (mut child, mut sock) = self.spawn(inherit, work_dir)?;
+        let log = log.map(|l| work_dir.join(l));
         let result = exchange(&mut sock, req, on_notify, op, log);
         drop(sock);
         let _ = child.wait();
@@ -285,7 +303,12 @@ fn exchange(
         if resp.success {
             return Ok(resp);
         }
-        let detail = resp.cr_errmsg.clone().filter(|m| !m.is_empty()).or_else(|| log.as_deref().and_then(last_error_line));
+        let detail = resp
+            .cr_errmsg
+            .clone()
+            .filter(|m| !m.is_empty())
+            .or_else(|| log.as_deref().and_then(last_error_line))
+            .or_else(|| log.as_deref().and_then(|l| last_error_line(&l.with_file_name(STDERR_FILE))));
         return Err(CriuError::Failed { op, errno: resp.cr_errno, detail, log });
     }
 }

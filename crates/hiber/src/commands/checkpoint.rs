@@ -1,0 +1,77 @@
+//! `hiber checkpoint JOB|PID [--leave-running] [--out DIR]`
+
+use std::path::PathBuf;
+
+use hiber_core::checkpoint::{checkpoint, CheckpointRequest};
+use hiber_core::jobs::Registry;
+
+use super::{context, human_bytes, resolve_target, running_pid, secs, Target};
+use crate::cli_error::CliError;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A job name (see `hiber ls`) or the PID of any process tree's root.
+    target: String,
+    /// Keep the application running after the checkpoint.
+    #[arg(long)]
+    leave_running: bool,
+    /// Where to write the image (must not exist). Default: the state directory's images/.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<(), CliError> {
+    let ctx = context()?;
+    let registry = Registry::new(&ctx.state);
+    let (pid, job) = match resolve_target(&registry, &args.target)? {
+        Target::Job(job) => (running_pid(&registry, &job)?, Some(job)),
+        Target::Pid(pid) => {
+            // A PID that is a job's root is checkpointed as that job.
+            let job = registry.list().into_iter().find(|j| j.pid == pid && registry.state(j) == hiber_core::jobs::JobState::Running);
+            (pid, job)
+        }
+    };
+    let dest = match args.out {
+        Some(p) => p,
+        None => {
+            let base = job.as_ref().map(|j| j.name.clone()).unwrap_or_else(|| format!("pid{pid}"));
+            let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace(':', "");
+            ctx.state.images().join(format!("{base}-{}", stamp.trim_end_matches('Z')))
+        }
+    };
+    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running };
+    let report = checkpoint(&ctx, &req)?;
+    if let Some(mut job) = job {
+        if !args.leave_running {
+            job.checkpointed_to = Some(report.image.display().to_string());
+            registry.save(&job)?;
+        }
+    }
+    if args.json {
+        let v = serde_json::json!({
+            "image": report.image,
+            "processes": report.processes,
+            "devices_seconds": report.devices.as_secs_f64(),
+            "dump_seconds": report.dump.as_secs_f64(),
+            "total_seconds": report.total.as_secs_f64(),
+            "image_bytes": report.image_bytes,
+            "left_running": args.leave_running,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "checkpointed {} process(es) to {} ({}) in {} (devices {}, dump {}){}",
+            report.processes,
+            report.image.display(),
+            human_bytes(report.image_bytes),
+            secs(report.total),
+            secs(report.devices),
+            secs(report.dump),
+            if args.leave_running { "; the application keeps running" } else { "; the application was stopped" }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! `hiber ls`: jobs and images, with their state.
+
+use std::fs;
+
+use hiber_core::image::{is_temp_name, Image};
+use hiber_core::jobs::{JobState, Registry};
+use hiber_core::state::StateDir;
+
+use super::human_bytes;
+use crate::cli_error::CliError;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<(), CliError> {
+    let state = StateDir::from_env();
+    let registry = Registry::new(&state);
+    let jobs: Vec<_> = registry.list().into_iter().map(|j| { let s = registry.state(&j); (j, s) }).collect();
+    let mut images = Vec::new();
+    if let Ok(dir) = fs::read_dir(state.images()) {
+        for e in dir.filter_map(Result::ok) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if is_temp_name(&name) {
+                continue;
+            }
+            images.push((name, Image::open(&e.path())));
+        }
+    }
+    images.sort_by(|a, b| a.0.cmp(&b.0));
+
+    if args.json {
+        let jobs: Vec<_> = jobs
+            .iter()
+            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": j.pid, "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to}))
+            .collect();
+        let images: Vec<_> = images
+            .iter()
+            .map(|(n, i)| match i {
+                Ok(i) => serde_json::json!({"name": n, "path": i.dir, "created": i.manifest.created, "bytes": i.total_bytes(), "processes": i.manifest.processes.len(), "job": i.manifest.source.job, "valid": true}),
+                Err(e) => serde_json::json!({"name": n, "valid": false, "error": e.to_string()}),
+            })
+            .collect();
+        println!("{}", serde_json::json!({"state_dir": state.root(), "jobs": jobs, "images": images}));
+        return Ok(());
+    }
+    println!("JOBS ({})", state.jobs().display());
+    if jobs.is_empty() {
+        println!("  (none)");
+    } else {
+        println!("  {:<20} {:<18} {:>8}  COMMAND", "NAME", "STATE", "PID");
+        for (j, s) in &jobs {
+            let mut cmd = j.command.join(" ");
+            if cmd.len() > 60 {
+                cmd.truncate(57);
+                cmd.push_str("...");
+            }
+            let from = j.restored_from.as_ref().map(|r| format!("  (restored from {r})")).unwrap_or_default();
+            let pid = if *s == JobState::Running { j.pid.to_string() } else { "-".into() };
+            println!("  {:<20} {:<18} {:>8}  {cmd}{from}", j.name, s.to_string(), pid);
+        }
+    }
+    println!("IMAGES ({})", state.images().display());
+    if images.is_empty() {
+        println!("  (none)");
+    } else {
+        println!("  {:<40} {:<22} {:>10} {:>6}  SOURCE", "NAME", "CREATED", "SIZE", "PROCS");
+        for (n, i) in &images {
+            match i {
+                Ok(i) => {
+                    let src = i.manifest.source.job.clone().unwrap_or_else(|| format!("pid {}", i.manifest.source.pid));
+                    let gpu = if i.manifest.devices.is_empty() { "" } else { " +gpu" };
+                    println!("  {:<40} {:<22} {:>10} {:>6}  {src}{gpu}", n, i.manifest.created, human_bytes(i.total_bytes()), i.manifest.processes.len());
+                }
+                Err(e) => println!("  {n:<40} invalid: {e}"),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! One module per verb, plus what several of them share.
+
+pub mod checkpoint;
+pub mod demo;
+pub mod doctor;
+pub mod inspect;
+pub mod logs;
+pub mod ls;
+pub mod recover;
+pub mod restore;
+pub mod rm;
+pub mod run;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hiber_core::criu::Criu;
+use hiber_core::jobs::{Job, JobState, Registry};
+use hiber_core::state::StateDir;
+use hiber_core::{engine, Context};
+
+use crate::cli_error::{CliError, NOT_FOUND};
+
+/// The context for commands that run CRIU.
+pub fn context() -> Result<Context, CliError> {
+    let criu = Criu::locate()?;
+    criu.require_supported()?;
+    Ok(Context { state: StateDir::from_env(), criu, engines: engine::available() })
+}
+
+/// A job name or a PID, as `checkpoint` and `rm` take them.
+pub enum Target {
+    Job(Job),
+    Pid(i32),
+}
+
+pub fn resolve_target(registry: &Registry, what: &str) -> Result<Target, CliError> {
+    if let Ok(job) = registry.load(what) {
+        return Ok(Target::Job(job));
+    }
+    match what.parse::<i32>() {
+        Ok(pid) if pid > 0 => Ok(Target::Pid(pid)),
+        _ => Err(CliError::new(NOT_FOUND, format!("no job named '{what}', and it is not a PID")).hint("`hiber ls` lists jobs")),
+    }
+}
+
+/// The job's root PID if it is running.
+pub fn running_pid(registry: &Registry, job: &Job) -> Result<i32, CliError> {
+    match registry.state(job) {
+        JobState::Running => Ok(job.pid),
+        state => Err(CliError::new(crate::cli_error::FAILED, format!("job '{}' is not running ({state})", job.name))
+            .hint("`hiber ls` shows jobs and images; restore an image to run it again")),
+    }
+}
+
+/// An image given by path, or by name under the state directory's images.
+pub fn image_path(state: &StateDir, given: &str) -> PathBuf {
+    let p = Path::new(given);
+    if p.exists() || given.contains('/') {
+        return p.to_path_buf();
+    }
+    let under = state.images().join(given);
+    if under.exists() {
+        under
+    } else {
+        p.to_path_buf()
+    }
+}
+
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+pub fn secs(d: Duration) -> String {
+    format!("{:.2}s", d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+    }
+}

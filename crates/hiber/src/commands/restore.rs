@@ -1,0 +1,57 @@
+//! `hiber restore IMAGE [--name NAME] [--gpu-map OLD=NEW,...]`
+
+use hiber_core::engine::cuda::parse_gpu_map;
+use hiber_core::engine::DeviceRestoreOptions;
+use hiber_core::restore::{restore, RestoreRequest};
+
+use super::{context, image_path, secs};
+use crate::cli_error::{CliError, FAILED};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The image directory (or its name under the state directory's images/).
+    image: String,
+    /// Name of the new job (default: the original job's name and a number).
+    #[arg(long)]
+    name: Option<String>,
+    /// Restore onto other GPUs of the same type: OLD=NEW[,...], UUIDs or indices (the
+    /// image's on the left, this machine's on the right).
+    #[arg(long, value_name = "OLD=NEW,...")]
+    gpu_map: Option<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<(), CliError> {
+    let ctx = context()?;
+    let gpu_map = match &args.gpu_map {
+        Some(s) => parse_gpu_map(s).map_err(|e| CliError::new(FAILED, format!("--gpu-map: {e}")).hint("write it as OLD=NEW[,OLD=NEW...]"))?,
+        None => Vec::new(),
+    };
+    let req = RestoreRequest { image: image_path(&ctx.state, &args.image), name: args.name, devices: DeviceRestoreOptions { gpu_map } };
+    let report = restore(&ctx, &req)?;
+    if args.json {
+        let v = serde_json::json!({
+            "job": report.job.name,
+            "pid": report.job.pid,
+            "verify_seconds": report.verify.as_secs_f64(),
+            "criu_seconds": report.criu.as_secs_f64(),
+            "devices_seconds": report.devices.as_secs_f64(),
+            "total_seconds": report.total.as_secs_f64(),
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "restored job {} (pid {}) in {} (verify {}, criu {}, devices {}); logs: hiber logs {}",
+            report.job.name,
+            report.job.pid,
+            secs(report.total),
+            secs(report.verify),
+            secs(report.criu),
+            secs(report.devices),
+            report.job.name
+        );
+    }
+    Ok(())
+}

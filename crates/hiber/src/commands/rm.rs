@@ -1,0 +1,71 @@
+//! `hiber rm [-f] NAME...`: remove jobs (their logs too) or images.
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use hiber_core::image::Image;
+use hiber_core::jobs::{JobState, Registry};
+use hiber_core::state::StateDir;
+use hiber_core::{proctree, sys};
+
+use super::image_path;
+use crate::cli_error::{CliError, FAILED, NOT_FOUND};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Stop running jobs (SIGKILL) before removing them.
+    #[arg(short, long)]
+    force: bool,
+    /// Job names or images.
+    #[arg(required = true)]
+    names: Vec<String>,
+}
+
+pub fn run(args: Args) -> Result<(), CliError> {
+    let state = StateDir::from_env();
+    let registry = Registry::new(&state);
+    let mut errors: Vec<CliError> = args.names.iter().filter_map(|n| remove_one(&state, &registry, n, args.force).err()).collect();
+    match errors.len() {
+        0 => Ok(()),
+        1 => Err(errors.remove(0)),
+        n => {
+            for e in &errors {
+                e.report(false);
+            }
+            Err(CliError::new(errors[0].code, format!("{n} of {} could not be removed", args.names.len())))
+        }
+    }
+}
+
+fn remove_one(state: &StateDir, registry: &Registry, name: &str, force: bool) -> Result<(), CliError> {
+    if let Ok(job) = registry.load(name) {
+        if registry.state(&job) == JobState::Running {
+            if !force {
+                return Err(CliError::new(FAILED, format!("job '{name}' is running")).hint(format!("stop and remove it with `hiber rm -f {name}`")));
+            }
+            // The root is its PID namespace's init: killing it ends every process of the job.
+            let _ = sys::kill(job.pid, libc::SIGKILL);
+            let start = Instant::now();
+            // Wait for the process to go and for its shim to record the exit, so the
+            // directory is not written to while it is removed.
+            while (proctree::is_same_process(job.pid, job.start_time) || !registry.has_exit(name)) && start.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        registry.remove(name)?;
+        println!("removed job {name}");
+        return Ok(());
+    }
+    let path = image_path(state, name);
+    if !path.exists() {
+        return Err(CliError::new(NOT_FOUND, format!("no job or image named '{name}'")).hint("`hiber ls` lists jobs and images"));
+    }
+    // Only what is recognizably an image is removed, never an arbitrary directory.
+    match Image::open(&path) {
+        Ok(_) | Err(hiber_core::image::ImageError::UnsupportedFormat { .. }) => {}
+        Err(e) => return Err(CliError::new(FAILED, format!("{}: not removing: {e}", path.display()))),
+    }
+    fs::remove_dir_all(&path)?;
+    println!("removed image {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! `hiber run [--name NAME] -- CMD [ARGS...]`
+
+use hiber_core::jobs::{Job, Registry};
+use hiber_core::launch::{self, Started};
+use hiber_core::proctree;
+use hiber_core::state::StateDir;
+
+use crate::cli_error::{CliError, ENVIRONMENT, FAILED};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Job name (default: the command's name and a number).
+    #[arg(long)]
+    name: Option<String>,
+    /// Print only the job name.
+    #[arg(short, long)]
+    quiet: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+/// Starts `command` as a job: its own PID namespace and session, stdin from /dev/null,
+/// stdout/stderr appended to the job's logs, a shim that records its exit.
+pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>) -> Result<Job, CliError> {
+    if hiber_core::sys::geteuid() != 0 {
+        return Err(CliError::new(ENVIRONMENT, "hiber run needs root: each job gets its own PID namespace").hint("run it with sudo"));
+    }
+    let base = std::path::Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
+    let name = name.unwrap_or_else(|| registry.free_name(&base));
+    let dir = registry.create_dir(&name)?;
+    let started = (|| {
+        let (stdout, stderr) = registry.open_logs(&name)?;
+        let cwd = std::env::current_dir()?;
+        let cmd = launch::Command::new(&command, &cwd, stdout, stderr).map_err(|e| CliError::new(FAILED, e.to_string()))?;
+        match launch::spawn_shim(&dir, move || launch::start_in_namespace(cmd)) {
+            Ok(Started::Running { pid }) => Ok(pid),
+            Ok(Started::Failed { message, hint, .. }) => {
+                let e = CliError::new(FAILED, message);
+                Err(match hint {
+                    Some(h) => e.hint(h),
+                    None => e,
+                })
+            }
+            Err(e) => Err(CliError::new(FAILED, e.to_string())),
+        }
+    })();
+    let pid = match started {
+        Ok(pid) => pid,
+        Err(e) => {
+            let _ = registry.remove(&name);
+            return Err(e);
+        }
+    };
+    let job = Job {
+        name,
+        pid,
+        start_time: proctree::stat(pid).map(|s| s.start_time).unwrap_or(0),
+        command,
+        created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        restored_from: None,
+        checkpointed_to: None,
+    };
+    registry.save(&job)?;
+    Ok(job)
+}
+
+pub fn run(args: Args) -> Result<(), CliError> {
+    let registry = Registry::new(&StateDir::from_env());
+    let job = start_job(&registry, args.name, args.command)?;
+    if args.quiet {
+        println!("{}", job.name);
+    } else {
+        println!("started job {} (pid {}); logs: hiber logs {}", job.name, job.pid, job.name);
+    }
+    Ok(())
+}
