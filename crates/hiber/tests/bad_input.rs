@@ -1,0 +1,224 @@
+//! Bad input gets a one-line reason and a hint, a documented exit code, and loses nothing:
+//! the application keeps running and no partial image is left.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const NOT_FOUND: i32 = 3;
+const INVALID_IMAGE: i32 = 4;
+
+fn still_progressing(h: &Hiber, job: &str) {
+    let now = h.last_step(job).unwrap_or(0);
+    h.wait_step(job, now + 3);
+    assert_eq!(h.state_of(job), "running");
+}
+
+/// A finished checkpoint of a small job, for tampering with.
+fn image(h: &Hiber, name: &str) -> std::path::PathBuf {
+    h.start(name, &["cpu", "--steps", "400", "--mem-mib", "8"]);
+    h.wait_step(name, 3);
+    let img = h.images_dir().join(name);
+    h.ok(&["checkpoint", name, "--leave-running", "--out", img.to_str().unwrap()]);
+    img
+}
+
+#[test]
+fn unknown_job_and_pid() {
+    let h = Hiber::new("unknown");
+    let f = h.fails(&["checkpoint", "no-such-job"]);
+    assert_eq!(f.code, NOT_FOUND, "{}", f.stderr);
+    assert!(f.stderr.contains("no job named 'no-such-job'"), "{}", f.stderr);
+    let f = h.fails(&["checkpoint", "999999"]);
+    assert_eq!(f.code, NOT_FOUND, "{}", f.stderr);
+    assert!(f.stderr.contains("no process with PID 999999"), "{}", f.stderr);
+    let f = h.fails(&["logs", "nope"]);
+    assert_eq!(f.code, NOT_FOUND);
+    let f = h.fails(&["restore", "/nonexistent/image"]);
+    assert_eq!(f.code, NOT_FOUND, "{}", f.stderr);
+    let f = h.fails(&["rm", "nothing-here"]);
+    assert_eq!(f.code, NOT_FOUND);
+}
+
+#[test]
+fn processes_hiber_may_not_trace() {
+    let h = Hiber::new("untraceable");
+    // kthreadd: a kernel thread.
+    let f = h.fails(&["checkpoint", "2"]);
+    assert!(f.stderr.contains("kernel thread"), "{}", f.stderr);
+    // This test process is an ancestor of the hiber it runs.
+    let f = h.fails(&["checkpoint", &std::process::id().to_string()]);
+    assert!(f.stderr.contains("hiber itself or one of its ancestors"), "{}", f.stderr);
+    // A process with a controlling terminal, made with script(1).
+    let marker = h.scratch.join("tty-pid");
+    let mut script = Command::new("script")
+        .args(["-qfc", &format!("sh -c 'echo $$ > {}; exec sleep 60'", marker.display()), "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("script(1) from util-linux");
+    wait("the terminal process", Duration::from_secs(10), || std::fs::read_to_string(&marker).is_ok_and(|s| s.trim().parse::<i32>().is_ok()));
+    let pid: i32 = std::fs::read_to_string(&marker).unwrap().trim().parse().unwrap();
+    let f = h.fails(&["checkpoint", &pid.to_string()]);
+    assert!(f.stderr.contains("controlling terminal") && f.stderr.contains("hint: "), "{}", f.stderr);
+    assert!(alive(pid), "refusing did not harm it");
+    let _ = script.kill();
+    let _ = script.wait();
+}
+
+#[test]
+fn corrupt_truncated_newer_and_foreign_images() {
+    let h = Hiber::new("badimg");
+    let img = image(&h, "badimg");
+    let pages = std::fs::read_dir(img.join("criu")).unwrap().flatten().map(|e| e.path()).find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-")).unwrap();
+    let original = std::fs::read(&pages).unwrap();
+
+    // One flipped byte.
+    let mut bytes = original.clone();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&pages, &bytes).unwrap();
+    let f = h.fails(&["inspect", img.to_str().unwrap()]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    assert!(f.stderr.contains("checksum mismatch") && f.stderr.contains(pages.file_name().unwrap().to_str().unwrap()), "{}", f.stderr);
+    let f = h.fails(&["restore", img.to_str().unwrap(), "--name", "never"]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    assert!(!h.state.join("jobs/never").exists(), "a refused restore creates no job");
+
+    // Truncated.
+    std::fs::write(&pages, &original[..original.len() / 3]).unwrap();
+    let f = h.fails(&["restore", img.to_str().unwrap()]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    assert!(f.stderr.contains("truncated") && f.stderr.contains("pages-"), "{}", f.stderr);
+    std::fs::write(&pages, &original).unwrap();
+    h.ok(&["inspect", img.to_str().unwrap()]);
+
+    // Missing and extra files.
+    std::fs::rename(&pages, h.scratch.join("aside")).unwrap();
+    assert!(h.fails(&["inspect", img.to_str().unwrap()]).stderr.contains("missing"));
+    std::fs::rename(h.scratch.join("aside"), &pages).unwrap();
+    std::fs::write(img.join("criu/stray.img"), b"x").unwrap();
+    assert!(h.fails(&["inspect", img.to_str().unwrap()]).stderr.contains("not listed"));
+    std::fs::remove_file(img.join("criu/stray.img")).unwrap();
+
+    // From a newer format.
+    let mpath = img.join("manifest.json");
+    let manifest = std::fs::read_to_string(&mpath).unwrap();
+    std::fs::write(&mpath, manifest.replacen("\"major\": 1", "\"major\": 2", 1)).unwrap();
+    let f = h.fails(&["restore", img.to_str().unwrap()]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    assert!(f.stderr.contains("format 2.0 is not supported"), "{}", f.stderr);
+    std::fs::write(&mpath, &manifest).unwrap();
+
+    // Not an image at all: a plain directory, a file, garbage in the manifest.
+    let f = h.fails(&["restore", h.scratch.to_str().unwrap()]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    assert!(f.stderr.contains("not a hiber image"), "{}", f.stderr);
+    let f = h.fails(&["inspect", "/etc/hostname"]);
+    assert_eq!(f.code, INVALID_IMAGE);
+    std::fs::write(&mpath, b"\x7fELF garbage").unwrap();
+    assert!(h.fails(&["inspect", img.to_str().unwrap()]).stderr.contains("manifest is corrupt"));
+    // rm refuses to delete what is not an image.
+    let f = h.fails(&["rm", h.scratch.to_str().unwrap()]);
+    assert!(f.stderr.contains("not removing"), "{}", f.stderr);
+    assert!(h.scratch.exists());
+}
+
+#[test]
+fn restore_whose_open_files_are_missing() {
+    let h = Hiber::new("missingfile");
+    let data = h.scratch.join("data.txt");
+    h.start("mf", &["files", "--path", data.to_str().unwrap(), "--steps", "100"]);
+    h.wait_step("mf", 10);
+    let img = h.images_dir().join("mf");
+    h.ok(&["checkpoint", "mf", "--out", img.to_str().unwrap()]);
+    let aside = h.scratch.join("data.aside");
+    std::fs::rename(&data, &aside).unwrap();
+    let f = h.fails(&["restore", img.to_str().unwrap(), "--name", "mf-r"]);
+    assert!(f.stderr.contains(data.to_str().unwrap()) && f.stderr.contains("is missing"), "{}", f.stderr);
+    assert!(f.stderr.contains("hint: put the file back"), "{}", f.stderr);
+    assert!(!h.state.join("jobs/mf-r").exists());
+    // Put back, the same image restores and finishes intact.
+    std::fs::rename(&aside, &data).unwrap();
+    h.ok(&["restore", img.to_str().unwrap(), "--name", "mf-r"]);
+    h.assert_verified("mf-r", Duration::from_secs(60));
+}
+
+#[test]
+fn output_directory_that_exists() {
+    let h = Hiber::new("exists");
+    h.start("ex", &["cpu", "--steps", "400", "--mem-mib", "8"]);
+    h.wait_step("ex", 3);
+    let out = h.scratch.join("taken");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("precious"), b"keep me").unwrap();
+    let f = h.fails(&["checkpoint", "ex", "--out", out.to_str().unwrap()]);
+    assert!(f.stderr.contains("already exists"), "{}", f.stderr);
+    assert_eq!(std::fs::read(out.join("precious")).unwrap(), b"keep me");
+    still_progressing(&h, "ex");
+}
+
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let st = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", dir.to_str().unwrap()]).status().unwrap();
+        assert!(st.success(), "mount a small tmpfs (needs root)");
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn full_disk_during_checkpoint() {
+    let h = Hiber::new("full");
+    let small = Tmpfs::mount(&h.scratch.join("small"), "48m");
+    h.start("full", &["cpu", "--steps", "600", "--mem-mib", "96"]);
+    h.wait_step("full", 3);
+    let out = small.0.join("img");
+    // Refused up front when the image clearly cannot fit...
+    let f = h.fails(&["checkpoint", "full", "--out", out.to_str().unwrap()]);
+    assert!(f.stderr.contains("not enough space"), "{}", f.stderr);
+    still_progressing(&h, "full");
+    // ...and when the disk fills during the dump itself, CRIU fails, the tree resumes and
+    // the partial image is removed.
+    let out2 = h.command(&["checkpoint", "full", "--out", out.to_str().unwrap()]).env("HIBER_NO_SPACE_CHECK", "1").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out2.stderr);
+    assert!(!out2.status.success());
+    assert!(stderr.contains("checkpoint failed") && stderr.contains("keeps running") && !stderr.contains("panicked"), "{stderr}");
+    assert_eq!(std::fs::read_dir(&small.0).unwrap().count(), 0, "no partial image left");
+    still_progressing(&h, "full");
+    // With room, the same job checkpoints fine and its image verifies.
+    let img = h.images_dir().join("full");
+    h.ok(&["checkpoint", "full", "--leave-running", "--out", img.to_str().unwrap()]);
+    h.ok(&["inspect", img.to_str().unwrap()]);
+}
+
+#[test]
+fn usage_errors_and_names() {
+    let h = Hiber::new("usage");
+    let out = h.output(&["checkpoint"]);
+    assert_eq!(out.status.code(), Some(2));
+    let f = h.fails(&["run", "--name", "../escape", "--", "true"]);
+    assert!(f.stderr.contains("not a valid job name"), "{}", f.stderr);
+    let f = h.fails(&["run", "--", "/no/such/program"]);
+    assert!(f.stderr.contains("cannot run '/no/such/program'"), "{}", f.stderr);
+    assert!(!h.ok(&["ls"]).contains("program"), "a failed run leaves no job");
+    h.start("dup", &["cpu", "--steps", "400", "--mem-mib", "1"]);
+    let f = h.fails(&["run", "--name", "dup", "--", "true"]);
+    assert!(f.stderr.contains("already exists"), "{}", f.stderr);
+    let f = h.fails(&["rm", "dup"]);
+    assert!(f.stderr.contains("is running") && f.stderr.contains("rm -f dup"), "{}", f.stderr);
+    let f = h.fails(&["restore", "x", "--gpu-map", "nonsense"]);
+    assert!(f.stderr.contains("--gpu-map"), "{}", f.stderr);
+}

@@ -1,0 +1,171 @@
+//! Checkpoint and restore of real process trees through a real CRIU. Every test asserts
+//! the restored program's own state: it resumes at the next step, its checksums match
+//! the original's trajectory, and its end-to-end self-check passes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Checkpoint (stopping the job), restore, and check the copy finishes intact.
+fn stop_and_restore(h: &Hiber, job: &str, at: u64) -> String {
+    let pid = h.pid_of(job);
+    h.wait_step(job, at);
+    h.ok(&["checkpoint", job, "--out", h.images_dir().join(job).to_str().unwrap()]);
+    wait("the original to stop", Duration::from_secs(10), || !alive(pid));
+    assert_eq!(h.state_of(job), "checkpointed");
+    let before = h.progress(job);
+    let restored = format!("{job}-r");
+    h.ok(&["restore", h.images_dir().join(job).to_str().unwrap(), "--name", &restored]);
+    h.assert_verified(&restored, LONG);
+    assert_continues(&before, &h.progress(&restored), before.last().unwrap().0 + 1);
+    restored
+}
+
+#[test]
+fn single_threaded_process() {
+    let h = Hiber::new("single");
+    h.start("single", &["cpu", "--steps", "120", "--mem-mib", "16"]);
+    stop_and_restore(&h, "single", 20);
+}
+
+#[test]
+fn multi_threaded_process() {
+    let h = Hiber::new("threads");
+    h.start("threads", &["threads", "--threads", "6", "--steps", "120"]);
+    let image = h.images_dir().join("threads");
+    h.wait_step("threads", 20);
+    h.ok(&["checkpoint", "threads", "--out", image.to_str().unwrap()]);
+    let inspect = h.ok(&["inspect", image.to_str().unwrap()]);
+    assert!(inspect.contains("threads 7"), "1 main + 6 workers recorded:\n{inspect}");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "threads-r"]);
+    let log = h.assert_verified("threads-r", LONG);
+    assert!(log.contains("verify ok threads 6 steps 120"), "{log}");
+}
+
+#[test]
+fn process_tree_connected_by_a_pipe() {
+    let h = Hiber::new("pipe");
+    h.start("pipe", &["pipe", "--steps", "120"]);
+    h.wait_step("pipe", 20);
+    let image = h.images_dir().join("pipe");
+    h.ok(&["checkpoint", "pipe", "--out", image.to_str().unwrap()]);
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["processes"].as_array().unwrap().len(), 2, "writer and reader are both in the image");
+    let before = h.progress("pipe");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "pipe-r"]);
+    let log = h.assert_verified("pipe-r", LONG);
+    // The reader checked every line it got through the restored pipe, in order.
+    assert!(log.contains("reader ok received 120 of 120"), "{}", tail(&log));
+    assert_continues(&before, &h.progress("pipe-r"), before.last().unwrap().0 + 1);
+}
+
+#[test]
+fn process_with_open_regular_files() {
+    let h = Hiber::new("files");
+    let data = h.scratch.join("records.txt");
+    h.start("files", &["files", "--path", data.to_str().unwrap(), "--steps", "120"]);
+    stop_and_restore(&h, "files", 20);
+    let text = std::fs::read_to_string(&data).unwrap();
+    assert_eq!(text.lines().count(), 120, "every record exactly once");
+}
+
+#[test]
+fn one_gib_of_anonymous_memory() {
+    let h = Hiber::new("bigmem");
+    h.start("bigmem", &["cpu", "--steps", "80", "--mem-mib", "1024"]);
+    h.wait_step("bigmem", 10);
+    let image = h.images_dir().join("bigmem");
+    h.ok(&["checkpoint", "bigmem", "--out", image.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&h.ok(&["inspect", "--json", image.to_str().unwrap()])).unwrap();
+    let pages: u64 = v["manifest"]["files"].as_array().unwrap().iter().filter(|f| f["path"].as_str().unwrap().contains("pages-")).map(|f| f["size"].as_u64().unwrap()).sum();
+    assert!(pages >= 1 << 30, "the image holds the 1 GiB buffer: {pages} bytes of pages");
+    let before = h.progress("bigmem");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "bigmem-r"]);
+    // The workload compares all 2^27 words of its buffer with a replay.
+    h.assert_verified("bigmem-r", LONG);
+    assert_continues(&before, &h.progress("bigmem-r"), before.last().unwrap().0 + 1);
+}
+
+#[test]
+fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
+    let h = Hiber::new("leave");
+    let pid = h.start("leave", &["cpu", "--steps", "150", "--mem-mib", "32"]);
+    h.wait_step("leave", 20);
+    let image = h.images_dir().join("leave");
+    h.ok(&["checkpoint", "leave", "--leave-running", "--out", image.to_str().unwrap()]);
+    assert!(alive(pid), "the original still runs");
+    let at = h.last_step("leave").unwrap();
+    h.wait_step("leave", at + 5);
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-copy"]);
+    assert_eq!(h.state_of("leave"), "running", "original and copy run side by side");
+    h.assert_verified("leave", LONG);
+    h.assert_verified("leave-copy", LONG);
+    let copy = h.progress("leave-copy");
+    let first = copy[0].0;
+    assert!(first > 20 && first <= at + 1, "copy resumes at the checkpoint ({first})");
+    assert_continues(&h.progress("leave"), &copy, first);
+}
+
+#[test]
+fn restore_after_the_original_was_killed() {
+    let h = Hiber::new("killed");
+    let pid = h.start("killed", &["cpu", "--steps", "120", "--mem-mib", "16"]);
+    h.wait_step("killed", 20);
+    let image = h.images_dir().join("killed");
+    h.ok(&["checkpoint", "killed", "--leave-running", "--out", image.to_str().unwrap()]);
+    let original = h.progress("killed");
+    h.ok(&["rm", "-f", "killed"]);
+    assert!(!alive(pid));
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "revived"]);
+    h.assert_verified("revived", LONG);
+    let copy = h.progress("revived");
+    assert_continues(&original, &copy, copy[0].0);
+}
+
+#[test]
+fn two_copies_restored_side_by_side() {
+    let h = Hiber::new("twins");
+    h.start("twins", &["cpu", "--steps", "150", "--mem-mib", "16"]);
+    h.wait_step("twins", 20);
+    let image = h.images_dir().join("twins");
+    h.ok(&["checkpoint", "twins", "--out", image.to_str().unwrap()]);
+    let before = h.progress("twins");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "a"]);
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "b"]);
+    let (pa, pb) = (h.pid_of("a"), h.pid_of("b"));
+    assert_ne!(pa, pb);
+    assert!(alive(pa) && alive(pb), "both copies run at once");
+    h.assert_verified("a", LONG);
+    h.assert_verified("b", LONG);
+    let next = before.last().unwrap().0 + 1;
+    assert_continues(&before, &h.progress("a"), next);
+    assert_continues(&before, &h.progress("b"), next);
+    assert_eq!(h.progress("a"), h.progress("b"), "each copy has its own log, with the same trajectory");
+}
+
+#[test]
+fn images_are_private_and_verified() {
+    let h = Hiber::new("private");
+    h.start("private", &["cpu", "--steps", "100", "--mem-mib", "8"]);
+    h.wait_step("private", 5);
+    h.ok(&["checkpoint", "private", "--leave-running"]);
+    let images: Vec<_> = std::fs::read_dir(h.images_dir()).unwrap().flatten().collect();
+    assert_eq!(images.len(), 1, "one image, no temporary left");
+    let image = images[0].path();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&image), 0o700);
+    assert_eq!(mode(&image.join("criu")), 0o700);
+    for f in std::fs::read_dir(image.join("criu")).unwrap().flatten() {
+        assert_eq!(mode(&f.path()), 0o600, "{}", f.path().display());
+    }
+    assert_eq!(mode(&image.join("manifest.json")), 0o600);
+    let out = h.ok(&["inspect", image.to_str().unwrap()]);
+    assert!(out.contains("format      1.0") && out.contains("verified    all"), "{out}");
+    let ls = h.ok(&["ls"]);
+    assert!(ls.contains("private") && ls.contains("running"), "{ls}");
+}

@@ -1,0 +1,47 @@
+//! hiber killed with SIGKILL in the middle of a checkpoint: the application keeps running
+//! (CRIU, in its own process group, fails its post-dump handshake with the dead hiber and
+//! resumes the tree), and the next hiber invocation removes the partial image.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+#[test]
+fn sigkill_during_checkpoint_then_recover() {
+    let h = Hiber::new("sigkill");
+    let pid = h.start("victim", &["cpu", "--steps", "300", "--mem-mib", "1024"]);
+    h.wait_step("victim", 5);
+    let out = h.images_dir().join("victim");
+    let mut hiber = h.command(&["checkpoint", "victim", "--out", out.to_str().unwrap()]).spawn().unwrap();
+    // Wait until CRIU is writing the memory into the partial image, then kill hiber.
+    wait("CRIU to start writing pages", Duration::from_secs(30), || {
+        std::fs::read_dir(h.images_dir()).ok().into_iter().flatten().flatten().any(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.contains(".partial-")
+                && std::fs::read_dir(e.path().join("criu")).ok().into_iter().flatten().flatten().any(|f| f.file_name().to_string_lossy().starts_with("pages-"))
+        })
+    });
+    hiber.kill().unwrap();
+    hiber.wait().unwrap();
+
+    // The application comes back to running by itself once CRIU gives up...
+    wait("the application to run again", Duration::from_secs(60), || {
+        let now = h.last_step("victim").unwrap_or(0);
+        std::thread::sleep(Duration::from_millis(200));
+        h.last_step("victim").unwrap_or(0) > now
+    });
+    assert!(alive(pid));
+    // ...and the next invocation finishes the undo: no journal, no partial image.
+    let rec = h.output(&["recover"]);
+    let text = String::from_utf8_lossy(&rec.stderr).into_owned() + &String::from_utf8_lossy(&rec.stdout);
+    assert!(rec.status.success(), "{text}");
+    assert!(text.contains("recovered an interrupted checkpoint") && text.contains("running again"), "{text}");
+    assert_eq!(std::fs::read_dir(h.images_dir()).unwrap().count(), 0, "partial image removed");
+    assert!(!out.exists());
+    assert!(h.state.join("journal").read_dir().unwrap().next().is_none(), "journal cleared");
+    assert_eq!(h.ok(&["recover"]).trim(), "nothing to recover");
+    // The application finishes with its state intact.
+    h.assert_verified("victim", Duration::from_secs(120));
+}
