@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -255,7 +255,7 @@ impl Criu {
         }
         let child = cmd.spawn().map_err(|source| CriuError::Spawn { path: self.path.clone(), source })?;
         drop(theirs);
-        Ok((child, File::from(OwnedFd::from(ours))))
+        Ok((child, File::from(ours)))
     }
 
     fn call(

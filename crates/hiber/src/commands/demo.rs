@@ -16,9 +16,13 @@ use crate::workload::{progress_of, verdict_of};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Memory the workload holds, in MiB.
-    #[arg(long, default_value_t = 256)]
-    mem_mib: u64,
+    /// Memory the workload holds, in MiB (default: 1024 of device memory with a GPU, 256
+    /// of host memory without).
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// Run the CPU workload even where a GPU is present.
+    #[arg(long)]
+    cpu: bool,
     /// Steps the workload runs in all (it is checkpointed a third of the way through).
     #[arg(long, default_value_t = 150)]
     steps: u64,
@@ -47,8 +51,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&ctx.state);
     let exe = std::env::current_exe()?.display().to_string();
     let steps = args.steps.max(30);
-    let command: Vec<String> = vec![exe, "workload".into(), "cpu".into(), "--steps".into(), steps.to_string(), "--interval-ms".into(), "20".into(), "--mem-mib".into(), args.mem_mib.to_string()];
-    println!("hiber demo: a CPU workload holding {} MiB that checks its own state ({})", args.mem_mib, gpu_note(&ctx));
+    let gpu = !args.cpu && !ctx.engines.is_empty();
+    let (kind, mem_mib) = if gpu { ("gpu", args.mem_mib.unwrap_or(1024)) } else { ("cpu", args.mem_mib.unwrap_or(256)) };
+    let command: Vec<String> = [exe.as_str(), "workload", kind, "--steps", &steps.to_string(), "--interval-ms", "20", "--mem-mib", &mem_mib.to_string()]
+        .map(String::from)
+        .to_vec();
+    if gpu {
+        println!("hiber demo: a GPU workload holding {mem_mib} MiB of device memory that checks its own state (kernels JIT-compiled from embedded PTX)");
+    } else {
+        println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if ctx.engines.is_empty() { "no GPU here" } else { "--cpu" });
+    }
 
     let job = start_job(&registry, Some(registry.free_name("demo")), command)?;
     println!("  started job {} (pid {})", job.name, job.pid);
@@ -70,14 +82,6 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("  kept: image {} and its jobs (`hiber ls`)", image.display());
     }
     result
-}
-
-fn gpu_note(ctx: &hiber_core::Context) -> &'static str {
-    if ctx.engines.is_empty() {
-        "no GPU here"
-    } else {
-        "GPU found; the GPU workload is not built into this version, so the CPU one runs"
-    }
 }
 
 fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &CheckpointRequest, steps: u64) -> Result<(), CliError> {
@@ -115,7 +119,7 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
         after.last().map(|p| p.step).unwrap_or(0),
         steps - 1
     );
-    println!("  the workload replayed its whole computation and compared every word: {}", if verified { "identical" } else { "MISMATCH" });
+    println!("  the workload recomputed every word of its memory from scratch and compared: {}", if verified { "identical" } else { "MISMATCH" });
     if resumed_in_place && finished && verified {
         println!("demo passed: checkpoint {}, restore {}, image {}", secs(report.total), secs(restored.total), human_bytes(report.image_bytes));
         Ok(())

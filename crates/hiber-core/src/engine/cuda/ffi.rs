@@ -54,6 +54,27 @@ pub struct UnlockArgs {
     pub reserved: [u64; 8],
 }
 
+/// hiber's view of the argument structs, in the format the GPU suite's `abi.c` prints from
+/// cuda.h, so the two can be compared on a machine with the toolkit.
+pub fn abi_layout() -> Vec<(&'static str, usize)> {
+    use std::mem::{offset_of, size_of};
+    vec![
+        ("CUcheckpointLockArgs size", size_of::<LockArgs>()),
+        ("CUcheckpointLockArgs.timeoutMs", offset_of!(LockArgs, timeout_ms)),
+        ("CUcheckpointCheckpointArgs size", size_of::<CheckpointArgs>()),
+        ("CUcheckpointRestoreArgs size", size_of::<RestoreArgs>()),
+        ("CUcheckpointRestoreArgs.gpuPairs", offset_of!(RestoreArgs, gpu_pairs)),
+        ("CUcheckpointRestoreArgs.gpuPairsCount", offset_of!(RestoreArgs, gpu_pairs_count)),
+        ("CUcheckpointGpuPair size", size_of::<GpuPair>()),
+        ("CUcheckpointGpuPair.newUuid", offset_of!(GpuPair, new_uuid)),
+        ("CUcheckpointUnlockArgs size", size_of::<UnlockArgs>()),
+        ("CU_PROCESS_STATE_RUNNING", 0),
+        ("CU_PROCESS_STATE_LOCKED", 1),
+        ("CU_PROCESS_STATE_CHECKPOINTED", 2),
+        ("CU_PROCESS_STATE_FAILED", 3),
+    ]
+}
+
 type FnInit = unsafe extern "C" fn(c_uint) -> CuResult;
 type FnDriverVersion = unsafe extern "C" fn(*mut c_int) -> CuResult;
 type FnErrorString = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
@@ -77,6 +98,8 @@ pub struct CheckpointFns {
 /// A loaded libcuda. The library handle is kept for as long as the function pointers.
 pub struct CudaLib {
     _lib: Library,
+    init: FnInit,
+    init_result: std::sync::OnceLock<CuResult>,
     error_name: Option<FnErrorString>,
     driver_version: c_int,
     checkpoint: Option<CheckpointFns>,
@@ -110,11 +133,6 @@ impl CudaLib {
         if r != CUDA_SUCCESS {
             return Err(LoadError::Init(r));
         }
-        // SAFETY: cuInit takes flags by value; 0 is the only defined value.
-        let r = unsafe { init(0) };
-        if r != CUDA_SUCCESS {
-            return Err(LoadError::Init(r));
-        }
         let checkpoint = (|| {
             Ok::<_, LoadError>(CheckpointFns {
                 get_state: sym(&lib, "cuCheckpointProcessGetState")?,
@@ -127,7 +145,7 @@ impl CudaLib {
         })()
         .ok();
         let error_name = sym(&lib, "cuGetErrorName").ok();
-        Ok(CudaLib { _lib: lib, error_name, driver_version: v, checkpoint })
+        Ok(CudaLib { _lib: lib, init, init_result: std::sync::OnceLock::new(), error_name, driver_version: v, checkpoint })
     }
 
     /// As `cuDriverGetVersion` reports it: 1000 * major + 10 * minor.
@@ -151,26 +169,34 @@ impl CudaLib {
         format!("CUresult {r}")
     }
 
-    fn fns(&self) -> &CheckpointFns {
-        self.checkpoint.as_ref().expect("callers check has_checkpoint_api")
+    /// `cuInit`, once, on first use: it may start driver threads, and hiber forks job
+    /// shims, which must happen while it is single-threaded.
+    fn fns(&self) -> Result<&CheckpointFns, CuResult> {
+        // SAFETY: cuInit takes flags by value; 0 is the only defined value.
+        let r = *self.init_result.get_or_init(|| unsafe { (self.init)(0) });
+        check(r)?;
+        Ok(self.checkpoint.as_ref().expect("callers check has_checkpoint_api"))
     }
 
     pub fn get_state(&self, pid: i32) -> Result<i32, CuResult> {
         let mut s: c_int = -1;
+        let fns = self.fns()?;
         // SAFETY: `s` is a valid out-pointer.
-        check(unsafe { (self.fns().get_state)(pid, &mut s) }).map(|_| s)
+        check(unsafe { (fns.get_state)(pid, &mut s) }).map(|_| s)
     }
 
     pub fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), CuResult> {
         let mut args = LockArgs { timeout_ms, ..Default::default() };
+        let fns = self.fns()?;
         // SAFETY: `args` is a valid, zero-reserved LockArgs.
-        check(unsafe { (self.fns().lock)(pid, &mut args) })
+        check(unsafe { (fns.lock)(pid, &mut args) })
     }
 
     pub fn checkpoint(&self, pid: i32) -> Result<(), CuResult> {
         let mut args = CheckpointArgs::default();
+        let fns = self.fns()?;
         // SAFETY: `args` is a valid, zeroed CheckpointArgs.
-        check(unsafe { (self.fns().checkpoint)(pid, &mut args) })
+        check(unsafe { (fns.checkpoint)(pid, &mut args) })
     }
 
     pub fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuResult> {
@@ -180,21 +206,24 @@ impl CudaLib {
             reserved: [0; 44],
             reserved1: 0,
         };
+        let fns = self.fns()?;
         // SAFETY: `args` is valid and zero-reserved; `gpu_pairs` points at `pairs.len()`
         // pairs that outlive the call (or is NULL with a count of 0).
-        check(unsafe { (self.fns().restore)(pid, &mut args) })
+        check(unsafe { (fns.restore)(pid, &mut args) })
     }
 
     pub fn unlock(&self, pid: i32) -> Result<(), CuResult> {
         let mut args = UnlockArgs::default();
+        let fns = self.fns()?;
         // SAFETY: `args` is a valid, zeroed UnlockArgs.
-        check(unsafe { (self.fns().unlock)(pid, &mut args) })
+        check(unsafe { (fns.unlock)(pid, &mut args) })
     }
 
     pub fn restore_thread_id(&self, pid: i32) -> Result<i32, CuResult> {
         let mut tid: c_int = 0;
+        let fns = self.fns()?;
         // SAFETY: `tid` is a valid out-pointer.
-        check(unsafe { (self.fns().restore_tid)(pid, &mut tid) }).map(|_| tid)
+        check(unsafe { (fns.restore_tid)(pid, &mut tid) }).map(|_| tid)
     }
 }
 

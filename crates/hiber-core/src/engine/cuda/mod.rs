@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
 use crate::proctree::ProcessInfo;
-pub use ffi::{CuUuid, GpuPair};
+pub use ffi::{abi_layout, CuUuid, GpuPair};
 pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
 
 pub const ENGINE: &str = "cuda";

@@ -13,6 +13,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::cli_error::{CliError, FAILED};
 
+mod gpu;
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(subcommand)]
@@ -31,6 +33,28 @@ enum Kind {
     PipeReader(PipeArgs),
     /// Appends records to a file while reading them back through a second descriptor.
     Files(FileArgs),
+    /// Device memory advanced by a kernel each step and verified word by word at the end
+    /// (PTX JIT-compiled by the driver: no CUDA toolkit needed).
+    Gpu(GpuArgs),
+    /// Prints the CUDA checkpoint structs' layout as hiber uses it (compared with cuda.h
+    /// by the GPU suite).
+    CudaAbi,
+}
+
+#[derive(clap::Args, Clone)]
+struct GpuArgs {
+    #[arg(long, default_value_t = 200)]
+    steps: u64,
+    #[arg(long, default_value_t = 20)]
+    interval_ms: u64,
+    /// Device memory to hold.
+    #[arg(long, default_value_t = 1024)]
+    mem_mib: u64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: i32,
 }
 
 #[derive(clap::Args, Clone)]
@@ -81,6 +105,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
         Kind::Pipe(a) => pipe_writer(&a)?,
         Kind::PipeReader(a) => pipe_reader(&a),
         Kind::Files(a) => files(&a)?,
+        Kind::CudaAbi => {
+            for (k, v) in hiber_core::engine::cuda::abi_layout() {
+                println!("{k} {v}");
+            }
+            true
+        }
+        Kind::Gpu(a) => gpu::run(&gpu::GpuRun { mem_mib: a.mem_mib, steps: a.steps, interval_ms: a.interval_ms, seed: a.seed, device: a.device })
+            .map_err(|e| CliError::new(FAILED, format!("gpu workload: {e}")))?,
     };
     if ok {
         Ok(())

@@ -1,0 +1,46 @@
+"""PyTorch training with a fixed seed, for hiber's GPU suite.
+
+Prints `step N checksum X t MS loss L` per step, where X is the loss's float32 bits in hex:
+a restored run must reproduce an uninterrupted run's trajectory bit for bit.
+"""
+import argparse
+import os
+import struct
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=300)
+p.add_argument("--interval-ms", type=int, default=20)
+p.add_argument("--extra-gib", type=float, default=2.0, help="extra device memory held, with known content")
+args = p.parse_args()
+
+torch.manual_seed(1234)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+dev = torch.device("cuda")
+model = torch.nn.Sequential(
+    torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 10)
+).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+g = torch.Generator(device=dev)
+g.manual_seed(99)
+extra = torch.arange(int(args.extra_gib * (1 << 30) // 8), device=dev, dtype=torch.int64)
+print(f"start train steps {args.steps} pid {os.getpid()} torch {torch.__version__}", flush=True)
+for step in range(args.steps):
+    x = torch.randn(256, 512, device=dev, generator=g)
+    y = torch.randint(0, 10, (256,), device=dev, generator=g)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    val = loss.item()
+    bits = struct.unpack("<I", struct.pack("<f", val))[0]
+    print(f"step {step} checksum {bits:08x} t {int(time.time() * 1000)} loss {val:.9g}", flush=True)
+    time.sleep(args.interval_ms / 1000)
+# The extra memory must have survived intact.
+ok = bool(torch.equal(extra, torch.arange(extra.numel(), device=dev, dtype=torch.int64)))
+print("verify ok extra memory intact" if ok else "verify FAILED extra memory", flush=True)
+raise SystemExit(0 if ok else 1)

@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""hiber's GPU suite: every GPU scenario in one call on the GPU machine.
+
+Uses hiber and CRIU built on the build machine and carried in .carry/ (scripts/gpu-carry.sh),
+builds its test programs here with nvcc, runs each scenario, prints a table of passed /
+failed / skipped-with-reason, and writes the run (date, GPU, driver, commit, per-scenario
+results, timings, image sizes) to $OUT/results.md and $OUT/results.json.
+
+Each scenario asserts the restored program's own state: it resumes at the next step with
+the original's checksum trajectory, and its final word-by-word check passes.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CARRY = REPO / ".carry"
+HIBER = str(CARRY / "bin" / "hiber")
+OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
+STATE = Path("/tmp/hiber-gpu-state")
+BUILD = Path("/tmp/hiber-gpu-build")
+ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "criu"), PYTHONUNBUFFERED="1")
+ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
+
+results = []
+
+
+class Skip(Exception):
+    pass
+
+
+def sh(*args, check=True, env=None, timeout=600):
+    p = subprocess.run(list(map(str, args)), capture_output=True, text=True, env=env or ENV, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return p
+
+
+def hiber(*args, check=True, env=None):
+    return sh(HIBER, *args, check=check, env=env)
+
+
+def hiber_json(*args, env=None):
+    return json.loads(hiber(*args, "--json", env=env).stdout)
+
+
+def log(job):
+    try:
+        return (STATE / "jobs" / job / "stdout.log").read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def progress(job, prefix=""):
+    out = []
+    for line in log(job).splitlines():
+        f = line.split()
+        if line.startswith(prefix + "step ") and len(f) >= 4:
+            g = line[len(prefix):].split()
+            out.append((int(g[1]), g[3]))
+    return out
+
+
+def wait(what, limit, cond):
+    start = time.time()
+    while not cond():
+        if time.time() - start > limit:
+            raise AssertionError(f"timed out after {limit}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_step(job, step, limit=120):
+    wait(f"{job} to reach step {step}", limit, lambda: progress(job) and progress(job)[-1][0] >= step)
+
+
+def state_of(job):
+    for j in hiber_json("ls")["jobs"]:
+        if j["name"] == job:
+            return j["state"]
+    return None
+
+
+def assert_verified(job, limit=300):
+    wait(f"{job} to finish", limit, lambda: state_of(job) != "running")
+    st, text = state_of(job), log(job)
+    tail = "\n".join(text.splitlines()[-6:])
+    assert st == "exited(0)", f"{job} ended as {st}:\n{tail}"
+    assert any(l.startswith("verify ok") for l in text.splitlines()), f"{job} did not verify:\n{tail}"
+
+
+def assert_continues(original, copy, start):
+    assert copy and copy[0][0] == start, f"copy resumes at {copy[0][0] if copy else None}, expected {start}"
+    orig = dict(original)
+    for step, s in copy:
+        if step in orig:
+            assert orig[step] == s, f"checksum differs at step {step}: {orig[step]} vs {s}"
+    for a, b in zip(copy, copy[1:]):
+        assert b[0] == a[0] + 1, f"steps not consecutive: {a[0]} then {b[0]}"
+
+
+def cleanup():
+    if (STATE / "jobs").exists():
+        for j in (STATE / "jobs").iterdir():
+            hiber("rm", "-f", j.name, check=False)
+    shutil.rmtree(STATE / "images", ignore_errors=True)
+
+
+def image_of(name):
+    return str(STATE / "images" / name)
+
+
+def cuda_section(image):
+    m = json.loads((Path(image) / "manifest.json").read_text())
+    for d in m["devices"]:
+        if d["engine"] == "cuda":
+            return d["state"]
+    return None
+
+
+def stop_and_restore(job, at, metrics, restore_args=()):
+    """Checkpoint (stopping the job), restore, and check the copy continues intact."""
+    wait_step(job, at)
+    img = image_of(job)
+    ck = hiber_json("checkpoint", job, "--out", img)
+    sec = cuda_section(img)
+    assert sec and sec["processes"], "the image records the CUDA processes"
+    before = progress(job)
+    rs = hiber_json("restore", img, "--name", job + "-r", *restore_args)
+    assert_verified(job + "-r")
+    assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
+    metrics.update(
+        checkpoint_s=round(ck["total_seconds"], 2),
+        driver_checkpoint_s=round(sec["checkpoint_seconds"], 2),
+        dump_s=round(ck["dump_seconds"], 2),
+        restore_s=round(rs["total_seconds"], 2),
+        restore_devices_s=round(rs["devices_seconds"], 2),
+        image_mib=ck["image_bytes"] >> 20,
+        gpu_mib=sum(p["memory_bytes"] for p in sec["processes"]) >> 20,
+    )
+    return img
+
+
+SCENARIOS = []
+
+
+def scenario(fn):
+    SCENARIOS.append(fn)
+    return fn
+
+
+@scenario
+def abi_matches_cuda_h(m):
+    cuda_h = next((p for p in ["/usr/local/cuda/include/cuda.h"] + [str(x) for x in Path("/usr/local").glob("cuda*/include/cuda.h")] if Path(p).exists()), None)
+    if not cuda_h:
+        raise Skip("no cuda.h found")
+    sh("gcc", "-I", str(Path(cuda_h).parent), REPO / "gpu/programs/abi.c", "-o", BUILD / "abi")
+    c = sh(BUILD / "abi").stdout
+    r = hiber("workload", "cuda-abi").stdout
+    assert c == r, f"layout differs:\ncuda.h:\n{c}\nhiber:\n{r}"
+    m["cuda_h"] = cuda_h
+
+
+@scenario
+def doctor_sees_the_driver(m):
+    out = hiber("doctor").stdout
+    assert "checkpoint API present" in out, out
+    m["doctor"] = [l for l in out.splitlines() if "nvidia" in l][0].strip()
+
+
+@scenario
+def cuda_cpp_static_cudart_1gib(m):
+    ldd = sh("ldd", BUILD / "counter", check=False).stdout
+    assert "libcudart" not in ldd, "built with static cudart"
+    hiber("run", "--name", "counter", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    stop_and_restore("counter", 40, m)
+
+
+@scenario
+def pytorch_training_identical_loss(m):
+    steps = "160"
+    ref = sh("python3", REPO / "gpu/programs/train.py", "--steps", steps, timeout=300).stdout
+    ref_traj = [(int(l.split()[1]), l.split()[3]) for l in ref.splitlines() if l.startswith("step ")]
+    assert len(ref_traj) == int(steps), "reference run completed"
+    hiber("run", "--name", "train", "--", "python3", REPO / "gpu/programs/train.py", "--steps", steps)
+    stop_and_restore("train", 50, m)
+    combined = progress("train") + progress("train-r")
+    assert combined == ref_traj, "loss trajectory differs from the uninterrupted run"
+    m["loss_steps_compared"] = len(combined)
+    m["final_loss"] = log("train-r").splitlines()[-2].split()[-1]
+
+
+@scenario
+def two_gpu_processes_in_one_job(m):
+    hiber("run", "--name", "pair", "--", BUILD / "counter", "--fork", "--mib", "2048", "--steps", "300")
+    wait("the child's progress", 120, lambda: len(progress("pair", "child ")) > 40)
+    img = stop_and_restore("pair", 40, m)
+    assert len(cuda_section(img)["processes"]) == 2, "both processes were checkpointed by the driver"
+    assert "verify ok both processes" in log("pair-r")
+    child = progress("pair-r", "child ")
+    assert child and child[-1][0] == 299, "the child ran to the end too"
+
+
+@scenario
+def leave_running_gpu_job(m):
+    hiber("run", "--name", "live", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    wait_step("live", 40)
+    img = image_of("live")
+    ck = hiber_json("checkpoint", "live", "--leave-running", "--out", img)
+    at = progress("live")[-1][0]
+    wait_step("live", at + 10)
+    rs = hiber_json("restore", img, "--name", "live-copy")
+    assert state_of("live") == "running", "original and copy run side by side"
+    assert_verified("live")
+    assert_verified("live-copy")
+    copy = progress("live-copy")
+    assert copy[0][0] <= at + 1
+    assert_continues(progress("live"), copy, copy[0][0])
+    m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20)
+
+
+@scenario
+def gpu_map_by_uuid_same_gpu(m):
+    uuid = sh("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
+    hiber("run", "--name", "mapped", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    stop_and_restore("mapped", 40, m, restore_args=("--gpu-map", f"{uuid}={uuid}"))
+    m["map"] = f"{uuid}={uuid}"
+
+
+@scenario
+def lock_timeout_keeps_the_process_running(m):
+    hiber("run", "--name", "busy", "--", BUILD / "counter", "--mib", "256", "--steps", "120", "--spin-at", "20", "--spin-ms", "10000")
+    wait("the long kernel", 120, lambda: "spin" in log("busy"))
+    time.sleep(0.5)
+    env = dict(ENV, HIBER_CUDA_LOCK_TIMEOUT_MS="1500")
+    p = hiber("checkpoint", "busy", "--out", image_of("busy"), check=False, env=env)
+    assert p.returncode == 1, f"checkpoint should fail: {p.returncode}\n{p.stderr}"
+    assert "lock" in p.stderr and "keeps running" in p.stderr, p.stderr
+    assert not Path(image_of("busy")).exists(), "no image left"
+    m["error"] = p.stderr.strip().splitlines()[0][:160]
+    assert_verified("busy")
+
+
+@scenario
+def restore_refused_without_enough_gpu_memory(m):
+    hiber("run", "--name", "big", "--", BUILD / "counter", "--mib", "4096", "--steps", "300")
+    wait_step("big", 20)
+    img = image_of("big")
+    hiber("checkpoint", "big", "--out", img)
+    hog = subprocess.Popen([str(BUILD / "counter"), "--hog-free-mib", "1024"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "hogging" in hog.stdout.readline()
+        p = hiber("restore", img, "--name", "big-r", check=False)
+        assert p.returncode == 1 and "MiB free" in p.stderr, p.stderr
+        assert state_of("big-r") is None, "no job left behind"
+        m["error"] = p.stderr.strip().splitlines()[0][:160]
+    finally:
+        hog.kill()
+        hog.wait()
+    time.sleep(1)
+    hiber("restore", img, "--name", "big-r")
+    assert_verified("big-r")
+
+
+@scenario
+def hiber_demo_on_the_gpu(m):
+    p = hiber("demo", "--mem-mib", "2048")
+    assert "GPU workload" in p.stdout and "demo passed" in p.stdout, p.stdout
+    m["report"] = [l.strip() for l in p.stdout.splitlines() if l.strip()]
+
+
+def machine():
+    q = sh("nvidia-smi", "--query-gpu=name,driver_version,memory.total,uuid", "--format=csv,noheader", check=False).stdout.strip()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "gpus": q.splitlines(),
+        "kernel": os.uname().release,
+        "commit": os.environ.get("HIBER_COMMIT", "unknown"),
+        "criu": sh(CARRY / "bin/criu", "--version", check=False).stdout.split("\n")[0],
+        "nvcc": (sh("nvcc", "--version", check=False).stdout.strip().splitlines() or ["?"])[-1],
+    }
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(STATE, ignore_errors=True)
+    BUILD.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    print(json.dumps(info), flush=True)
+    build = sh("nvcc", "-O2", "-o", BUILD / "counter", REPO / "gpu/programs/counter.cu", check=False, timeout=300)
+    for fn in SCENARIOS:
+        name = fn.__name__
+        if ONLY and name not in ONLY:
+            continue
+        m = {}
+        start = time.time()
+        try:
+            if build.returncode != 0 and name not in ("abi_matches_cuda_h", "doctor_sees_the_driver", "hiber_demo_on_the_gpu"):
+                raise Skip("nvcc could not build counter.cu: " + build.stderr[-300:])
+            fn(m)
+            status = "passed"
+        except Skip as e:
+            status, m["reason"] = "skipped", str(e)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
+            status, m["reason"] = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
+        finally:
+            cleanup()
+        secs = round(time.time() - start, 1)
+        results.append({"scenario": name, "status": status, "seconds": secs, **m})
+        print(f"[{status}] {name} ({secs}s) {json.dumps(m)[:600]}", flush=True)
+    rows = ["| scenario | result | time | checkpoint | driver ckpt | restore | GPU mem | image |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        g = lambda k, u="": f"{r[k]}{u}" if k in r else ""  # noqa: E731
+        rows.append(f"| {r['scenario']} | {r['status']}{(': ' + r['reason'][:120]) if r['status'] != 'passed' else ''} | {r['seconds']}s | {g('checkpoint_s', 's')} | {g('driver_checkpoint_s', 's')} | {g('restore_s', 's')} | {g('gpu_mib', ' MiB')} | {g('image_mib', ' MiB')} |")
+    counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "skipped")}
+    head = f"## GPU suite run {info['date']}\n\n- GPU: {'; '.join(info['gpus'])}\n- kernel {info['kernel']}, {info['criu']}, {info['nvcc']}\n- hiber commit {info['commit']}\n\n"
+    md = head + "\n".join(rows) + f"\n\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped\n"
+    (OUT / "results.md").write_text(md)
+    (OUT / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
+    print("\n" + md, flush=True)
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", flush=True)
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

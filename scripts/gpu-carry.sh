@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Prepares .carry/ for the GPU machine (which has no package registries): a release hiber,
+# CRIU with the shared libraries it needs beyond glibc, and a wrapper that points CRIU at
+# them. The GPU suite (gpu/suite.py) runs from there.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+bash "$repo/scripts/setup.sh"
+carry=$repo/.carry
+rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib"
+install -m 0755 -s "$repo/target/release/hiber" "$carry/bin/hiber"
+criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
+install -m 0755 "$criu" "$carry/bin/criu.real"
+# Every library CRIU links that is not part of glibc travels with it.
+ldd "$criu" | awk '/=> \//{print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+        libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*) ;;
+        *) cp -L "$lib" "$carry/lib/" ;;
+    esac
+done
+cat >"$carry/bin/criu" <<'WRAP'
+#!/bin/sh
+here=$(dirname "$(readlink -f "$0")")
+LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/criu.real" "$@"
+WRAP
+chmod 0755 "$carry/bin/criu"
+du -sh "$carry"
