@@ -74,7 +74,7 @@ def wait(what, limit, cond):
         time.sleep(0.05)
 
 
-def wait_step(job, step, limit=120):
+def wait_step(job, step, limit=60):
     wait(f"{job} to reach step {step}", limit, lambda: progress(job) and progress(job)[-1][0] >= step)
 
 
@@ -101,6 +101,16 @@ def assert_continues(original, copy, start):
             assert orig[step] == s, f"checksum differs at step {step}: {orig[step]} vs {s}"
     for a, b in zip(copy, copy[1:]):
         assert b[0] == a[0] + 1, f"steps not consecutive: {a[0]} then {b[0]}"
+
+
+def job_log_tails():
+    """The last lines of every job's logs and of CRIU's kept logs, for a failure report."""
+    out = {}
+    for f in sorted(STATE.glob("jobs/*/std*.log")) + sorted(STATE.glob("logs/*/*.log"))[-4:]:
+        lines = f.read_text(errors="replace").splitlines()
+        if lines:
+            out[str(f.relative_to(STATE))] = lines[-4:]
+    return out
 
 
 def cleanup():
@@ -307,6 +317,7 @@ def main():
             status, m["reason"] = "skipped", str(e)
         except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
             status, m["reason"] = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
+            m["logs"] = job_log_tails()
         finally:
             cleanup()
         secs = round(time.time() - start, 1)

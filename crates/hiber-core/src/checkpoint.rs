@@ -116,6 +116,12 @@ fn check_space(dest: &Path, tree: &[ProcessInfo]) -> Result<(), CheckpointError>
     }
 }
 
+/// Whether `pid` lives in a mount namespace other than hiber's.
+fn own_mount_namespace(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();
+    matches!((ns(&pid.to_string()), ns("self")), (Some(a), Some(b)) if a != b)
+}
+
 pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointReport, CheckpointError> {
     let started = Instant::now();
     let tree = preflight(req.pid)?;
@@ -206,6 +212,7 @@ fn run_steps(
             pid: req.pid,
             leave_running: req.leave_running,
             pid_namespace: root.ns_pid == 1 && root.pid != 1,
+            mount_namespace: own_mount_namespace(req.pid),
             stdout: std_path(1),
             stderr: std_path(2),
             shell_job: false,
@@ -218,7 +225,14 @@ fn run_steps(
     let dump_start = Instant::now();
     let mut commit_error: Option<ImageError> = None;
     let criu_dir = writer.criu_dir();
-    let opts = DumpOptions { pid: req.pid, images_dir: &criu_dir, work_dir: &work, leave_running: req.leave_running, shell_job: false };
+    let opts = DumpOptions {
+        pid: req.pid,
+        images_dir: &criu_dir,
+        work_dir: &work,
+        leave_running: req.leave_running,
+        shell_job: false,
+        external_mounts: manifest.source.mount_namespace,
+    };
     let dumped = ctx.criu.dump(&opts, &mut |script| {
         if script != "post-dump" {
             return Ok(());

@@ -3,6 +3,11 @@
 //! A job's root runs as the init of its own PID namespace and leads its own session there,
 //! with stdin from /dev/null and stdout/stderr appended to the job's log files: that is
 //! what lets CRIU restore it while the original still runs, several times side by side.
+//! It also gets its own mount namespace, with a /proc of its PID namespace: the CUDA
+//! driver looks itself up under /proc/<getpid()> and fails (CUDA_ERROR_OPERATING_SYSTEM)
+//! with the host's /proc. Every other mount is the host's, which CRIU treats as external
+//! (bind-mounted back on restore). The job's files are opened inside the namespace, so
+//! that CRIU finds their mounts there.
 //! The root's parent is a small shim (a forked hiber, detached from the caller's session)
 //! that records the root's exit status in the job directory. `hiber restore` uses the same
 //! shim, which then becomes the parent of the restored tree.
@@ -91,19 +96,20 @@ fn run_shim(job_dir: &Path, devnull: &File, wr: OwnedFd, start: impl FnOnce() ->
 pub struct Command {
     argv: Vec<CString>,
     cwd: CString,
-    stdout: File,
-    stderr: File,
+    stdout: CString,
+    stderr: CString,
 }
 
 impl Command {
-    pub fn new(argv: &[String], cwd: &Path, stdout: File, stderr: File) -> Result<Command, LaunchError> {
+    /// `stdout` and `stderr` are files the job appends to (they should exist).
+    pub fn new(argv: &[String], cwd: &Path, stdout: &Path, stderr: &Path) -> Result<Command, LaunchError> {
         let bad = |what: &str| LaunchError::Start(format!("{what} contains a NUL byte"));
         if argv.is_empty() {
             return Err(LaunchError::Start("no command given".into()));
         }
         let argv = argv.iter().map(|a| CString::new(a.as_bytes()).map_err(|_| bad("the command"))).collect::<Result<_, _>>()?;
-        let cwd = CString::new(cwd.as_os_str().as_encoded_bytes()).map_err(|_| bad("the working directory"))?;
-        Ok(Command { argv, cwd, stdout, stderr })
+        let path = |p: &Path, what: &str| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| bad(what));
+        Ok(Command { argv, cwd: path(cwd, "the working directory")?, stdout: path(stdout, "the log path")?, stderr: path(stderr, "the log path")? })
     }
 }
 
@@ -111,9 +117,9 @@ impl Command {
 /// the command has been exec'd (or failed to be).
 pub fn start_in_namespace(cmd: Command) -> Started {
     let failed = |message: String| Started::Failed { message, hint: None, log: None };
-    if let Err(e) = sys::unshare_pid_namespace() {
+    if let Err(e) = sys::unshare_pid_and_mount_namespaces() {
         return Started::Failed {
-            message: format!("cannot create a PID namespace: {e}"),
+            message: format!("cannot create PID and mount namespaces: {e}"),
             hint: Some("hiber run needs root (or CAP_SYS_ADMIN)".into()),
             log: None,
         };
@@ -152,21 +158,22 @@ pub fn start_in_namespace(cmd: Command) -> Started {
     }
 }
 
-/// In the namespace's init: own session, stdio, working directory, then exec.
+/// In the namespace's init: own session, a /proc of its own, stdio opened inside the
+/// mount namespace, working directory, then exec.
 fn exec_job(cmd: &Command, keep: RawFd) -> std::io::Error {
     if let Err(e) = sys::setsid() {
         return e;
     }
-    let devnull: RawFd = match File::open("/dev/null") {
-        Ok(f) => {
-            let fd = f.as_raw_fd();
-            std::mem::forget(f);
-            fd
-        }
-        Err(e) => return e,
+    if let Err(e) = sys::mount_private_proc() {
+        return e;
+    }
+    let open = |path: &std::ffi::CStr, write: bool| sys::open_for_stdio(path, write);
+    let fds = match (open(c"/dev/null", false), open(&cmd.stdout, true), open(&cmd.stderr, true)) {
+        (Ok(a), Ok(b), Ok(c)) => [a, b, c],
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
     };
-    for (from, to) in [(devnull, 0), (cmd.stdout.as_raw_fd(), 1), (cmd.stderr.as_raw_fd(), 2)] {
-        if let Err(e) = sys::dup2(from, to) {
+    for (to, from) in fds.iter().enumerate() {
+        if let Err(e) = sys::dup2(*from, to as RawFd) {
             return e;
         }
     }

@@ -153,7 +153,7 @@ fn restore_into_job(
     let criu_dir = image.criu_dir();
     let criu_start = Instant::now();
     let started_report = launch::spawn_shim(job_dir, || {
-        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, shell_job: false };
+        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, shell_job: false, external_mounts: src.mount_namespace };
         match ctx.criu.restore(&opts, &mut |_| Ok(())) {
             Ok(pid) => Started::Running { pid },
             Err(e) => Started::Failed {

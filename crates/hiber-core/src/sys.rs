@@ -58,11 +58,30 @@ pub fn setsid() -> io::Result<()> {
     Ok(())
 }
 
-/// Moves the *children* of the caller into a new PID namespace.
-pub fn unshare_pid_namespace() -> io::Result<()> {
+/// Moves the caller into a new mount namespace whose mounts no longer propagate to or
+/// from the host's, and its *children* into a new PID namespace.
+pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
     // SAFETY: unshare has no memory-safety preconditions.
-    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID) })?;
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS) })?;
+    // SAFETY: every pointer is either NULL or a NUL-terminated literal.
+    cvt(unsafe { libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) })?;
     Ok(())
+}
+
+/// Mounts a /proc for the caller's PID namespace over the inherited one.
+pub fn mount_private_proc() -> io::Result<()> {
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: every pointer is either NULL or a NUL-terminated literal.
+    cvt(unsafe { libc::mount(c"proc".as_ptr(), c"/proc".as_ptr(), c"proc".as_ptr(), flags, std::ptr::null()) })?;
+    Ok(())
+}
+
+/// Opens a file for a job's stdio: read-only, or write-only appending (created 0600).
+/// The descriptor is close-on-exec; dup2 it onto 0, 1 or 2.
+pub fn open_for_stdio(path: &std::ffi::CStr, write: bool) -> io::Result<RawFd> {
+    let flags = libc::O_CLOEXEC | if write { libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT } else { libc::O_RDONLY };
+    // SAFETY: `path` is NUL-terminated; the mode argument is read only with O_CREAT.
+    cvt(unsafe { libc::open(path.as_ptr(), flags, 0o600 as libc::c_uint) })
 }
 
 pub enum Fork {

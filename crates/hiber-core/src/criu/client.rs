@@ -91,6 +91,9 @@ pub struct DumpOptions<'a> {
     pub work_dir: &'a Path,
     pub leave_running: bool,
     pub shell_job: bool,
+    /// The tree has a mount namespace of its own whose mounts are the host's (a hiber
+    /// job): dump them as external mounts, to be bind-mounted back on restore.
+    pub external_mounts: bool,
 }
 
 pub struct RestoreOptions<'a> {
@@ -100,6 +103,8 @@ pub struct RestoreOptions<'a> {
     /// regular file, its path without the leading '/').
     pub inherit: Vec<(String, RawFd)>,
     pub shell_job: bool,
+    /// See [`DumpOptions::external_mounts`]; the namespace is rebuilt on `/`.
+    pub external_mounts: bool,
 }
 
 /// A located CRIU binary.
@@ -181,6 +186,9 @@ impl Criu {
             ext_unix_sk: Some(true),
             tcp_established: Some(true),
             notify_scripts: Some(true),
+            auto_ext_mnt: Some(opts.external_mounts),
+            ext_sharing: Some(opts.external_mounts),
+            ext_masters: Some(opts.external_mounts),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("dump.log".into()),
             log_level: Some(4),
@@ -210,6 +218,10 @@ impl Criu {
             tcp_established: Some(true),
             notify_scripts: Some(true),
             inherit_fd: inherit,
+            auto_ext_mnt: Some(opts.external_mounts),
+            ext_sharing: Some(opts.external_mounts),
+            ext_masters: Some(opts.external_mounts),
+            root: opts.external_mounts.then(|| "/".to_string()),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("restore.log".into()),
             log_level: Some(4),

@@ -26,6 +26,10 @@ pub struct Source {
     pub leave_running: bool,
     /// The tree's root lives in a PID namespace of its own (a hiber job).
     pub pid_namespace: bool,
+    /// ... and in a mount namespace of its own, whose mounts (but its /proc) are the
+    /// host's: CRIU restores it with `/` as root and those mounts as external.
+    #[serde(default)]
+    pub mount_namespace: bool,
     /// Paths of the root's stdout and stderr when they were regular files: a restore hands
     /// the new copy its own log files in their place.
     pub stdout: Option<String>,
@@ -99,6 +103,7 @@ impl Manifest {
                 pid: 0,
                 leave_running: false,
                 pid_namespace: false,
+                mount_namespace: false,
                 stdout: None,
                 stderr: None,
                 shell_job: false,

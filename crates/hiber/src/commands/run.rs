@@ -30,9 +30,10 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     let name = name.unwrap_or_else(|| registry.free_name(&base));
     let dir = registry.create_dir(&name)?;
     let started = (|| {
-        let (stdout, stderr) = registry.open_logs(&name)?;
+        registry.open_logs(&name)?;
         let cwd = std::env::current_dir()?;
-        let cmd = launch::Command::new(&command, &cwd, stdout, stderr).map_err(|e| CliError::new(FAILED, e.to_string()))?;
+        let cmd = launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name))
+            .map_err(|e| CliError::new(FAILED, e.to_string()))?;
         match launch::spawn_shim(&dir, move || launch::start_in_namespace(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
             Ok(Started::Failed { message, hint, .. }) => {
