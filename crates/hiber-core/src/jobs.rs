@@ -165,15 +165,19 @@ impl Registry {
     }
 
     pub fn state(&self, job: &Job) -> JobState {
-        if proctree::is_same_process(job.pid, job.start_time) {
-            return JobState::Running;
-        }
         if let Some(image) = &job.checkpointed_to {
-            return JobState::Checkpointed(image.clone());
+            if !proctree::is_same_process(job.pid, job.start_time) {
+                return JobState::Checkpointed(image.clone());
+            }
         }
-        match read_exit(&self.dir_of(&job.name)) {
-            Some(status) => JobState::Exited(status),
-            None => JobState::Gone,
+        // The shim writes the exit status before it reaps the root, so: a status means
+        // exited; no status and a live (or still exiting) root means running.
+        if let Some(status) = read_exit(&self.dir_of(&job.name)) {
+            return JobState::Exited(status);
+        }
+        match proctree::stat(job.pid) {
+            Ok(st) if st.start_time == job.start_time => JobState::Running,
+            _ => JobState::Gone,
         }
     }
 

@@ -85,9 +85,12 @@ fn run_shim(job_dir: &Path, devnull: &File, wr: OwnedFd, start: impl FnOnce() ->
     let _ = writeln!(wr, "{}", serde_json::to_string(&report).expect("report serializes"));
     drop(wr);
     if let Started::Running { pid } = report {
-        if let Ok(status) = sys::waitpid(pid) {
+        // Record the exit before reaping: while the root is a zombie the job still counts
+        // as running, so nobody sees it gone with no exit status.
+        if let Ok(status) = sys::wait_exited_keep_zombie(pid) {
             let _ = jobs::write_exit(job_dir, status);
         }
+        let _ = sys::waitpid(pid);
     }
     0
 }

@@ -66,6 +66,9 @@ pub struct RestoreRequest {
     pub image: PathBuf,
     pub name: Option<String>,
     pub devices: DeviceRestoreOptions,
+    /// Restore into a new network namespace with only loopback: for a copy that must not
+    /// clash with the original's sockets (the CUDA driver's abstract unix socket, say).
+    pub isolate_net: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -152,7 +155,14 @@ fn restore_into_job(
     let work = ctx.criu_work_dir("restore")?;
     let criu_dir = image.criu_dir();
     let criu_start = Instant::now();
+    let isolate_net = req.isolate_net;
     let started_report = launch::spawn_shim(job_dir, || {
+        // CRIU, and so the restored tree, inherit the shim's network namespace.
+        if isolate_net {
+            if let Err(e) = sys::unshare_network_namespace() {
+                return Started::Failed { message: format!("cannot create a network namespace: {e}"), hint: None, log: None };
+            }
+        }
         let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, shell_job: false, external_mounts: src.mount_namespace };
         match ctx.criu.restore(&opts, &mut |_| Ok(())) {
             Ok(pid) => Started::Running { pid },
@@ -202,6 +212,12 @@ fn restore_into_job(
 
 fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
     let src = &image.manifest.source;
+    if e.to_string().contains("Address already in use") {
+        return Some(
+            "a socket address of the image is taken, most likely by the original, which still runs; stop it first, or restore the copy with --isolate-net (its own network namespace, loopback only)"
+                .into(),
+        );
+    }
     if !src.pid_namespace && e.to_string().contains("already") {
         return Some(format!(
             "the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first",

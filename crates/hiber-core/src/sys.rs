@@ -68,6 +68,28 @@ pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
     Ok(())
 }
 
+/// Moves the caller into a new network namespace and brings its loopback up.
+pub fn unshare_network_namespace() -> io::Result<()> {
+    // SAFETY: unshare has no memory-safety preconditions.
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWNET) })?;
+    // SAFETY: socket takes plain integers.
+    let sock = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `sock` was just opened and is owned here.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: `req` names the interface; SIOCGIFFLAGS fills its flags union member.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) })?;
+    // SAFETY: reading and writing the flags member that SIOCGIFFLAGS filled.
+    unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    // SAFETY: `req` holds the name and the new flags.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) })?;
+    Ok(())
+}
+
 /// Mounts a /proc for the caller's PID namespace over the inherited one.
 pub fn mount_private_proc() -> io::Result<()> {
     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
@@ -144,6 +166,28 @@ pub fn waitpid(pid: i32) -> io::Result<ExitStatus> {
     } else {
         ExitStatus::Code(libc::WEXITSTATUS(status))
     })
+}
+
+/// Waits until child `pid` has exited and returns its status, but leaves it a zombie
+/// (`WNOWAIT`): until the caller reaps it with [`waitpid`], its PID stays taken, so others
+/// can tell "still exiting" from "gone".
+pub fn wait_exited_keep_zombie(pid: i32) -> io::Result<ExitStatus> {
+    loop {
+        // SAFETY: siginfo_t is plain old data; all-zero is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid out-pointer for waitid.
+        let r = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: waitid filled `info` for a CLD_* event, for which si_status is valid.
+        let status = unsafe { info.si_status() };
+        return Ok(if info.si_code == libc::CLD_EXITED { ExitStatus::Code(status) } else { ExitStatus::Signal(status) });
+    }
 }
 
 /// Sends `sig` to `pid`. `Ok(false)` when the process no longer exists.

@@ -102,8 +102,15 @@ fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
     h.wait_step("leave", at + 5);
     h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-copy"]);
     assert_eq!(h.state_of("leave"), "running", "original and copy run side by side");
+    // A third copy in a network namespace of its own.
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-iso", "--isolate-net"]);
+    let net = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_ne!(net(h.pid_of("leave-iso")), net(pid), "--isolate-net gives the copy its own network namespace");
+    assert_eq!(net(h.pid_of("leave-copy")), net(pid));
     h.assert_verified("leave", LONG);
     h.assert_verified("leave-copy", LONG);
+    h.assert_verified("leave-iso", LONG);
+    assert_eq!(h.progress("leave-iso"), h.progress("leave-copy"));
     let copy = h.progress("leave-copy");
     let first = copy[0].0;
     assert!(first > 20 && first <= at + 1, "copy resumes at the checkpoint ({first})");

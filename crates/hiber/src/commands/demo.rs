@@ -102,7 +102,7 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
 
     let restored = restore(
         ctx,
-        &RestoreRequest { image: report.image.clone(), name: Some(format!("{}-restored", job.name)), devices: DeviceRestoreOptions::default() },
+        &RestoreRequest { image: report.image.clone(), name: Some(format!("{}-restored", job.name)), devices: DeviceRestoreOptions::default(), isolate_net: false },
     )?;
     println!("  restored as job {} (pid {}) in {}", restored.job.name, restored.job.pid, secs(restored.total));
     wait_until("the restored workload to finish", Duration::from_secs(steps / 10 + 120), || registry.state(&restored.job) != JobState::Running)?;

@@ -18,6 +18,10 @@ pub struct Args {
     /// image's on the left, this machine's on the right).
     #[arg(long, value_name = "OLD=NEW,...")]
     gpu_map: Option<String>,
+    /// Restore into a new network namespace with only loopback, so a copy does not clash
+    /// with the sockets of an original that still runs.
+    #[arg(long)]
+    isolate_net: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -29,7 +33,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         Some(s) => parse_gpu_map(s).map_err(|e| CliError::new(FAILED, format!("--gpu-map: {e}")).hint("write it as OLD=NEW[,OLD=NEW...]"))?,
         None => Vec::new(),
     };
-    let req = RestoreRequest { image: image_path(&ctx.state, &args.image), name: args.name, devices: DeviceRestoreOptions { gpu_map } };
+    let req = RestoreRequest { image: image_path(&ctx.state, &args.image), name: args.name, devices: DeviceRestoreOptions { gpu_map }, isolate_net: args.isolate_net };
     let report = restore(&ctx, &req)?;
     if args.json {
         let v = serde_json::json!({
