@@ -245,9 +245,8 @@ def leave_running_gpu_job(m):
     # needs its own network namespace for it (without, CRIU reports the address in use).
     m["sockets"] = abstract_sockets(json.loads((STATE / "jobs/live/job.json").read_text())["pid"])
     p = hiber("restore", img, "--name", "clash", check=False)
-    m["without_isolate_net"] = (p.stderr.strip().splitlines() or ["restored"])[0][:200]
-    if p.returncode == 0:
-        hiber("rm", "-f", "clash")
+    m["without_isolate_net"] = p.stderr.strip()[:400]
+    assert p.returncode == 1 and "--isolate-net" in p.stderr and state_of("clash") is None, p.stderr
     rs = hiber_json("restore", img, "--name", "live-copy", "--isolate-net")
     assert state_of("live") == "running", "original and copy run side by side"
     assert_verified("live")

@@ -31,7 +31,7 @@ pub enum RestoreError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Launch(#[from] LaunchError),
-    #[error("criu restore failed: {message}")]
+    #[error("{message}")]
     Criu { message: String, hint: Option<String>, log: Option<String> },
     #[error(transparent)]
     Tree(#[from] TreeError),

@@ -315,12 +315,13 @@ fn exchange(
         if resp.success {
             return Ok(resp);
         }
-        let detail = resp
-            .cr_errmsg
-            .clone()
-            .filter(|m| !m.is_empty())
-            .or_else(|| log.as_deref().and_then(last_error_line))
-            .or_else(|| log.as_deref().and_then(|l| last_error_line(&l.with_file_name(STDERR_FILE))));
+        // The log's last error says why it failed; CRIU's cr_errmsg is its first error,
+        // often a harmless one.
+        let detail = log
+            .as_deref()
+            .and_then(last_error_line)
+            .or_else(|| log.as_deref().and_then(|l| last_error_line(&l.with_file_name(STDERR_FILE))))
+            .or_else(|| resp.cr_errmsg.clone().filter(|m| !m.is_empty()));
         return Err(CriuError::Failed { op, errno: resp.cr_errno, detail, log });
     }
 }
@@ -338,14 +339,24 @@ fn recv(sock: &mut File) -> Result<rpc::CriuResp, CriuError> {
     rpc::CriuResp::decode(&buf[..n]).map_err(|e| CriuError::Protocol(format!("undecodable reply: {e}")))
 }
 
-/// The last line of a CRIU log that reports an error, for a one-line reason. CRIU is
-/// driven over RPC; its log is read only to explain a failure to a person.
+/// The last two errors of a CRIU log, oldest first, for a one-line reason: the last is
+/// often the consequence ("Unable to open fd=15"), the one before it the cause ("Can't
+/// bind ... Address already in use"). CRIU is driven over RPC; its log is read only to
+/// explain a failure to a person.
 fn last_error_line(log: &Path) -> Option<String> {
     let text = std::fs::read_to_string(log).ok()?;
-    let line = text.lines().rev().find(|l| l.contains("Error (") && !l.contains("Dumping FAILED") && !l.contains("Restoring FAILED"))?;
-    // "(00.123456) Error (criu/foo.c:12): message" -> "message"
-    let msg = line.split_once("): ").map(|(_, m)| m).unwrap_or(line);
-    Some(msg.trim().to_string())
+    // CRIU logs an error for an RLIMIT_NOFILE it may not raise and carries on: not a cause.
+    let mut errors: Vec<&str> = text
+        .lines()
+        .rev()
+        .filter(|l| l.contains("Error (") && !l.contains("Dumping FAILED") && !l.contains("Restoring FAILED") && !l.contains("RLIMIT_NOFILE"))
+        // "(00.123456)  1: Error (criu/foo.c:12): message" -> "message"
+        .map(|l| l.split_once("): ").map(|(_, m)| m).unwrap_or(l).trim())
+        .take(2)
+        .collect();
+    errors.dedup();
+    errors.reverse();
+    (!errors.is_empty()).then(|| errors.join("; "))
 }
 
 #[cfg(test)]
@@ -359,10 +370,10 @@ mod tests {
         let log = dir.join("dump.log");
         std::fs::write(
             &log,
-            "(00.000100) Error (criu/a.c:1): first\n(00.000200) Error (criu/files-reg.c:2175): File tmp/x has bad size 3 (expect 4)\n(00.000300) Error (criu/cr-dump.c:2111): Dumping FAILED.\n",
+            "(00.000100) Error (criu/a.c:1): first\n(00.000200) Error (criu/files-reg.c:2175): File tmp/x has bad size 3 (expect 4)\n(00.000250) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n(00.000300) Error (criu/cr-dump.c:2111): Dumping FAILED.\n",
         )
         .unwrap();
-        assert_eq!(last_error_line(&log).as_deref(), Some("File tmp/x has bad size 3 (expect 4)"));
+        assert_eq!(last_error_line(&log).as_deref(), Some("first; File tmp/x has bad size 3 (expect 4)"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
