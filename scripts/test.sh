@@ -5,4 +5,6 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 HIBER_SETUP_SKIP_BUILD=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
+# The benchmark's parsing and statistics (the benchmark itself runs on the GPU machine).
+python3 -m unittest discover -s bench -p 'test_*.py' -v 2>&1 | tail -n 3
 exec cargo test --workspace --locked "$@"

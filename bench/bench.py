@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""How long is the application stopped: hiber against the stock path, side by side.
+
+Runs on the GPU machine. For each workload (the GPU suite's CUDA C++ counter holding 1, 4,
+16 or 32 GiB, and a PyTorch model whose weights and AdamW state fill >= 8 GiB) and each
+repetition, the two contenders are alternated:
+
+- hiber: `hiber run`, `hiber checkpoint --leave-running`, `hiber restore` (defaults);
+- stock: the path NVIDIA documents for CRIU, with no hiber code: the workload started
+  detached, driver lock + checkpoint (bench/stock/cuda_ckpt.c), `criu dump
+  --leave-running`, driver restore + unlock, fsync of the image; then `criu restore -d`
+  and driver restore + unlock.
+
+Per sample: downtime (the longest gap in the workload's own progress timestamps around the
+checkpoint), time until the image is durable, restore time until the workload prints
+progress again (page cache, then cold cache), image size on disk, and the peak RSS of the
+checkpointing processes. The ceilings (pinned host<->device copy, disk write and read) are
+measured in the same run.
+
+    python3 bench/bench.py [--sizes 1,4,16,32] [--pytorch-gib 8] [--reps 3] [--tag NAME]
+    python3 bench/bench.py --report bench/results/*.json     # merge runs into one table
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import downtime_ms, first_progress_after, parse_progress, ratios, table, typical_gap_ms  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CARRY = REPO / ".carry"
+HIBER = str(CARRY / "bin" / "hiber")
+CRIU = str(CARRY / "bin" / "criu")
+WORK = Path("/var/tmp/hiber-bench")
+BUILD = WORK / "build"
+STATE = WORK / "state"
+ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=CRIU, PYTHONUNBUFFERED="1")
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+def run(args):
+    """Runs a command to completion and returns its stdout; raises with its stderr."""
+    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=ENV)
+    if p.returncode != 0:
+        raise RuntimeError(f"{args[0]} {' '.join(map(str, args[1:3]))} failed ({p.returncode}): {p.stderr.strip()[-600:]}")
+    return p.stdout
+
+
+def run_rss(args):
+    """Runs a command; returns (stdout, peak RSS in bytes of it and the children it reaped)."""
+    p = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    _, status, ru = os.wait4(p.pid, 0)
+    out, err = p.stdout.read().decode(), p.stderr.read().decode()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{args[0]} {' '.join(map(str, args[1:3]))} failed ({p.returncode}): {err.strip()[-600:]}")
+    return out, ru.ru_maxrss * 1024
+
+
+def drop_caches():
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def fsync_tree(root):
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        fd = os.open(d, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def du(root):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+def wait_for(what, limit, cond):
+    start = time.time()
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.time() - start > limit:
+            raise RuntimeError(f"timed out after {limit}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def pid_gone(pid):
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+        return st.rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+class Workload:
+    def __init__(self, name, argv, ready_step):
+        self.name, self.argv, self.ready_step = name, argv, ready_step
+
+
+def counter(gib):
+    return Workload(f"{gib} GiB", [BUILD / "counter", "--mib", str(gib * 1024), "--steps", "1000000000", "--interval-ms", "10"], 20)
+
+
+def pytorch(gib):
+    return Workload(f"PyTorch {gib} GiB", ["python3", REPO / "bench/programs/train_big.py", "--gib", str(gib)], 5)
+
+
+class Hiber:
+    name = "hiber"
+
+    def start(self, w):
+        run([HIBER, "run", "--name", "bw", "--"] + w.argv)
+        return json.loads((STATE / "jobs/bw/job.json").read_text())["pid"]
+
+    def log(self, job="bw"):
+        try:
+            return (STATE / "jobs" / job / "stdout.log").read_text()
+        except FileNotFoundError:
+            return ""
+
+    def checkpoint(self, pid, img):
+        _, rss = run_rss([HIBER, "checkpoint", "bw", "--leave-running", "--out", img])
+        return rss  # hiber returns once the image is fsync'd and renamed into place
+
+    def kill(self, job="bw"):
+        run([HIBER, "rm", "-f", job])
+
+    def restore(self, img, job):
+        run([HIBER, "restore", img, "--name", job])
+        return job
+
+
+class Stock:
+    name = "stock"
+
+    def start(self, w):
+        self.logf = WORK / "stock.log"
+        self.logf.unlink(missing_ok=True)
+        # ">>": O_WRONLY|O_APPEND, which CRIU does not size-check on restore.
+        with open(self.logf, "ab") as out:
+            self.proc = subprocess.Popen([str(a) for a in w.argv], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=ENV)
+        self.pid = self.proc.pid
+        return self.pid
+
+    def log(self, job=None):
+        return self.logf.read_text() if self.logf.exists() else ""
+
+    def checkpoint(self, pid, img):
+        img.mkdir(parents=True)
+        _, r1 = run_rss([BUILD / "cuda_ckpt", pid, "lock", "checkpoint"])
+        _, r2 = run_rss([CRIU, "dump", "-t", pid, "-D", img, "--leave-running", "-o", "dump.log"])
+        _, r3 = run_rss([BUILD / "cuda_ckpt", pid, "restore", "unlock"])
+        fsync_tree(img)
+        return max(r1, r2, r3)
+
+    def kill(self, job=None):
+        os.kill(self.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+            self.proc = None
+        wait_for("the process to go", 60, lambda: pid_gone(self.pid))
+
+    def restore(self, img, job):
+        run([CRIU, "restore", "-D", img, "-d", "-o", f"restore-{job}.log"])
+        run([BUILD / "cuda_ckpt", self.pid, "restore", "unlock"])
+        return None
+
+
+def one_sample(contender, w, rep):
+    img = WORK / "img"
+    shutil.rmtree(img, ignore_errors=True)
+    pid = contender.start(w)
+    try:
+        wait_for(f"{w.name} to make progress", 300, lambda: (parse_progress(contender.log()) or [(-1, 0)])[-1][0] >= w.ready_step)
+        t0 = now_ms()
+        rss = contender.checkpoint(pid, img)
+        t1 = now_ms()
+        wait_for("progress after the checkpoint", 120, lambda: first_progress_after(parse_progress(contender.log()), t1))
+        prog = parse_progress(contender.log())
+        at_step = prog[-1][0]
+        sample = {
+            "downtime_s": downtime_ms(prog, t0, t1) / 1000,
+            "typical_step_s": typical_gap_ms(prog, t0) / 1000,
+            "durable_s": (t1 - t0) / 1000,
+            "image_gib": du(img) / (1 << 30),
+            "ckpt_maxrss_gib": rss / (1 << 30),
+        }
+        contender.kill()
+        for kind in ("warm", "cold"):
+            job = f"bw-{kind}"
+            if kind == "cold":
+                drop_caches()
+            t2 = now_ms()
+            restored = contender.restore(img, job)
+            t3 = wait_for("progress after the restore", 300, lambda: first_progress_after(parse_progress(contender.log(restored)), t2, min_step=at_step - 50))
+            sample[f"restore_{kind}_s"] = (t3 - t2) / 1000
+            contender.kill(restored)
+        return sample
+    finally:
+        try:
+            contender.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        shutil.rmtree(img, ignore_errors=True)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+def ceilings():
+    """Pinned host<->device copy bandwidth, and the image disk's write and read bandwidth."""
+    code = r"""
+import torch, json
+n = 4 << 30
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True); d = torch.empty(n, dtype=torch.uint8, device="cuda")
+h.fill_(7); d.copy_(h); torch.cuda.synchronize()
+def bw(dst, src):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(5):
+        s.record(); dst.copy_(src, non_blocking=True); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) / 1000)
+    return n / sorted(ts)[2] / 1e9
+print(json.dumps({"pinned_h2d_GBps": bw(d, h), "pinned_d2h_GBps": bw(h, d)}))
+"""
+    out = json.loads(run(["python3", "-c", code]).strip().splitlines()[-1])
+    f = WORK / "ddtest"
+    size = 8 << 30
+    t = time.time()
+    run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={size >> 24}", "conv=fdatasync"])
+    out["disk_write_GBps"] = size / (time.time() - t) / 1e9
+    drop_caches()
+    t = time.time()
+    run(["dd", f"if={f}", "of=/dev/null", "bs=16M"])
+    out["disk_read_GBps"] = size / (time.time() - t) / 1e9
+    f.unlink()
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def machine():
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    df = subprocess.run(["df", "-h", str(WORK)], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": os.environ.get("HIBER_COMMIT", "unknown"), "disk": df, "cpus": os.cpu_count()}
+
+
+def report(paths):
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [r for run_ in runs for r in run_["rows"]]
+    lines = ["Medians with min–max over the repetitions. Downtime: the longest gap in the workload's own progress timestamps around the checkpoint (its normal step takes the time in the JSON's typical_step_s).", ""]
+    lines.append(table(rows))
+    lines.append("")
+    for w, x in ratios(rows).items():
+        lines.append(f"- {w}: stock downtime / hiber downtime = {x:.2f}")
+    lines.append("")
+    for run_ in runs:
+        m, c = run_["machine"], run_["ceilings"]
+        lines.append(f"- run {m['date']} ({', '.join(r['workload'] for r in run_['rows'][::2])}): {m['gpu']}, commit {m['commit']}, {m['cpus']} CPUs; ceilings: pinned H2D {c['pinned_h2d_GBps']} GB/s, D2H {c['pinned_d2h_GBps']} GB/s, disk write {c['disk_write_GBps']} GB/s, read {c['disk_read_GBps']} GB/s")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1,4,16,32")
+    ap.add_argument("--pytorch-gib", type=int, default=8, help="0 to skip")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tag", default="run")
+    ap.add_argument("--report", nargs="*")
+    a = ap.parse_args()
+    if a.report is not None:
+        print(report(a.report))
+        return 0
+    out = Path(os.environ.get("OUT") or "/tmp/hiber-bench-out")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(WORK, ignore_errors=True)
+    BUILD.mkdir(parents=True)
+    cuda_inc = "/usr/local/cuda/include"
+    run(["nvcc", "-O2", "-o", BUILD / "counter", REPO / "gpu/programs/counter.cu"])
+    run(["gcc", "-O2", "-I", cuda_inc, REPO / "bench/stock/cuda_ckpt.c", "-o", BUILD / "cuda_ckpt", "-ldl"])
+    result = {"machine": machine(), "ceilings": ceilings(), "rows": [], "errors": []}
+    print(json.dumps(result["machine"]), json.dumps(result["ceilings"]), flush=True)
+    workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
+    for w in workloads:
+        rows = {c.name: {"workload": w.name, "contender": c.name, "samples": {}} for c in (Hiber(), Stock())}
+        for rep in range(a.reps):
+            order = [Hiber(), Stock()] if rep % 2 == 0 else [Stock(), Hiber()]
+            for c in order:
+                try:
+                    s = one_sample(c, w, rep)
+                except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
+                    result["errors"].append({"workload": w.name, "contender": c.name, "rep": rep, "error": str(e)[-800:]})
+                    print(f"[error] {w.name} {c.name} rep {rep}: {e}", flush=True)
+                    continue
+                for k, v in s.items():
+                    rows[c.name]["samples"].setdefault(k, []).append(round(v, 3))
+                print(f"{w.name:>16} {c.name:>5} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
+        result["rows"] += [rows["hiber"], rows["stock"]]
+        (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
+    print()
+    print(table(result["rows"]))
+    print(json.dumps(result["ceilings"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""A PyTorch model whose weights, gradients and AdamW state fill --gib GiB of device memory,
+training on synthetic data and printing `step N checksum X t MS loss L` per step."""
+import argparse
+import os
+import struct
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--gib", type=float, default=8.0)
+p.add_argument("--interval-ms", type=int, default=10)
+args = p.parse_args()
+torch.manual_seed(0)
+width = 8192
+# fp32 weights + grads + two AdamW moments: 16 bytes per parameter.
+layers = max(1, round(args.gib * (1 << 30) / 16 / (width * width)))
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+x = torch.randn(64, width, device="cuda")
+print(f"start train_big layers {layers} params {sum(p.numel() for p in model.parameters())} pid {os.getpid()}", flush=True)
+step = 0
+while True:
+    loss = model(x).square().mean()
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+    v = loss.item()
+    print(f"step {step} checksum {struct.unpack('<I', struct.pack('<f', v))[0]:08x} t {int(time.time() * 1000)} loss {v:.6g}", flush=True)
+    step += 1
+    time.sleep(args.interval_ms / 1000)
