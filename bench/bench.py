@@ -97,14 +97,6 @@ def wait_for(what, limit, cond):
         time.sleep(0.02)
 
 
-def pid_gone(pid):
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-        return st.rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 class Workload:
     def __init__(self, name, argv, ready_step):
         self.name, self.argv, self.ready_step = name, argv, ready_step
@@ -171,10 +163,22 @@ class Stock:
         if self.proc is not None:
             self.proc.wait()
             self.proc = None
-        wait_for("the process to go", 60, lambda: pid_gone(self.pid))
+        else:
+            # A tree restored by `criu restore -d` is orphaned when CRIU exits; the bench
+            # is a child subreaper, so it is ours to reap, and its PID is free again for
+            # the next restore.
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+        wait_for("the process to go", 60, lambda: not Path(f"/proc/{self.pid}").exists())
 
     def restore(self, img, job):
-        run([CRIU, "restore", "-D", img, "-d", "-o", f"restore-{job}.log"])
+        try:
+            run([CRIU, "restore", "-D", img, "-d", "-o", f"restore-{job}.log"])
+        except RuntimeError as e:
+            errors = [l for l in (img / f"restore-{job}.log").read_text().splitlines() if "Error" in l]
+            raise RuntimeError(f"{e}; {' | '.join(errors[-3:])}") from None
         run([BUILD / "cuda_ckpt", self.pid, "restore", "unlock"])
         return None
 
@@ -279,6 +283,9 @@ def main():
     if a.report is not None:
         print(report(a.report))
         return 0
+    # PR_SET_CHILD_SUBREAPER: orphans of the stock path's `criu restore -d` come to us.
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
     out = Path(os.environ.get("OUT") or "/tmp/hiber-bench-out")
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(WORK, ignore_errors=True)
