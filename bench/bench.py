@@ -257,18 +257,43 @@ def machine():
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": os.environ.get("HIBER_COMMIT", "unknown"), "disk": df, "cpus": os.cpu_count()}
 
 
+def merge_rows(runs):
+    """Rows of several runs, one per (workload, contender), their samples concatenated:
+    repetitions of one workload may come from several calls (each call is limited to 10
+    minutes on the GPU machine; a 32 GiB pair of samples takes about 5)."""
+    merged = {}
+    for run_ in runs:
+        for r in run_["rows"]:
+            m = merged.setdefault((r["workload"], r["contender"]), {"workload": r["workload"], "contender": r["contender"], "samples": {}})
+            for k, v in r["samples"].items():
+                m["samples"].setdefault(k, []).extend(v)
+    order = sorted({w for w, _ in merged}, key=lambda w: (w.startswith("PyTorch"), float(w.split()[-2])))
+    return [merged[(w, c)] for w in order for c in ("hiber", "stock") if (w, c) in merged]
+
+
 def report(paths):
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    rows = [r for run_ in runs for r in run_["rows"]]
-    lines = ["Medians with min–max over the repetitions. Downtime: the longest gap in the workload's own progress timestamps around the checkpoint (its normal step takes the time in the JSON's typical_step_s).", ""]
-    lines.append(table(rows))
-    lines.append("")
+    rows = merge_rows(runs)
+    lines = [
+        "Medians with min–max over the repetitions (3 per row). Downtime: the longest gap in the workload's own progress",
+        "timestamps around a `--leave-running` checkpoint (its normal step takes 0.01–0.04 s). Image durable: until",
+        "the image is fsync'd (hiber: its command returns; stock: driver + `criu dump` + fsync). Restore: until the",
+        "workload prints progress again. Checkpointer peak RSS: of hiber and CRIU (stock: of CRIU and the driver client).",
+        "",
+        table(rows),
+        "",
+    ]
     for w, x in ratios(rows).items():
         lines.append(f"- {w}: stock downtime / hiber downtime = {x:.2f}")
     lines.append("")
-    for run_ in runs:
+    lines.append("Runs (each measured its own ceilings):")
+    lines.append("")
+    for p, run_ in zip(paths, runs):
         m, c = run_["machine"], run_["ceilings"]
-        lines.append(f"- run {m['date']} ({', '.join(r['workload'] for r in run_['rows'][::2])}): {m['gpu']}, commit {m['commit']}, {m['cpus']} CPUs; ceilings: pinned H2D {c['pinned_h2d_GBps']} GB/s, D2H {c['pinned_d2h_GBps']} GB/s, disk write {c['disk_write_GBps']} GB/s, read {c['disk_read_GBps']} GB/s")
+        lines.append(
+            f"- `{Path(p).name}`, {m['date']}: {m['gpu']}, hiber {m['commit']}, {m['cpus']} CPUs; "
+            f"pinned H2D {c['pinned_h2d_GBps']} GB/s, D2H {c['pinned_d2h_GBps']} GB/s, disk write {c['disk_write_GBps']} GB/s, read {c['disk_read_GBps']} GB/s"
+        )
     return "\n".join(lines)
 
 
