@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import downtime_ms, first_progress_after, parse_progress, ratios, table, typical_gap_ms  # noqa: E402
+from benchlib import downtime_ms, first_progress_after, merge_rows, parse_progress, ratios, table, typical_gap_ms  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry"
@@ -255,20 +255,6 @@ def machine():
     q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     df = subprocess.run(["df", "-h", str(WORK)], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": os.environ.get("HIBER_COMMIT", "unknown"), "disk": df, "cpus": os.cpu_count()}
-
-
-def merge_rows(runs):
-    """Rows of several runs, one per (workload, contender), their samples concatenated:
-    repetitions of one workload may come from several calls (each call is limited to 10
-    minutes on the GPU machine; a 32 GiB pair of samples takes about 5)."""
-    merged = {}
-    for run_ in runs:
-        for r in run_["rows"]:
-            m = merged.setdefault((r["workload"], r["contender"]), {"workload": r["workload"], "contender": r["contender"], "samples": {}})
-            for k, v in r["samples"].items():
-                m["samples"].setdefault(k, []).extend(v)
-    order = sorted({w for w, _ in merged}, key=lambda w: (w.startswith("PyTorch"), float(w.split()[-2])))
-    return [merged[(w, c)] for w in order for c in ("hiber", "stock") if (w, c) in merged]
 
 
 def report(paths):

@@ -90,3 +90,17 @@ def ratios(rows, metric="downtime_s", base="stock", other="hiber"):
         if c == other and s and by.get((w, base)):
             out[w] = by[(w, base)]["median"] / s["median"] if s["median"] else None
     return out
+
+
+def merge_rows(runs):
+    """Rows of several runs, one per (workload, contender), their samples concatenated:
+    repetitions of one workload may come from several calls (each call is limited to 10
+    minutes on the GPU machine; a 32 GiB pair of samples takes about 5)."""
+    merged = {}
+    for run_ in runs:
+        for r in run_["rows"]:
+            m = merged.setdefault((r["workload"], r["contender"]), {"workload": r["workload"], "contender": r["contender"], "samples": {}})
+            for k, v in r["samples"].items():
+                m["samples"].setdefault(k, []).extend(v)
+    order = sorted({w for w, _ in merged}, key=lambda w: (w.startswith("PyTorch"), float(w.split()[-2])))
+    return [merged[(w, c)] for w in order for c in ("hiber", "stock") if (w, c) in merged]

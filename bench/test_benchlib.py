@@ -1,7 +1,7 @@
 """Unit tests of the benchmark's parsing and statistics (run in CI by scripts/test.sh)."""
 import unittest
 
-from benchlib import downtime_ms, first_progress_after, parse_progress, ratios, summary, table, typical_gap_ms
+from benchlib import downtime_ms, first_progress_after, merge_rows, parse_progress, ratios, summary, table, typical_gap_ms
 
 LOG = """start counter mib 1024 steps 100 pid 7
 step 0 checksum 00ff t 1000
@@ -52,6 +52,17 @@ class Stats(unittest.TestCase):
         self.assertIn("| 32 GiB | stock | 41.00s (40.00–42.00) |", t)
         self.assertIn("n/a", t)
         self.assertAlmostEqual(ratios(rows)["32 GiB"], 41.0 / 2.05)
+
+    def test_runs_merge_by_workload_and_contender(self):
+        a = {"rows": [{"workload": "32 GiB", "contender": "hiber", "samples": {"downtime_s": [1.0]}},
+                      {"workload": "32 GiB", "contender": "stock", "samples": {"downtime_s": [9.0]}}]}
+        b = {"rows": [{"workload": "32 GiB", "contender": "hiber", "samples": {"downtime_s": [2.0], "image_gib": [32.5]}},
+                      {"workload": "PyTorch 8 GiB", "contender": "hiber", "samples": {"downtime_s": [5.0]}},
+                      {"workload": "4 GiB", "contender": "stock", "samples": {"downtime_s": [3.0]}}]}
+        rows = merge_rows([a, b])
+        self.assertEqual([(r["workload"], r["contender"]) for r in rows],
+                         [("4 GiB", "stock"), ("32 GiB", "hiber"), ("32 GiB", "stock"), ("PyTorch 8 GiB", "hiber")])
+        self.assertEqual(rows[1]["samples"], {"downtime_s": [1.0, 2.0], "image_gib": [32.5]})
 
 
 if __name__ == "__main__":
