@@ -195,7 +195,6 @@ fn run_steps(
     journal.update(|e| e.phase = Phase::Dumping).map_err(CheckpointError::Journal)?;
 
     let work = ctx.criu_work_dir("dump").map_err(CheckpointError::Journal)?;
-    let criu_version = ctx.criu.version().map(|v| v.to_string()).unwrap_or_else(|_| "unknown".into());
     let (kernel, host) = sys::uname();
     let root = &tree[0];
     let std_path = |fd: i32| root.fds.iter().find(|f| f.fd == fd && f.is_regular_file()).map(|f| f.target.clone());
@@ -205,7 +204,7 @@ fn run_steps(
         created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         host,
         kernel,
-        criu_version,
+        criu_version: ctx.criu_version.to_string(),
         hiber_version: env!("CARGO_PKG_VERSION").into(),
         source: Source {
             job: req.job.as_ref().map(|j| j.name.clone()),

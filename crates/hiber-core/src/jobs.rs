@@ -3,7 +3,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -204,8 +204,6 @@ pub fn write_exit(job_dir: &Path, status: ExitStatus) -> io::Result<()> {
 fn read_exit(job_dir: &Path) -> Option<ExitStatus> {
     serde_json::from_slice(&fs::read(job_dir.join(EXIT_FILE)).ok()?).ok()
 }
-
-use std::os::unix::fs::DirBuilderExt;
 
 #[cfg(test)]
 mod tests {

@@ -27,6 +27,8 @@ use std::path::PathBuf;
 pub struct Context {
     pub state: state::StateDir,
     pub criu: criu::Criu,
+    /// As CRIU reported it when the context was made (recorded in every manifest).
+    pub criu_version: criu::CriuVersion,
     pub engines: Vec<Box<dyn engine::DeviceEngine>>,
 }
 

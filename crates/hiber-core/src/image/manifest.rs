@@ -70,49 +70,22 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
 }
 
+/// The part of a manifest every version shares: enough to tell a hiber image of a
+/// supported format from anything else before reading the rest.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Head {
+    pub magic: String,
+    pub format: FormatVersion,
+}
+
 impl Manifest {
-    /// Parses a manifest, checking only that it is well-formed JSON of the right shape;
-    /// the caller checks magic and version (which a future major may move).
-    pub fn parse(bytes: &[u8]) -> Result<Manifest, String> {
-        // Read magic and format first, so that a manifest of another major version is
-        // reported as such rather than as a shape mismatch.
-        #[derive(Deserialize)]
-        struct Head {
-            magic: String,
-            format: FormatVersion,
-        }
-        let head: Head = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-        if head.magic != super::MAGIC || head.format.major != super::FORMAT.major {
-            return Ok(Manifest::foreign(head.magic, head.format));
-        }
+    pub fn parse_head(bytes: &[u8]) -> Result<Head, String> {
         serde_json::from_slice(bytes).map_err(|e| e.to_string())
     }
 
-    /// A placeholder for a manifest whose body this version cannot read.
-    fn foreign(magic: String, format: FormatVersion) -> Manifest {
-        Manifest {
-            magic,
-            format,
-            created: String::new(),
-            host: String::new(),
-            kernel: String::new(),
-            criu_version: String::new(),
-            hiber_version: String::new(),
-            source: Source {
-                job: None,
-                pid: 0,
-                leave_running: false,
-                pid_namespace: false,
-                mount_namespace: false,
-                stdout: None,
-                stderr: None,
-                shell_job: false,
-            },
-            processes: Vec::new(),
-            devices: Vec::new(),
-            frozen_seconds: 0.0,
-            files: Vec::new(),
-        }
+    /// Parses a whole manifest of this format (check the head first).
+    pub fn parse(bytes: &[u8]) -> Result<Manifest, String> {
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
     }
 
     pub fn device(&self, engine: &str) -> Option<&DeviceSection> {

@@ -21,7 +21,7 @@
 mod manifest;
 mod writer;
 
-pub use manifest::{DeviceSection, FileEntry, FormatVersion, Manifest, Source};
+pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, Source};
 pub use writer::{is_temp_name, ImageWriter};
 
 use std::collections::BTreeMap;
@@ -95,13 +95,15 @@ impl Image {
             return Err(ImageError::CorruptManifest { path: mpath, reason: format!("{} bytes is too large", mmeta.len()) });
         }
         let text = fs::read(&mpath).map_err(ImageError::io(&mpath, "read"))?;
-        let manifest = Manifest::parse(&text).map_err(|reason| ImageError::CorruptManifest { path: mpath.clone(), reason })?;
-        if manifest.magic != MAGIC {
+        let corrupt = |reason| ImageError::CorruptManifest { path: mpath.clone(), reason };
+        let head = Manifest::parse_head(&text).map_err(corrupt)?;
+        if head.magic != MAGIC {
             return Err(ImageError::NotAnImage(dir.to_path_buf()));
         }
-        if manifest.format.major != FORMAT.major || manifest.format.minor > FORMAT.minor {
-            return Err(ImageError::UnsupportedFormat { path: dir.to_path_buf(), found: manifest.format });
+        if head.format.major != FORMAT.major || head.format.minor > FORMAT.minor {
+            return Err(ImageError::UnsupportedFormat { path: dir.to_path_buf(), found: head.format });
         }
+        let manifest = Manifest::parse(&text).map_err(corrupt)?;
         Ok(Image { dir: dir.to_path_buf(), manifest })
     }
 

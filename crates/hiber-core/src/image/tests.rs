@@ -24,8 +24,29 @@ impl Drop for TempDir {
 }
 
 fn sample_manifest() -> Manifest {
-    let m = Manifest::parse(br#"{"magic":"x","format":{"major":99,"minor":0}}"#).unwrap();
-    Manifest { magic: MAGIC.into(), format: FORMAT, created: "2026-11-22T00:00:00Z".into(), host: "h".into(), ..m }
+    Manifest {
+        magic: MAGIC.into(),
+        format: FORMAT,
+        created: "2026-11-22T00:00:00Z".into(),
+        host: "h".into(),
+        kernel: "6.18".into(),
+        criu_version: "4.1.1".into(),
+        hiber_version: "0.1.0".into(),
+        source: Source {
+            job: Some("j".into()),
+            pid: 42,
+            leave_running: false,
+            pid_namespace: true,
+            mount_namespace: true,
+            stdout: None,
+            stderr: None,
+            shell_job: false,
+        },
+        processes: Vec::new(),
+        devices: Vec::new(),
+        frozen_seconds: 0.5,
+        files: Vec::new(),
+    }
 }
 
 fn write_image(root: &Path) -> PathBuf {

@@ -24,8 +24,8 @@ use crate::cli_error::{CliError, NOT_FOUND};
 /// The context for commands that run CRIU.
 pub fn context() -> Result<Context, CliError> {
     let criu = Criu::locate()?;
-    criu.require_supported()?;
-    Ok(Context { state: StateDir::from_env(), criu, engines: engine::available() })
+    let criu_version = criu.require_supported()?;
+    Ok(Context { state: StateDir::from_env(), criu, criu_version, engines: engine::available() })
 }
 
 /// A job name or a PID, as `checkpoint` and `rm` take them.
