@@ -171,6 +171,7 @@ fn images_are_private_and_verified() {
         assert_eq!(mode(&f.path()), 0o600, "{}", f.path().display());
     }
     assert_eq!(mode(&image.join("manifest.json")), 0o600);
+    assert_eq!(mode(&image.join("manifest.blake3")), 0o600);
     let out = h.ok(&["inspect", image.to_str().unwrap()]);
     assert!(out.contains("format      1.0") && out.contains("verified    all"), "{out}");
     let ls = h.ok(&["ls"]);

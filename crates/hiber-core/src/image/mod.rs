@@ -32,6 +32,8 @@ use std::path::{Path, PathBuf};
 pub const MAGIC: &str = "HIBER-IMAGE";
 pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 0 };
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The hex blake3 of `manifest.json`, on one line.
+pub const MANIFEST_SUM_FILE: &str = "manifest.blake3";
 /// CRIU's files live in this subdirectory of an image.
 pub const CRIU_DIR: &str = "criu";
 /// A manifest larger than this is not a manifest; bounds what a reader decodes.
@@ -103,7 +105,19 @@ impl Image {
         if head.format.major != FORMAT.major || head.format.minor > FORMAT.minor {
             return Err(ImageError::UnsupportedFormat { path: dir.to_path_buf(), found: head.format });
         }
+        // The manifest says what every other file must be; it is checked first itself.
+        let spath = dir.join(MANIFEST_SUM_FILE);
+        let sum = fs::read_to_string(&spath).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ImageError::MissingFile(spath.clone()),
+            _ => ImageError::Io { path: spath.clone(), step: "read", source: e },
+        })?;
+        if sum.trim() != blake3::hash(&text).to_hex().as_str() {
+            return Err(ImageError::ChecksumMismatch(mpath));
+        }
         let manifest = Manifest::parse(&text).map_err(corrupt)?;
+        if manifest.processes.is_empty() {
+            return Err(corrupt("it lists no process".into()));
+        }
         Ok(Image { dir: dir.to_path_buf(), manifest })
     }
 
@@ -113,7 +127,7 @@ impl Image {
         let listed: BTreeMap<&str, &FileEntry> = self.manifest.files.iter().map(|f| (f.path.as_str(), f)).collect();
         let present = list_files(&self.dir)?;
         for rel in &present {
-            if rel != MANIFEST_FILE && !listed.contains_key(rel.as_str()) {
+            if rel != MANIFEST_FILE && rel != MANIFEST_SUM_FILE && !listed.contains_key(rel.as_str()) {
                 return Err(ImageError::UnexpectedFile(self.dir.join(rel)));
             }
         }

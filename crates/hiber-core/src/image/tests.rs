@@ -42,7 +42,7 @@ fn sample_manifest() -> Manifest {
             stderr: None,
             shell_job: false,
         },
-        processes: Vec::new(),
+        processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
         devices: Vec::new(),
         frozen_seconds: 0.5,
         files: Vec::new(),
@@ -67,7 +67,7 @@ fn round_trip_verifies_and_is_private() {
     assert_eq!(img.verify().unwrap(), 100_004);
     assert_eq!(img.memory_bytes(), 100_000);
     assert_eq!(fs::metadata(&dest).unwrap().permissions().mode() & 0o777, 0o700);
-    for f in ["manifest.json", "criu/pages-1.img"] {
+    for f in ["manifest.json", "manifest.blake3", "criu/pages-1.img"] {
         assert_eq!(fs::metadata(dest.join(f)).unwrap().permissions().mode() & 0o777, 0o600, "{f}");
     }
     // No temporary directory is left beside it.
@@ -126,6 +126,20 @@ fn missing_and_extra_files_are_named() {
     };
     fs::write(dest2.join("criu/extra.img"), b"?").unwrap();
     assert!(matches!(Image::open(&dest2).unwrap().verify(), Err(ImageError::UnexpectedFile(p)) if p.ends_with("criu/extra.img")));
+}
+
+#[test]
+fn altered_or_unsealed_manifest_is_rejected() {
+    let t = TempDir::new("manifest");
+    let dest = write_image(&t.0);
+    let mpath = dest.join(MANIFEST_FILE);
+    let text = fs::read_to_string(&mpath).unwrap();
+    fs::write(&mpath, text.replacen("\"host\": \"h\"", "\"host\": \"x\"", 1)).unwrap();
+    assert!(matches!(Image::open(&dest), Err(ImageError::ChecksumMismatch(p)) if p == mpath));
+    fs::write(&mpath, &text).unwrap();
+    Image::open(&dest).unwrap();
+    fs::remove_file(dest.join(MANIFEST_SUM_FILE)).unwrap();
+    assert!(matches!(Image::open(&dest), Err(ImageError::MissingFile(p)) if p.ends_with(MANIFEST_SUM_FILE)));
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::{hash_file, list_files, FileEntry, ImageError, Manifest, CRIU_DIR, MANIFEST_FILE};
+use super::{hash_file, list_files, FileEntry, ImageError, Manifest, CRIU_DIR, MANIFEST_FILE, MANIFEST_SUM_FILE};
 
 /// An image being written. Dropping it without [`ImageWriter::commit`] removes the
 /// temporary directory, so a failed checkpoint leaves nothing behind.
@@ -65,7 +65,7 @@ impl ImageWriter {
     pub fn commit(&mut self, mut manifest: Manifest) -> Result<(), ImageError> {
         let mut entries = Vec::new();
         for rel in list_files(&self.tmp)? {
-            if rel == MANIFEST_FILE {
+            if rel == MANIFEST_FILE || rel == MANIFEST_SUM_FILE {
                 return Err(ImageError::UnexpectedFile(self.tmp.join(rel)));
             }
             let path = self.tmp.join(&rel);
@@ -76,11 +76,14 @@ impl ImageWriter {
             entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size });
         }
         manifest.files = entries;
-        let mpath = self.tmp.join(MANIFEST_FILE);
         let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&mpath).map_err(ImageError::io(&mpath, "create"))?;
-        f.write_all(&json).map_err(ImageError::io(&mpath, "write"))?;
-        f.sync_all().map_err(ImageError::io(&mpath, "fsync"))?;
+        let sum = format!("{}\n", blake3::hash(&json).to_hex());
+        for (name, bytes) in [(MANIFEST_FILE, json.as_slice()), (MANIFEST_SUM_FILE, sum.as_bytes())] {
+            let path = self.tmp.join(name);
+            let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(ImageError::io(&path, "create"))?;
+            f.write_all(bytes).map_err(ImageError::io(&path, "write"))?;
+            f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+        }
         sync_dirs(&self.tmp)?;
         if self.dest.symlink_metadata().is_ok() {
             return Err(ImageError::OutputExists(self.dest.clone()));
