@@ -37,6 +37,9 @@ pub enum CheckpointError {
     Criu(#[from] CriuError),
     #[error("journal: {0}")]
     Journal(std::io::Error),
+    /// Undoing failed: device state may still be locked or checkpointed.
+    #[error("could not bring the application's devices back to running: {0}")]
+    Resume(EngineError),
 }
 
 impl CheckpointError {
@@ -48,6 +51,7 @@ impl CheckpointError {
             CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
+            CheckpointError::Resume(_) => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
             CheckpointError::Criu(e) => match e.errno() {
                 Some(libc::ENOSPC) => "the disk filled up during the dump; free some space or choose another --out".into(),
                 _ => match e.log() {
@@ -145,7 +149,13 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
 
     let mut claims: Vec<(&dyn DeviceEngine, Vec<i32>)> = Vec::new();
     for engine in &ctx.engines {
-        let pids = engine.claim(&tree)?;
+        let pids = match engine.claim(&tree) {
+            Ok(p) => p,
+            Err(e) => {
+                journal.finish();
+                return Err(e.into());
+            }
+        };
         if !pids.is_empty() {
             claims.push((engine.as_ref(), pids));
         }
@@ -156,15 +166,17 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
 
     let result = run_steps(ctx, req, &tree, &claims, &mut writer, &mut journal, started);
     if result.is_err() || req.leave_running {
-        // Undo, or (with --leave-running) the normal end: devices back to running.
+        // Undo, or (with --leave-running) the normal end: devices back to running. Every
+        // engine is tried; if any fails, the journal stays for `hiber recover`.
+        let mut failed = None;
         for (engine, pids) in claims.iter().rev() {
             if let Err(e) = engine.resume(pids) {
                 tracing::error!(engine = engine.name(), error = %e, "could not resume device state");
-                if result.is_ok() {
-                    journal.finish();
-                    return Err(e.into());
-                }
+                failed.get_or_insert(e);
             }
+        }
+        if let Some(e) = failed {
+            return Err(CheckpointError::Resume(e));
         }
     }
     journal.finish();
@@ -254,7 +266,14 @@ fn run_steps(
     if let Some(e) = commit_error {
         return Err(e.into());
     }
-    dumped?;
+    if let Err(e) = dumped {
+        // CRIU failed after accepting the finished image (or hiber lost it): the tree runs
+        // on, so an image in place would be a checkpoint that did not happen.
+        if writer.is_committed() {
+            let _ = std::fs::remove_dir_all(&req.dest);
+        }
+        return Err(e.into());
+    }
     let dump = dump_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);
     let image_bytes = crate::image::Image::open(&req.dest).map(|i| i.total_bytes()).unwrap_or(0);

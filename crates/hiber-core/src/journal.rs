@@ -118,8 +118,16 @@ pub fn recover(state: &StateDir, engines: &[Box<dyn DeviceEngine>]) -> Vec<Recov
 fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) -> Recovered {
     let mut problems = Vec::new();
     // CRIU may still be finishing (it outlives hiber on purpose): wait until it has let go
-    // of the tree, so that device state is not touched under it.
-    wait_untraced(entry.root_pid, Duration::from_secs(120));
+    // of the tree, so that device state is not touched under it. If it still holds the
+    // tree, leave the entry for a later recovery.
+    if !wait_untraced(entry.root_pid, Duration::from_secs(120)) {
+        return Recovered {
+            root_pid: entry.root_pid,
+            root_running: true,
+            image_complete: None,
+            problems: vec!["CRIU still holds the tree after 120 s; run `hiber recover` again later".into()],
+        };
+    }
     for claim in &entry.claims {
         match engines.iter().find(|e| e.name() == claim.engine) {
             Some(engine) => {
@@ -132,9 +140,17 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
         }
     }
     let _ = fs::remove_dir_all(&entry.tmp_dir);
-    let image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());
+    let root_running = proctree::exists(entry.root_pid);
+    let mut image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());
+    if image_complete.is_some() && root_running && !entry.leave_running {
+        // The image was finished but CRIU never stopped the tree (hiber died before it
+        // acknowledged): the checkpoint did not take effect, and restoring that image next
+        // to the running application would duplicate it.
+        let _ = fs::remove_dir_all(&entry.dest);
+        image_complete = None;
+    }
     let _ = fs::remove_file(path);
-    Recovered { root_pid: entry.root_pid, root_running: proctree::exists(entry.root_pid), image_complete, problems }
+    Recovered { root_pid: entry.root_pid, root_running, image_complete, problems }
 }
 
 fn tracer_of(pid: i32) -> Option<i32> {
@@ -142,18 +158,19 @@ fn tracer_of(pid: i32) -> Option<i32> {
     status.lines().find_map(|l| l.strip_prefix("TracerPid:")).and_then(|v| v.trim().parse().ok())
 }
 
-/// Waits until no process of the tree rooted at `pid` is being traced.
-fn wait_untraced(pid: i32, limit: Duration) {
+/// Waits until no process of the tree rooted at `pid` is being traced; false on timeout.
+fn wait_untraced(pid: i32, limit: Duration) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
         let traced = proctree::discover_tree(pid)
             .map(|tree| tree.iter().any(|p| tracer_of(p.pid).unwrap_or(0) != 0))
             .unwrap_or(false);
         if !traced {
-            return;
+            return true;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    false
 }
 
 #[cfg(test)]

@@ -45,15 +45,18 @@ pub enum Started {
 /// shim's child and return its PID), reports the outcome to the caller, then waits for
 /// the root and records its exit status in `job_dir`.
 ///
-/// The caller must be single-threaded.
-pub fn spawn_shim(job_dir: &Path, start: impl FnOnce() -> Started) -> Result<Started, LaunchError> {
+/// The shim keeps only standard descriptors (on /dev/null), its report pipe and `keep`
+/// (what `start` needs): none that hiber's caller leaked, so the caller sees EOF on its
+/// pipes when hiber exits. The caller should be single-threaded; idle worker threads
+/// (blake3's pool after verifying an image) hold no lock the child takes.
+pub fn spawn_shim(job_dir: &Path, keep: &[RawFd], start: impl FnOnce() -> Started) -> Result<Started, LaunchError> {
     let io = |step| move |source| LaunchError::Io { step, source };
     let devnull = File::options().read(true).write(true).open("/dev/null").map_err(io("open /dev/null"))?;
     let (rd, wr) = sys::pipe().map_err(io("pipe"))?;
     match sys::fork().map_err(io("fork"))? {
         Fork::Child => {
             drop(rd);
-            let code = run_shim(job_dir, &devnull, wr, start);
+            let code = run_shim(job_dir, &devnull, wr, keep, start);
             sys::exit_now(code)
         }
         Fork::Parent(middle) => {
@@ -68,13 +71,16 @@ pub fn spawn_shim(job_dir: &Path, start: impl FnOnce() -> Started) -> Result<Sta
     }
 }
 
-fn run_shim(job_dir: &Path, devnull: &File, wr: OwnedFd, start: impl FnOnce() -> Started) -> i32 {
+fn run_shim(job_dir: &Path, devnull: &File, wr: OwnedFd, keep: &[RawFd], start: impl FnOnce() -> Started) -> i32 {
     if sys::setsid().is_err() {
         return 1;
     }
     for fd in 0..3 {
         let _ = sys::dup2(devnull.as_raw_fd(), fd);
     }
+    let mut kept = keep.to_vec();
+    kept.push(wr.as_raw_fd());
+    sys::close_from_except(3, &kept);
     match sys::fork() {
         Ok(Fork::Parent(_)) => return 0,
         Ok(Fork::Child) => {}
@@ -185,6 +191,6 @@ fn exec_job(cmd: &Command, keep: RawFd) -> std::io::Error {
     }
     // Nothing the caller of hiber leaked (a terminal's pipes, say) reaches the job; the
     // exec-error pipe is close-on-exec and survives until the exec itself.
-    sys::close_from_except(3, keep);
+    sys::close_from_except(3, &[keep]);
     sys::execvp(&cmd.argv)
 }

@@ -156,7 +156,8 @@ fn restore_into_job(
     let criu_dir = image.criu_dir();
     let criu_start = Instant::now();
     let isolate_net = req.isolate_net;
-    let started_report = launch::spawn_shim(job_dir, || {
+    let keep: Vec<i32> = inherit.iter().map(|(_, fd)| *fd).collect();
+    let started_report = launch::spawn_shim(job_dir, &keep, || {
         // CRIU, and so the restored tree, inherit the shim's network namespace.
         if isolate_net {
             if let Err(e) = sys::unshare_network_namespace() {
@@ -179,23 +180,40 @@ fn restore_into_job(
     };
     let criu = criu_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);
+    match finish_restored_tree(ctx, image, registry, name, req, root) {
+        Ok((job, devices)) => Ok(RestoreReport { job, verify, criu, devices, total: started.elapsed() }),
+        Err(e) => {
+            // The tree cannot run without its device state or its record: stop all of it,
+            // and let its shim record the exit before the job directory goes.
+            stop_tree(root, image.manifest.source.pid_namespace);
+            let start = Instant::now();
+            while !registry.has_exit(name) && start.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e)
+        }
+    }
+}
 
+/// After CRIU restored the tree: device state, then the job record.
+fn finish_restored_tree(
+    ctx: &Context,
+    image: &Image,
+    registry: &Registry,
+    name: &str,
+    req: &RestoreRequest,
+    root: i32,
+) -> Result<(Job, Duration), RestoreError> {
     let devices_start = Instant::now();
     if !image.manifest.devices.is_empty() {
         let tree = proctree::discover_tree(root)?;
         let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
         for section in &image.manifest.devices {
             let engine = engine::for_section(&ctx.engines, &section.engine).expect("checked before restore");
-            if let Err(e) = engine.restore(&section.state, &pids, &req.devices) {
-                // The tree cannot run without its device state: stop it rather than leave
-                // a broken copy running.
-                let _ = sys::kill(root, libc::SIGKILL);
-                return Err(e.into());
-            }
+            engine.restore(&section.state, &pids, &req.devices)?;
         }
     }
     let devices = devices_start.elapsed();
-
     let st = proctree::stat(root)?;
     let job = Job {
         name: name.to_string(),
@@ -207,7 +225,16 @@ fn restore_into_job(
         checkpointed_to: None,
     };
     registry.save(&job)?;
-    Ok(RestoreReport { job, verify, criu, devices, total: started.elapsed() })
+    Ok((job, devices))
+}
+
+/// SIGKILLs a restored tree: its root, which takes a PID namespace down with it, or else
+/// every process of it.
+fn stop_tree(root: i32, pid_namespace: bool) {
+    let pids = if pid_namespace { vec![root] } else { proctree::discover_tree(root).map(|t| t.iter().map(|p| p.pid).collect()).unwrap_or_else(|_| vec![root]) };
+    for pid in pids {
+        let _ = sys::kill(pid, libc::SIGKILL);
+    }
 }
 
 fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {

@@ -235,22 +235,6 @@ pub fn uname() -> (String, String) {
     (field(&u.release), field(&u.nodename))
 }
 
-/// Sets a receive timeout on a socket.
-pub fn set_recv_timeout(fd: &impl AsRawFd, secs: u64) -> io::Result<()> {
-    let tv = libc::timeval { tv_sec: secs as libc::time_t, tv_usec: 0 };
-    // SAFETY: `tv` is a valid timeval and its size is passed alongside.
-    cvt(unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const libc::timeval as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    })?;
-    Ok(())
-}
-
 pub fn chdir(dir: &std::ffi::CStr) -> io::Result<()> {
     // SAFETY: `dir` is a valid NUL-terminated string.
     cvt(unsafe { libc::chdir(dir.as_ptr()) })?;
@@ -263,15 +247,15 @@ pub fn dup_at_least(fd: RawFd, min: RawFd) -> io::Result<RawFd> {
     cvt(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) })
 }
 
-/// Closes every descriptor from `first` up except `keep`, so that a job starts with only
-/// what hiber gave it.
-pub fn close_from_except(first: RawFd, keep: RawFd) {
+/// Closes every descriptor from `first` up except those in `keep`, so that a shim or a
+/// job holds only what hiber gave it.
+pub fn close_from_except(first: RawFd, keep: &[RawFd]) {
     let close_range = |lo: RawFd, hi: libc::c_uint| {
-        if (lo as libc::c_uint) > hi {
+        if lo < 0 || (lo as libc::c_uint) > hi {
             return;
         }
-        // SAFETY: close_range only closes descriptors; the caller is about to exec and
-        // holds no reference to any of them.
+        // SAFETY: close_range only closes descriptors; the caller holds no reference to
+        // any of them (it is a freshly forked child about to exec or to run alone).
         let r = unsafe { libc::syscall(libc::SYS_close_range, lo as libc::c_uint, hi, 0 as libc::c_uint) };
         if r != 0 {
             for fd in lo..(hi.min(4095) as RawFd + 1) {
@@ -280,10 +264,58 @@ pub fn close_from_except(first: RawFd, keep: RawFd) {
             }
         }
     };
-    if keep >= first {
-        close_range(first, keep as libc::c_uint - 1);
-        close_range(keep + 1, libc::c_uint::MAX);
-    } else {
-        close_range(first, libc::c_uint::MAX);
+    let mut keep: Vec<RawFd> = keep.iter().copied().filter(|&k| k >= first).collect();
+    keep.sort_unstable();
+    keep.dedup();
+    let mut lo = first;
+    for k in keep {
+        if k > lo {
+            close_range(lo, k as libc::c_uint - 1);
+        }
+        lo = k + 1;
+    }
+    close_range(lo, libc::c_uint::MAX);
+}
+
+/// Renames `from` to `to`, failing with `AlreadyExists` rather than replacing `to`.
+pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    let c = |p: &Path| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"));
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: both paths are NUL-terminated and outlive the call.
+    cvt(unsafe { libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE) })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn close_from_except_keeps_only_what_it_is_told() {
+        let files: Vec<std::fs::File> = (0..4).map(|_| std::fs::File::open("/dev/null").unwrap()).collect();
+        let keep = files[1].as_raw_fd();
+        match fork().unwrap() {
+            Fork::Child => {
+                close_from_except(3, &[keep]);
+                // SAFETY: F_GETFD only asks whether a descriptor number is open.
+                let is_open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1;
+                let ok = is_open(keep) && files.iter().filter(|f| f.as_raw_fd() != keep).all(|f| !is_open(f.as_raw_fd()));
+                exit_now(if ok { 0 } else { 1 })
+            }
+            Fork::Parent(pid) => assert_eq!(waitpid(pid).unwrap(), ExitStatus::Code(0)),
+        }
+    }
+
+    #[test]
+    fn rename_noreplace_refuses_to_replace() {
+        let dir = std::env::temp_dir().join(format!("hiber-sys-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("a")).unwrap();
+        std::fs::create_dir_all(dir.join("b")).unwrap();
+        let e = rename_noreplace(&dir.join("a"), &dir.join("b")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        rename_noreplace(&dir.join("a"), &dir.join("c")).unwrap();
+        assert!(dir.join("c").exists() && !dir.join("a").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

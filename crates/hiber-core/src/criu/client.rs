@@ -140,9 +140,13 @@ impl Criu {
     }
 
     pub fn version(&self) -> Result<CriuVersion, CriuError> {
-        let dir = std::env::temp_dir();
+        // A private directory for CRIU's stderr: never a fixed name in a shared /tmp.
+        let dir = std::env::temp_dir().join(format!("hiber-criu-version-{}-{}", std::process::id(), unique()));
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+            .create(&dir)
+            .map_err(|source| CriuError::Io { step: "create a private directory", source })?;
         let resp = self.call(request(CriuReqType::Version, None), &[], &mut |_| Ok(()), "version", &dir, None);
-        let _ = std::fs::remove_file(dir.join(STDERR_FILE));
+        let _ = std::fs::remove_dir_all(&dir);
         let resp = resp?;
         let v = resp.version.ok_or_else(|| CriuError::Protocol("VERSION reply without a version".into()))?;
         Ok(CriuVersion { major: v.major_number, minor: v.minor_number, sublevel: v.sublevel.unwrap_or(0), gitid: v.gitid })
@@ -286,6 +290,12 @@ impl Criu {
         let _ = child.wait();
         result
     }
+}
+
+/// A number that differs between calls in one process.
+fn unique() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 fn request(kind: CriuReqType, opts: Option<rpc::CriuOpts>) -> rpc::CriuReq {

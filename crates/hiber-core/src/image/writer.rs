@@ -47,6 +47,10 @@ impl ImageWriter {
         ImageWriter { tmp, dest, committed: false }
     }
 
+    pub fn is_committed(&self) -> bool {
+        self.committed
+    }
+
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
     }
@@ -85,13 +89,17 @@ impl ImageWriter {
             f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
         }
         sync_dirs(&self.tmp)?;
-        if self.dest.symlink_metadata().is_ok() {
-            return Err(ImageError::OutputExists(self.dest.clone()));
-        }
-        fs::rename(&self.tmp, &self.dest).map_err(ImageError::io(&self.dest, "rename into place"))?;
+        crate::sys::rename_noreplace(&self.tmp, &self.dest).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => ImageError::OutputExists(self.dest.clone()),
+            _ => ImageError::Io { path: self.dest.clone(), step: "rename into place", source: e },
+        })?;
         self.committed = true;
+        // The image is complete and in place; a failure to make the rename itself durable
+        // is reported, not treated as a failed image.
         let parent = self.dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        sync_dir(parent)?;
+        if let Err(e) = sync_dir(parent) {
+            tracing::warn!(error = %e, "could not fsync the image's parent directory");
+        }
         Ok(())
     }
 }

@@ -47,7 +47,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if let Some(mut job) = job {
         if !args.leave_running {
             job.checkpointed_to = Some(report.image.display().to_string());
-            registry.save(&job)?;
+            // The checkpoint itself succeeded: the application is stopped and its image is
+            // in place, whatever happens to this bookkeeping.
+            if let Err(e) = registry.save(&job) {
+                tracing::warn!(error = %e, "could not record the checkpoint in the job");
+            }
         }
     }
     if args.json {

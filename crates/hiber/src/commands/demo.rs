@@ -75,7 +75,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if !args.keep {
         let _ = std::fs::remove_dir_all(&image);
         for j in registry.list().into_iter().filter(|j| j.name == job.name || j.restored_from.as_deref() == Some(&image.display().to_string())) {
-            let _ = hiber_core::sys::kill(j.pid, libc::SIGKILL);
+            if registry.state(&j) == JobState::Running {
+                let _ = hiber_core::sys::kill(j.pid, libc::SIGKILL);
+            }
             let _ = registry.remove(&j.name);
         }
     } else {

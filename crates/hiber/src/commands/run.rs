@@ -34,7 +34,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         let cwd = std::env::current_dir()?;
         let cmd = launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name))
             .map_err(|e| CliError::new(FAILED, e.to_string()))?;
-        match launch::spawn_shim(&dir, move || launch::start_in_namespace(cmd)) {
+        match launch::spawn_shim(&dir, &[], move || launch::start_in_namespace(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
             Ok(Started::Failed { message, hint, .. }) => {
                 let e = CliError::new(FAILED, message);

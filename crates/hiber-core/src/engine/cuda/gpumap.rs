@@ -114,7 +114,7 @@ pub fn resolve_gpu_map(
 /// "GPU-8c6e4f0e-1d2b-..." → the 16 bytes of a `CUuuid`.
 pub fn uuid_bytes(s: &str) -> Result<CuUuid, GpuMapError> {
     let hex: String = s.strip_prefix("GPU-").unwrap_or(s).chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 {
+    if hex.len() != 32 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
         return Err(GpuMapError::BadUuid(s.to_string()));
     }
     let mut bytes = [0u8; 16];

@@ -238,4 +238,5 @@ fn uuid_parsing() {
     assert_eq!(u.bytes[15], 0x55);
     assert!(gpumap::uuid_bytes("GPU-123").is_err());
     assert!(gpumap::uuid_bytes("GPU-zz111111-2222-3333-4444-555555555555").is_err());
+    assert!(gpumap::uuid_bytes("GPU-ééééééééééééééé11111111111111").is_err(), "multi-byte characters, no panic");
 }
