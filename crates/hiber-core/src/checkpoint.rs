@@ -168,6 +168,9 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
     if result.is_err() || req.leave_running {
         // Undo, or (with --leave-running) the normal end: devices back to running. Every
         // engine is tried; if any fails, the journal stays for `hiber recover`.
+        if !claims.is_empty() {
+            ctx.phase("resuming GPU processes");
+        }
         let mut failed = None;
         for (engine, pids) in claims.iter().rev() {
             if let Err(e) = engine.resume(pids) {
@@ -193,11 +196,17 @@ fn run_steps(
     started: Instant,
 ) -> Result<CheckpointReport, CheckpointError> {
     let devices_start = Instant::now();
+    if !claims.is_empty() {
+        ctx.phase("locking GPU processes");
+    }
     for (engine, pids) in claims {
         engine.quiesce(pids)?;
     }
     journal.update(|e| e.phase = Phase::DevicesQuiesced).map_err(CheckpointError::Journal)?;
     let mut sections = Vec::new();
+    if !claims.is_empty() {
+        ctx.phase("checkpointing GPU state");
+    }
     for (engine, pids) in claims {
         let dir = writer.tmp_dir().join(engine.name());
         let state = engine.capture(pids, tree, &dir)?;
@@ -244,10 +253,12 @@ fn run_steps(
         shell_job: false,
         external_mounts: manifest.source.mount_namespace,
     };
+    ctx.phase("dumping process state (CRIU)");
     let dumped = ctx.criu.dump(&opts, &mut |script| {
         if script != "post-dump" {
             return Ok(());
         }
+        ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
         // The tree is still frozen: finish the image now, and let CRIU resume the tree
         // rather than stop it if that fails.
         manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();

@@ -30,9 +30,16 @@ pub struct Context {
     /// As CRIU reported it when the context was made (recorded in every manifest).
     pub criu_version: criu::CriuVersion,
     pub engines: Vec<Box<dyn engine::DeviceEngine>>,
+    /// Told each step of a pipeline as it starts ("dumping process state"), for a
+    /// progress display; does nothing by default.
+    pub on_phase: Box<dyn Fn(&str) + Send + Sync>,
 }
 
 impl Context {
+    pub fn phase(&self, what: &str) {
+        (self.on_phase)(what)
+    }
+
     /// A fresh directory under `$STATE/logs` for one CRIU run's log.
     pub fn criu_work_dir(&self, op: &str) -> std::io::Result<PathBuf> {
         let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);

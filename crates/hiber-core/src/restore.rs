@@ -102,6 +102,7 @@ pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, Res
         return Err(RestoreError::NotRoot);
     }
     let image = Image::open(&req.image)?;
+    ctx.phase("verifying every file of the image");
     image.verify()?;
     let verify = started.elapsed();
 
@@ -155,6 +156,7 @@ fn restore_into_job(
     let work = ctx.criu_work_dir("restore")?;
     let criu_dir = image.criu_dir();
     let criu_start = Instant::now();
+    ctx.phase("restoring process state (CRIU)");
     let isolate_net = req.isolate_net;
     let keep: Vec<i32> = inherit.iter().map(|(_, fd)| *fd).collect();
     let started_report = launch::spawn_shim(job_dir, &keep, || {
@@ -206,6 +208,7 @@ fn finish_restored_tree(
 ) -> Result<(Job, Duration), RestoreError> {
     let devices_start = Instant::now();
     if !image.manifest.devices.is_empty() {
+        ctx.phase("restoring GPU state");
         let tree = proctree::discover_tree(root)?;
         let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
         for section in &image.manifest.devices {

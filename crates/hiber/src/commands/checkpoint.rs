@@ -24,7 +24,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let ctx = context()?;
+    let mut ctx = context()?;
+    let progress = super::show_progress(&mut ctx, args.json);
     let registry = Registry::new(&ctx.state);
     let (pid, job) = match resolve_target(&registry, &args.target)? {
         Target::Job(job) => (running_pid(&registry, &job)?, Some(job)),
@@ -43,7 +44,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
         }
     };
     let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running };
-    let report = checkpoint(&ctx, &req)?;
+    let report = checkpoint(&ctx, &req);
+    if let Some(p) = progress {
+        p.finish_and_clear();
+    }
+    let report = report?;
     if let Some(mut job) = job {
         if !args.leave_running {
             job.checkpointed_to = Some(report.image.display().to_string());

@@ -25,7 +25,23 @@ use crate::cli_error::{CliError, NOT_FOUND};
 pub fn context() -> Result<Context, CliError> {
     let criu = Criu::locate()?;
     let criu_version = criu.require_supported()?;
-    Ok(Context { state: StateDir::from_env(), criu, criu_version, engines: engine::available() })
+    Ok(Context { state: StateDir::from_env(), criu, criu_version, engines: engine::available(), on_phase: Box::new(|_| {}) })
+}
+
+/// Shows each step of a pipeline on a spinner line when stderr is a terminal (and the
+/// output is not JSON); otherwise stays silent. No ticker thread: hiber forks job shims.
+pub fn show_progress(ctx: &mut Context, json: bool) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if json || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    let shown = bar.clone();
+    ctx.on_phase = Box::new(move |what| {
+        shown.tick();
+        shown.set_message(what.to_string());
+    });
+    Some(bar)
 }
 
 /// A job name or a PID, as `checkpoint` and `rm` take them.

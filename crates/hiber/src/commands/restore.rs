@@ -28,13 +28,18 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let ctx = context()?;
+    let mut ctx = context()?;
+    let progress = super::show_progress(&mut ctx, args.json);
     let gpu_map = match &args.gpu_map {
         Some(s) => parse_gpu_map(s).map_err(|e| CliError::new(FAILED, format!("--gpu-map: {e}")).hint("write it as OLD=NEW[,OLD=NEW...]"))?,
         None => Vec::new(),
     };
     let req = RestoreRequest { image: image_path(&ctx.state, &args.image), name: args.name, devices: DeviceRestoreOptions { gpu_map }, isolate_net: args.isolate_net };
-    let report = restore(&ctx, &req)?;
+    let report = restore(&ctx, &req);
+    if let Some(p) = progress {
+        p.finish_and_clear();
+    }
+    let report = report?;
     if args.json {
         let v = serde_json::json!({
             "job": report.job.name,
