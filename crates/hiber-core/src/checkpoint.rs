@@ -235,7 +235,6 @@ fn run_steps(
             mount_namespace: own_mount_namespace(req.pid),
             stdout: std_path(1),
             stderr: std_path(2),
-            shell_job: false,
         },
         processes: tree.to_vec(),
         devices: sections,
@@ -250,7 +249,6 @@ fn run_steps(
         images_dir: &criu_dir,
         work_dir: &work,
         leave_running: req.leave_running,
-        shell_job: false,
         external_mounts: manifest.source.mount_namespace,
     };
     ctx.phase("dumping process state (CRIU)");

@@ -166,7 +166,7 @@ fn restore_into_job(
                 return Started::Failed { message: format!("cannot create a network namespace: {e}"), hint: None, log: None };
             }
         }
-        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, shell_job: false, external_mounts: src.mount_namespace };
+        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, external_mounts: src.mount_namespace };
         match ctx.criu.restore(&opts, &mut |_| Ok(())) {
             Ok(pid) => Started::Running { pid },
             Err(e) => Started::Failed {

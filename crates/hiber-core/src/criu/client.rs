@@ -90,7 +90,6 @@ pub struct DumpOptions<'a> {
     /// what a restore reads.
     pub work_dir: &'a Path,
     pub leave_running: bool,
-    pub shell_job: bool,
     /// The tree has a mount namespace of its own whose mounts are the host's (a hiber
     /// job): dump them as external mounts, to be bind-mounted back on restore.
     pub external_mounts: bool,
@@ -102,7 +101,6 @@ pub struct RestoreOptions<'a> {
     /// `(key, fd)`: CRIU opens this descriptor in place of the file named by `key` (for a
     /// regular file, its path without the leading '/').
     pub inherit: Vec<(String, RawFd)>,
-    pub shell_job: bool,
     /// See [`DumpOptions::external_mounts`]; the namespace is rebuilt on `/`.
     pub external_mounts: bool,
 }
@@ -185,7 +183,6 @@ impl Criu {
             images_dir_fd: images.as_raw_fd(),
             pid: Some(opts.pid),
             leave_running: Some(opts.leave_running),
-            shell_job: Some(opts.shell_job),
             file_locks: Some(true),
             ext_unix_sk: Some(true),
             tcp_established: Some(true),
@@ -216,7 +213,6 @@ impl Criu {
         let o = rpc::CriuOpts {
             images_dir_fd: images.as_raw_fd(),
             rst_sibling: Some(true),
-            shell_job: Some(opts.shell_job),
             file_locks: Some(true),
             ext_unix_sk: Some(true),
             tcp_established: Some(true),

@@ -34,7 +34,6 @@ pub struct Source {
     /// the new copy its own log files in their place.
     pub stdout: Option<String>,
     pub stderr: Option<String>,
-    pub shell_job: bool,
 }
 
 /// What one device engine recorded, opaque to the pipeline.
@@ -86,9 +85,5 @@ impl Manifest {
     /// Parses a whole manifest of this format (check the head first).
     pub fn parse(bytes: &[u8]) -> Result<Manifest, String> {
         serde_json::from_slice(bytes).map_err(|e| e.to_string())
-    }
-
-    pub fn device(&self, engine: &str) -> Option<&DeviceSection> {
-        self.devices.iter().find(|d| d.engine == engine)
     }
 }

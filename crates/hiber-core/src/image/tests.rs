@@ -40,7 +40,6 @@ fn sample_manifest() -> Manifest {
             mount_namespace: true,
             stdout: None,
             stderr: None,
-            shell_job: false,
         },
         processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
         devices: Vec::new(),

@@ -42,21 +42,12 @@ impl ImageWriter {
         Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false })
     }
 
-    /// Reopens a temporary directory recorded in a journal, so that it can be removed.
-    pub fn adopt(tmp: PathBuf, dest: PathBuf) -> ImageWriter {
-        ImageWriter { tmp, dest, committed: false }
-    }
-
     pub fn is_committed(&self) -> bool {
         self.committed
     }
 
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
-    }
-
-    pub fn dest(&self) -> &Path {
-        &self.dest
     }
 
     pub fn criu_dir(&self) -> PathBuf {

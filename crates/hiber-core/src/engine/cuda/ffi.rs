@@ -83,7 +83,6 @@ type FnLock = unsafe extern "C" fn(c_int, *mut LockArgs) -> CuResult;
 type FnCheckpoint = unsafe extern "C" fn(c_int, *mut CheckpointArgs) -> CuResult;
 type FnRestore = unsafe extern "C" fn(c_int, *mut RestoreArgs) -> CuResult;
 type FnUnlock = unsafe extern "C" fn(c_int, *mut UnlockArgs) -> CuResult;
-type FnRestoreTid = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
 
 /// The checkpoint entry points of a loaded libcuda.
 pub struct CheckpointFns {
@@ -92,7 +91,6 @@ pub struct CheckpointFns {
     checkpoint: FnCheckpoint,
     restore: FnRestore,
     unlock: FnUnlock,
-    restore_tid: FnRestoreTid,
 }
 
 /// A loaded libcuda. The library handle is kept for as long as the function pointers.
@@ -140,7 +138,6 @@ impl CudaLib {
                 checkpoint: sym(&lib, "cuCheckpointProcessCheckpoint")?,
                 restore: sym(&lib, "cuCheckpointProcessRestore")?,
                 unlock: sym(&lib, "cuCheckpointProcessUnlock")?,
-                restore_tid: sym(&lib, "cuCheckpointProcessGetRestoreThreadId")?,
             })
         })()
         .ok();
@@ -217,13 +214,6 @@ impl CudaLib {
         let fns = self.fns()?;
         // SAFETY: `args` is a valid, zeroed UnlockArgs.
         check(unsafe { (fns.unlock)(pid, &mut args) })
-    }
-
-    pub fn restore_thread_id(&self, pid: i32) -> Result<i32, CuResult> {
-        let mut tid: c_int = 0;
-        let fns = self.fns()?;
-        // SAFETY: `tid` is a valid out-pointer.
-        check(unsafe { (fns.restore_tid)(pid, &mut tid) }).map(|_| tid)
     }
 }
 

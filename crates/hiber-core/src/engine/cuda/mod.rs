@@ -88,7 +88,6 @@ pub trait CheckpointApi: Send + Sync {
     fn checkpoint(&self, pid: i32) -> Result<(), CuError>;
     fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuError>;
     fn unlock(&self, pid: i32) -> Result<(), CuError>;
-    fn restore_thread(&self, pid: i32) -> Result<i32, CuError>;
     /// GPUs with their processes' memory use: (host pid, bytes) per GPU.
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)>;
 }
@@ -122,9 +121,6 @@ impl CheckpointApi for RealApi {
     }
     fn unlock(&self, pid: i32) -> Result<(), CuError> {
         self.cuda.unlock(pid).map_err(|c| self.err(c))
-    }
-    fn restore_thread(&self, pid: i32) -> Result<i32, CuError> {
-        self.cuda.restore_thread_id(pid).map_err(|c| self.err(c))
     }
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
         let Some(nvml) = &self.nvml else { return Vec::new() };
@@ -210,7 +206,6 @@ pub struct CudaProcess {
     pub gpus: Vec<String>,
     /// Device memory it held, per NVML, when checkpointed.
     pub memory_bytes: u64,
-    pub state_before: ProcessState,
 }
 
 /// The engine's manifest section.
@@ -220,8 +215,7 @@ pub struct Section {
     /// Every GPU of the machine at checkpoint time.
     pub gpus: Vec<Gpu>,
     pub processes: Vec<CudaProcess>,
-    /// Seconds to lock all processes, then to checkpoint all of them.
-    pub lock_seconds: f64,
+    /// Seconds the driver took to checkpoint all of them.
     pub checkpoint_seconds: f64,
 }
 
@@ -245,9 +239,6 @@ impl DriverEngine {
         DriverEngine { api, lock_timeout_ms }
     }
 
-    pub fn set_lock_timeout_ms(&mut self, ms: u32) {
-        self.lock_timeout_ms = ms;
-    }
 
     fn fail(message: String, hint: Option<&str>) -> EngineError {
         EngineError::Failed { engine: ENGINE, message, hint: hint.map(String::from) }
@@ -292,12 +283,18 @@ impl DriverEngine {
         serde_json::from_value(value.clone()).map_err(|e| Self::fail(format!("unreadable cuda section in the manifest: {e}"), None))
     }
 
-    /// The GPU pairs for a restore: empty (same GPUs) without a map, else every recorded
-    /// GPU mapped (the driver requires all of them once any is given).
-    fn pairs_for(&self, section: &Section, opts: &DeviceRestoreOptions) -> Result<Vec<GpuPair>, EngineError> {
+    /// This machine's GPUs, and the user's map resolved against them (old UUID -> new;
+    /// empty when the image's GPUs are used as they are).
+    fn resolve(&self, section: &Section, opts: &DeviceRestoreOptions) -> Result<(Vec<Gpu>, BTreeMap<String, String>), EngineError> {
         let here: Vec<Gpu> = self.api.gpus().into_iter().map(|(g, _)| g).collect();
         let used: Vec<&str> = section.processes.iter().flat_map(|p| p.gpus.iter().map(String::as_str)).collect();
         let map = resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| Self::fail(e.to_string(), e.hint()))?;
+        Ok((here, map))
+    }
+
+    /// The driver's GPU pairs for a resolved map: none for an empty map, else every
+    /// checkpointed GPU (the driver requires all of them once any is given).
+    fn pairs(&self, map: &BTreeMap<String, String>) -> Result<Vec<GpuPair>, EngineError> {
         if map.is_empty() {
             return Ok(Vec::new());
         }
@@ -369,7 +366,6 @@ impl DeviceEngine for DriverEngine {
                     comm: info.map(|p| p.comm.clone()).unwrap_or_default(),
                     gpus,
                     memory_bytes,
-                    state_before: ProcessState::Running,
                 }
             })
             .collect();
@@ -377,7 +373,6 @@ impl DeviceEngine for DriverEngine {
             driver_version: self.api.driver_version(),
             gpus: gpus.into_iter().map(|(g, _)| g).collect(),
             processes,
-            lock_seconds: 0.0,
             checkpoint_seconds,
         };
         Ok(serde_json::to_value(section).expect("section serializes"))
@@ -389,10 +384,8 @@ impl DeviceEngine for DriverEngine {
 
     fn check_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
         let section = Self::section(value)?;
-        let here: Vec<Gpu> = self.api.gpus().into_iter().map(|(g, _)| g).collect();
-        let used: Vec<&str> = section.processes.iter().flat_map(|p| p.gpus.iter().map(String::as_str)).collect();
-        let map = resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| Self::fail(e.to_string(), e.hint()))?;
-        self.pairs_for(&section, opts)?;
+        let (here, map) = self.resolve(&section, opts)?;
+        self.pairs(&map)?;
         // Memory each target GPU must take.
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for p in &section.processes {
@@ -421,7 +414,7 @@ impl DeviceEngine for DriverEngine {
 
     fn restore(&self, value: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
         let section = Self::section(value)?;
-        let pairs = self.pairs_for(&section, opts)?;
+        let pairs = self.pairs(&self.resolve(&section, opts)?.1)?;
         let mut targets = Vec::new();
         for p in &section.processes {
             let now = pids.iter().find(|r| r.ns_pid == p.ns_pid).ok_or_else(|| {

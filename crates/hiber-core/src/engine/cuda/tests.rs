@@ -74,9 +74,6 @@ impl CheckpointApi for FakeDriver {
     fn unlock(&self, pid: i32) -> Result<(), CuError> {
         self.step(pid, "unlock", ProcessState::Locked, ProcessState::Running)
     }
-    fn restore_thread(&self, pid: i32) -> Result<i32, CuError> {
-        Ok(pid + 1)
-    }
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
         self.gpus.clone()
     }
@@ -198,7 +195,8 @@ fn missing_gpu_names_it_and_suggests_a_map() {
     assert!(err.hint().unwrap().contains("--gpu-map"));
     let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())] };
     e2.check_restore(&v, &opts).unwrap();
-    assert_eq!(e2.pairs_for(&DriverEngine::section(&v).unwrap(), &opts).unwrap().len(), 1);
+    let (_, map) = e2.resolve(&DriverEngine::section(&v).unwrap(), &opts).unwrap();
+    assert_eq!(e2.pairs(&map).unwrap().len(), 1);
 }
 
 #[test]
