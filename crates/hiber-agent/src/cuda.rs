@@ -1,0 +1,331 @@
+//! The real driver: libcuda's entry points, found behind the agent's own exports.
+//!
+//! The agent exports driver symbols itself (so programs linked against libcuda call the
+//! agent), so it must never call a driver function by name: every real entry point is
+//! looked up in libcuda's own handle with the real `dlsym`. All of the agent's unsafe
+//! calls into libcuda are in this module, behind safe wrappers that return `CUresult`s.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+pub type CuResult = c_int;
+pub type DevPtr = u64;
+pub type Handle = u64;
+pub type Ctx = *mut c_void;
+
+pub const SUCCESS: CuResult = 0;
+pub const ERROR_INVALID_VALUE: CuResult = 1;
+pub const ERROR_OUT_OF_MEMORY: CuResult = 2;
+pub const ERROR_NOT_FOUND: CuResult = 500;
+
+pub const HANDLE_TYPE_POSIX_FD: c_int = 1;
+const LOCATION_DEVICE: c_int = 1;
+const ALLOCATION_PINNED: c_int = 1;
+pub const ACCESS_READWRITE: c_int = 3;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemLocation {
+    pub kind: c_int,
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp` (32 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AllocationProp {
+    pub kind: c_int,
+    pub requested_handle_types: c_int,
+    pub location: MemLocation,
+    pub win32_metadata: *mut c_void,
+    pub alloc_flags: [u8; 8],
+}
+
+impl AllocationProp {
+    pub fn device(dev: c_int, handle_types: c_int) -> AllocationProp {
+        AllocationProp {
+            kind: ALLOCATION_PINNED,
+            requested_handle_types: handle_types,
+            location: MemLocation { kind: LOCATION_DEVICE, id: dev },
+            win32_metadata: std::ptr::null_mut(),
+            alloc_flags: [0; 8],
+        }
+    }
+
+    pub fn is_device(&self) -> bool {
+        self.location.kind == LOCATION_DEVICE
+    }
+}
+
+/// `CUmemAccessDesc` (12 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AccessDesc {
+    pub location: MemLocation,
+    pub flags: c_int,
+}
+
+impl AccessDesc {
+    pub fn read_write(dev: c_int) -> AccessDesc {
+        AccessDesc { location: MemLocation { kind: LOCATION_DEVICE, id: dev }, flags: ACCESS_READWRITE }
+    }
+}
+
+type RealDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+/// glibc's own `dlsym`, behind the agent's export.
+pub fn real_dlsym() -> Option<RealDlsym> {
+    let mut p = REAL_DLSYM.load(Ordering::Acquire);
+    if p == 0 {
+        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+            // SAFETY: dlvsym with RTLD_NEXT and NUL-terminated names; the agent is the
+            // caller, so "next" is the C library's dlsym.
+            p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) } as usize;
+            if p != 0 {
+                break;
+            }
+        }
+        REAL_DLSYM.store(p, Ordering::Release);
+    }
+    // SAFETY: a non-zero `p` is glibc's dlsym, whose signature RealDlsym is.
+    (p != 0).then(|| unsafe { std::mem::transmute::<usize, RealDlsym>(p) })
+}
+
+/// libcuda's handle, once the application has loaded it (the agent never loads it into a
+/// process that has not).
+pub fn libcuda() -> Option<*mut c_void> {
+    let h = LIBCUDA.load(Ordering::Acquire);
+    if !h.is_null() {
+        return Some(h);
+    }
+    // SAFETY: RTLD_NOLOAD only returns a handle to an already loaded library.
+    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if h.is_null() {
+        return None;
+    }
+    LIBCUDA.store(h, Ordering::Release);
+    Some(h)
+}
+
+/// The address of libcuda's own `name`, or 0.
+pub fn real_symbol(name: &CStr) -> usize {
+    match (libcuda(), real_dlsym()) {
+        // SAFETY: `h` is a live dlopen handle and `name` is NUL-terminated.
+        (Some(h), Some(dlsym)) => unsafe { dlsym(h, name.as_ptr()) as usize },
+        _ => 0,
+    }
+}
+
+/// Resolves `name` into `slot` once.
+pub fn resolve(slot: &AtomicUsize, name: &CStr) -> usize {
+    let p = slot.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    let p = real_symbol(name);
+    slot.store(p, Ordering::Relaxed);
+    p
+}
+
+macro_rules! driver_fns {
+    ($($field:ident = $sym:literal : fn($($arg:ty),*);)*) => {
+        /// The libcuda entry points the agent itself calls.
+        #[allow(non_snake_case)]
+        pub struct Driver {
+            $(pub $field: unsafe extern "C" fn($($arg),*) -> CuResult,)*
+        }
+
+        impl Driver {
+            fn load() -> Option<Driver> {
+                Some(Driver {
+                    $($field: {
+                        let p = real_symbol($sym);
+                        if p == 0 {
+                            return None;
+                        }
+                        // SAFETY: `p` is libcuda's `$sym`, whose cuda.h signature the
+                        // field's type spells out.
+                        unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($arg),*) -> CuResult>(p) }
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+driver_fns! {
+    ctx_get_current = c"cuCtxGetCurrent": fn(*mut Ctx);
+    ctx_get_device = c"cuCtxGetDevice": fn(*mut c_int);
+    ctx_synchronize = c"cuCtxSynchronize": fn();
+    ctx_push = c"cuCtxPushCurrent_v2": fn(Ctx);
+    ctx_pop = c"cuCtxPopCurrent_v2": fn(*mut Ctx);
+    primary_retain = c"cuDevicePrimaryCtxRetain": fn(*mut Ctx, c_int);
+    primary_release = c"cuDevicePrimaryCtxRelease_v2": fn(c_int);
+    address_reserve = c"cuMemAddressReserve": fn(*mut DevPtr, usize, usize, DevPtr, u64);
+    address_free = c"cuMemAddressFree": fn(DevPtr, usize);
+    create = c"cuMemCreate": fn(*mut Handle, usize, *const AllocationProp, u64);
+    release = c"cuMemRelease": fn(Handle);
+    map = c"cuMemMap": fn(DevPtr, usize, usize, Handle, u64);
+    unmap = c"cuMemUnmap": fn(DevPtr, usize);
+    set_access = c"cuMemSetAccess": fn(DevPtr, usize, *const AccessDesc, usize);
+    export = c"cuMemExportToShareableHandle": fn(*mut c_void, Handle, c_int, u64);
+    import = c"cuMemImportFromShareableHandle": fn(*mut Handle, *mut c_void, c_int);
+    granularity = c"cuMemGetAllocationGranularity": fn(*mut usize, *const AllocationProp, c_int);
+    properties = c"cuMemGetAllocationPropertiesFromHandle": fn(*mut AllocationProp, Handle);
+    mem_alloc = c"cuMemAlloc_v2": fn(*mut DevPtr, usize);
+    mem_free = c"cuMemFree_v2": fn(DevPtr);
+    mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut DevPtr, *mut usize, usize, usize, c_uint);
+    mem_address_range = c"cuMemGetAddressRange_v2": fn(*mut DevPtr, *mut usize, DevPtr);
+}
+
+static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+
+/// The driver, once libcuda is loaded. `None` before that, or when an entry point the
+/// agent needs is missing (a driver too old for VMM): then the agent only passes through.
+pub fn driver() -> Option<&'static Driver> {
+    if let Some(d) = DRIVER.get() {
+        return d.as_ref();
+    }
+    libcuda()?;
+    DRIVER.get_or_init(Driver::load).as_ref()
+}
+
+fn check(r: CuResult) -> Result<(), CuResult> {
+    if r == SUCCESS {
+        Ok(())
+    } else {
+        Err(r)
+    }
+}
+
+// Safe wrappers: each passes valid out-pointers and plain values; the driver validates
+// handles and addresses itself and answers with an error code.
+impl Driver {
+    pub fn current_device(&self) -> Option<(Ctx, c_int)> {
+        let mut ctx: Ctx = std::ptr::null_mut();
+        let mut dev: c_int = 0;
+        // SAFETY: valid out-pointers.
+        unsafe {
+            check((self.ctx_get_current)(&mut ctx)).ok()?;
+            if ctx.is_null() {
+                return None;
+            }
+            check((self.ctx_get_device)(&mut dev)).ok()?;
+        }
+        Some((ctx, dev))
+    }
+
+    pub fn synchronize_current(&self) -> Result<(), CuResult> {
+        // SAFETY: no arguments; synchronizes the calling thread's context.
+        check(unsafe { (self.ctx_synchronize)() })
+    }
+
+    /// Waits for all work on `dev`'s primary context.
+    pub fn synchronize_device(&self, dev: c_int) -> Result<(), CuResult> {
+        let mut ctx: Ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; every retain/push is paired with its pop/release.
+        unsafe {
+            check((self.primary_retain)(&mut ctx, dev))?;
+            let r = check((self.ctx_push)(ctx)).and_then(|()| {
+                let r = check((self.ctx_synchronize)());
+                let mut old: Ctx = std::ptr::null_mut();
+                (self.ctx_pop)(&mut old);
+                r
+            });
+            (self.primary_release)(dev);
+            r
+        }
+    }
+
+    pub fn granularity(&self, dev: c_int) -> Result<usize, CuResult> {
+        let prop = AllocationProp::device(dev, HANDLE_TYPE_POSIX_FD);
+        let mut g = 0usize;
+        // SAFETY: valid prop and out-pointer; 0 = CU_MEM_ALLOC_GRANULARITY_MINIMUM.
+        check(unsafe { (self.granularity)(&mut g, &prop, 0) })?;
+        Ok(g.max(1))
+    }
+
+    pub fn reserve(&self, size: usize) -> Result<DevPtr, CuResult> {
+        let mut va: DevPtr = 0;
+        // SAFETY: valid out-pointer; alignment and address 0 let the driver choose.
+        check(unsafe { (self.address_reserve)(&mut va, size, 0, 0, 0) })?;
+        Ok(va)
+    }
+
+    pub fn free_reservation(&self, va: DevPtr, size: usize) -> Result<(), CuResult> {
+        // SAFETY: plain values; the driver checks they name a reservation.
+        check(unsafe { (self.address_free)(va, size) })
+    }
+
+    pub fn create(&self, size: usize, prop: &AllocationProp) -> Result<Handle, CuResult> {
+        let mut h: Handle = 0;
+        // SAFETY: valid out-pointer and prop.
+        check(unsafe { (self.create)(&mut h, size, prop, 0) })?;
+        Ok(h)
+    }
+
+    pub fn release(&self, h: Handle) -> Result<(), CuResult> {
+        // SAFETY: plain value.
+        check(unsafe { (self.release)(h) })
+    }
+
+    pub fn map(&self, va: DevPtr, size: usize, offset: usize, h: Handle) -> Result<(), CuResult> {
+        // SAFETY: plain values.
+        check(unsafe { (self.map)(va, size, offset, h, 0) })
+    }
+
+    pub fn unmap(&self, va: DevPtr, size: usize) -> Result<(), CuResult> {
+        // SAFETY: plain values.
+        check(unsafe { (self.unmap)(va, size) })
+    }
+
+    pub fn set_access(&self, va: DevPtr, size: usize, descs: &[AccessDesc]) -> Result<(), CuResult> {
+        // SAFETY: `descs` is a valid array of its length.
+        check(unsafe { (self.set_access)(va, size, descs.as_ptr(), descs.len()) })
+    }
+
+    pub fn export_fd(&self, h: Handle) -> Result<c_int, CuResult> {
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX_FD the shareable handle is an int out-parameter.
+        check(unsafe { (self.export)((&mut fd as *mut c_int).cast(), h, HANDLE_TYPE_POSIX_FD, 0) })?;
+        Ok(fd)
+    }
+
+    pub fn import_fd(&self, fd: c_int) -> Result<Handle, CuResult> {
+        let mut h: Handle = 0;
+        // SAFETY: for POSIX_FD the OS handle is the descriptor itself, passed as a pointer-sized value.
+        check(unsafe { (self.import)(&mut h, fd as usize as *mut c_void, HANDLE_TYPE_POSIX_FD) })?;
+        Ok(h)
+    }
+
+    pub fn properties(&self, h: Handle) -> Result<AllocationProp, CuResult> {
+        let mut p = AllocationProp::device(0, 0);
+        // SAFETY: valid out-pointer.
+        check(unsafe { (self.properties)(&mut p, h) })?;
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_layouts_match_cuda_h() {
+        assert_eq!(std::mem::size_of::<AllocationProp>(), 32);
+        assert_eq!(std::mem::offset_of!(AllocationProp, location), 8);
+        assert_eq!(std::mem::offset_of!(AllocationProp, win32_metadata), 16);
+        assert_eq!(std::mem::size_of::<AccessDesc>(), 12);
+    }
+
+    #[test]
+    fn no_driver_without_libcuda() {
+        // This test process never loads libcuda.
+        assert!(driver().is_none());
+        assert!(real_dlsym().is_some());
+    }
+}

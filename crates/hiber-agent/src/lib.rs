@@ -1,0 +1,37 @@
+//! hiber's agent, preloaded by `hiber run` into GPU applications.
+//!
+//! It serves device allocations from VMM reservations it owns and tracks the
+//! application's own VMM allocations ([`memory`]), through one table of intercepted driver
+//! entry points ([`hooks`]) that also gates work submission ([`gate`]). When hiber
+//! checkpoints, it asks the agent over a control socket ([`control`]) to quiesce and hand
+//! over its device memory; hiber moves that memory at PCIe speed itself, and the driver's
+//! checkpoint takes only the small remainder.
+//!
+//! Rules for code in this crate: it runs inside someone else's program. It never writes to
+//! the application's stdout or stderr (only to `HIBER_AGENT_LOG`), never panics or unwinds
+//! across `extern "C"`, and adds no thread or memory to a process until that process
+//! initializes CUDA. Unsafe code lives in [`cuda`], [`hooks`] and `hiber_wire::socket`.
+
+pub mod control;
+pub mod cuda;
+pub mod gate;
+pub mod hooks;
+pub mod memory;
+
+use std::io::Write;
+
+/// Appends a line to the agent's log file, when hiber gave it one.
+pub(crate) fn log(line: &str) {
+    let Some(path) = std::env::var_os(hiber_wire::LOG_ENV) else { return };
+    let f = std::fs::OpenOptions::new().append(true).create(true).open(path);
+    if let Ok(mut f) = f {
+        let _ = writeln!(f, "hiber-agent[{}]: {line}", std::process::id());
+    }
+}
+
+pub(crate) fn close_fd(fd: std::ffi::c_int) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `fd` is a descriptor the driver just created for the agent and nobody else
+    // holds; dropping the OwnedFd closes it once.
+    drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+}

@@ -1,0 +1,218 @@
+//! The control protocol between hiber and the agent inside an application.
+//!
+//! The agent listens on an abstract unix `SOCK_SEQPACKET` socket named after a token
+//! `hiber run` gives the job (`HIBER_AGENT_TOKEN`) and the process's PID in its namespace,
+//! so hiber finds it from `/proc/PID/environ` and the PID, and a restored process listens
+//! under the same name. Abstract names live in the network namespace; hiber connects from
+//! inside the process's namespace when it differs (a copy restored with `--isolate-net`).
+//!
+//! One request per message, one reply per message, ASCII. Device memory travels as file
+//! descriptors (SCM_RIGHTS) beside `alloc` and `load` messages. A conversation:
+//!
+//! ```text
+//! hiber → quiesce 10000          agent closes its gate, waits for calls in flight, syncs
+//! agent → alloc 1 1073741824 0   + fd, one per tracked allocation (id, bytes, device)
+//! agent → done 1
+//! hiber → release                hiber holds references now; agent unmaps and releases
+//! agent → ok                     and closes the connection before any CRIU dump
+//! ...
+//! hiber → load 1                 + fd: map this memory where allocation 1 was
+//! agent → ok
+//! hiber → resume                 agent opens its gate
+//! agent → ok
+//! ```
+
+pub mod socket;
+
+use std::fmt;
+
+/// The environment variable `hiber run` sets for the agent.
+pub const TOKEN_ENV: &str = "HIBER_AGENT_TOKEN";
+/// Where the agent may log (never the application's stdout or stderr).
+pub const LOG_ENV: &str = "HIBER_AGENT_LOG";
+
+/// The abstract socket name (without the leading NUL) of the agent in process `ns_pid`.
+pub fn socket_name(token: &str, ns_pid: i32) -> String {
+    format!("hiber-agent.{token}.{ns_pid}")
+}
+
+/// Largest message either side sends.
+pub const MAX_MESSAGE: usize = 512;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Status,
+    Quiesce { timeout_ms: u64 },
+    Release,
+    Load { id: u64 },
+    Resume,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Status(Status),
+    Alloc { id: u64, size: u64, device: i32 },
+    Done { count: u64 },
+    Ok,
+    Err(String),
+}
+
+/// What an agent tracks and what it left to the driver.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Status {
+    pub tracked: u64,
+    pub tracked_bytes: u64,
+    pub gate_closed: bool,
+    pub evacuated: u64,
+    pub passthrough_calls: u64,
+    pub passthrough_bytes: u64,
+    pub small: u64,
+    pub pitch: u64,
+    pub stream_ordered: u64,
+    pub managed: u64,
+    pub vmm_not_exportable: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError(pub String);
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "bad agent message: {:?}", self.0)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+fn num<T: std::str::FromStr>(s: Option<&str>, line: &str) -> Result<T, ParseError> {
+    s.and_then(|v| v.parse().ok()).ok_or_else(|| ParseError(line.into()))
+}
+
+impl Request {
+    pub fn encode(&self) -> String {
+        match self {
+            Request::Status => "status".into(),
+            Request::Quiesce { timeout_ms } => format!("quiesce {timeout_ms}"),
+            Request::Release => "release".into(),
+            Request::Load { id } => format!("load {id}"),
+            Request::Resume => "resume".into(),
+        }
+    }
+
+    pub fn parse(line: &str) -> Result<Request, ParseError> {
+        let mut w = line.split_ascii_whitespace();
+        Ok(match w.next() {
+            Some("status") => Request::Status,
+            Some("quiesce") => Request::Quiesce { timeout_ms: num(w.next(), line)? },
+            Some("release") => Request::Release,
+            Some("load") => Request::Load { id: num(w.next(), line)? },
+            Some("resume") => Request::Resume,
+            _ => return Err(ParseError(line.into())),
+        })
+    }
+}
+
+impl Status {
+    fn fields(&self) -> [(&'static str, u64); 11] {
+        [
+            ("tracked", self.tracked),
+            ("bytes", self.tracked_bytes),
+            ("closed", self.gate_closed as u64),
+            ("evacuated", self.evacuated),
+            ("pt_calls", self.passthrough_calls),
+            ("pt_bytes", self.passthrough_bytes),
+            ("small", self.small),
+            ("pitch", self.pitch),
+            ("stream_ordered", self.stream_ordered),
+            ("managed", self.managed),
+            ("vmm_not_exportable", self.vmm_not_exportable),
+        ]
+    }
+}
+
+impl Reply {
+    pub fn encode(&self) -> String {
+        match self {
+            Reply::Status(s) => {
+                let mut out = String::from("status");
+                for (k, v) in s.fields() {
+                    out.push_str(&format!(" {k}={v}"));
+                }
+                out
+            }
+            Reply::Alloc { id, size, device } => format!("alloc {id} {size} {device}"),
+            Reply::Done { count } => format!("done {count}"),
+            Reply::Ok => "ok".into(),
+            Reply::Err(m) => {
+                let mut m: String = m.chars().filter(|c| !c.is_control()).collect();
+                m.truncate(MAX_MESSAGE - 8);
+                format!("err {m}")
+            }
+        }
+    }
+
+    pub fn parse(line: &str) -> Result<Reply, ParseError> {
+        let (head, rest) = line.split_once(' ').unwrap_or((line, ""));
+        let mut w = rest.split_ascii_whitespace();
+        Ok(match head {
+            "status" => {
+                let mut s = Status::default();
+                for kv in w {
+                    let (k, v) = kv.split_once('=').ok_or_else(|| ParseError(line.into()))?;
+                    let v: u64 = v.parse().map_err(|_| ParseError(line.into()))?;
+                    match k {
+                        "tracked" => s.tracked = v,
+                        "bytes" => s.tracked_bytes = v,
+                        "closed" => s.gate_closed = v != 0,
+                        "evacuated" => s.evacuated = v,
+                        "pt_calls" => s.passthrough_calls = v,
+                        "pt_bytes" => s.passthrough_bytes = v,
+                        "small" => s.small = v,
+                        "pitch" => s.pitch = v,
+                        "stream_ordered" => s.stream_ordered = v,
+                        "managed" => s.managed = v,
+                        "vmm_not_exportable" => s.vmm_not_exportable = v,
+                        _ => {} // newer agents may say more
+                    }
+                }
+                Reply::Status(s)
+            }
+            "alloc" => Reply::Alloc { id: num(w.next(), line)?, size: num(w.next(), line)?, device: num(w.next(), line)? },
+            "done" => Reply::Done { count: num(w.next(), line)? },
+            "ok" => Reply::Ok,
+            "err" => Reply::Err(rest.to_string()),
+            _ => return Err(ParseError(line.into())),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip() {
+        for r in [Request::Status, Request::Quiesce { timeout_ms: 10_000 }, Request::Release, Request::Load { id: 7 }, Request::Resume] {
+            assert_eq!(Request::parse(&r.encode()).unwrap(), r);
+        }
+        assert!(Request::parse("quiesce").is_err());
+        assert!(Request::parse("quiesce soon").is_err());
+        assert!(Request::parse("format c:").is_err());
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let s = Status { tracked: 3, tracked_bytes: 1 << 30, gate_closed: true, stream_ordered: 2, passthrough_bytes: 99, ..Status::default() };
+        for r in [Reply::Status(s), Reply::Alloc { id: 1, size: 2 << 20, device: 0 }, Reply::Done { count: 4 }, Reply::Ok, Reply::Err("in flight".into())] {
+            assert_eq!(Reply::parse(&r.encode()).unwrap(), r);
+        }
+        assert_eq!(Reply::parse("status tracked=1 future_field=5").unwrap(), Reply::Status(Status { tracked: 1, ..Status::default() }));
+        assert!(Reply::parse("alloc 1 two 0").is_err());
+    }
+
+    #[test]
+    fn error_text_is_one_bounded_line() {
+        let e = Reply::Err(format!("a\nb{}", "x".repeat(2000))).encode();
+        assert!(!e.contains('\n') && e.len() <= MAX_MESSAGE);
+    }
+}
