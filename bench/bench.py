@@ -3,9 +3,11 @@
 
 Runs on the GPU machine. For each workload (the GPU suite's CUDA C++ counter holding 1, 4,
 16 or 32 GiB, and a PyTorch model whose weights and AdamW state fill >= 8 GiB) and each
-repetition, the two contenders are alternated:
+repetition, the contenders (--contenders, default hiber,stock) are alternated:
 
-- hiber: `hiber run`, `hiber checkpoint --leave-running`, `hiber restore` (defaults);
+- hiber: `hiber run`, `hiber checkpoint --leave-running`, `hiber restore` (defaults: the
+  agent is preloaded into the job);
+- hiber-no-agent: the same with `hiber run --no-agent` (the driver engine alone);
 - stock: the path NVIDIA documents for CRIU, with no hiber code: the workload started
   detached, driver lock + checkpoint (bench/stock/cuda_ckpt.c), `criu dump
   --leave-running`, driver restore + unlock, fsync of the image; then `criu restore -d`
@@ -17,8 +19,16 @@ progress again (page cache, then cold cache), image size on disk, and the peak R
 checkpointing processes. The ceilings (pinned host<->device copy, disk write and read) are
 measured in the same run.
 
+With --overhead-reps N, the agent's cost while nothing is checkpointed: a CUDA
+microbenchmark (bench/programs/microbench.cu: many small and large allocations, tiny
+launches, small copies) and PyTorch training steps (train_big.py), each run to its end as
+a job N times with the agent and N times with `--no-agent`, interleaved. What is compared
+is each program's own timing (the median block or step time of a run, after warm-up).
+
     python3 bench/bench.py [--sizes 1,4,16,32] [--pytorch-gib 8] [--reps 3] [--tag NAME]
-    python3 bench/bench.py --report bench/results/*.json     # merge runs into one table
+                           [--contenders hiber,stock] [--overhead-reps 0] [--overhead-pytorch-gib 8]
+    python3 bench/bench.py --sizes '' --pytorch-gib 0 --overhead-reps 5 --tag overhead
+    python3 bench/bench.py --report bench/results/*.json     # merge runs into one report
 """
 import argparse
 import json
@@ -31,7 +41,24 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import downtime_ms, first_progress_after, merge_rows, parse_progress, ratios, table, typical_gap_ms  # noqa: E402
+from benchlib import (  # noqa: E402
+    MICRO,
+    downtime_ms,
+    durable_rates,
+    evaluate_targets,
+    first_progress_after,
+    merge_overhead,
+    merge_rows,
+    overhead_table,
+    parse_progress,
+    parse_timings,
+    ratios,
+    run_median,
+    summary,
+    table,
+    targets_table,
+    typical_gap_ms,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry"
@@ -110,11 +137,18 @@ def pytorch(gib):
     return Workload(f"PyTorch {gib} GiB", ["python3", REPO / "bench/programs/train_big.py", "--gib", str(gib)], 5)
 
 
+def hiber_run(agent, job, argv):
+    """`hiber run`, with the agent preloaded (hiber's default) or with `--no-agent`."""
+    run([HIBER, "run"] + ([] if agent else ["--no-agent"]) + ["--name", job, "--"] + argv)
+
+
 class Hiber:
-    name = "hiber"
+    def __init__(self, agent=True):
+        self.agent = agent
+        self.name = "hiber" if agent else "hiber-no-agent"
 
     def start(self, w):
-        run([HIBER, "run", "--name", "bw", "--"] + w.argv)
+        hiber_run(self.agent, "bw", w.argv)
         return json.loads((STATE / "jobs/bw/job.json").read_text())["pid"]
 
     def log(self, job="bw"):
@@ -183,6 +217,9 @@ class Stock:
         return None
 
 
+CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "stock": Stock}
+
+
 def one_sample(contender, w, rep):
     img = WORK / "img"
     shutil.rmtree(img, ignore_errors=True)
@@ -219,6 +256,72 @@ def one_sample(contender, w, rep):
         except Exception:  # noqa: BLE001 - already gone
             pass
         shutil.rmtree(img, ignore_errors=True)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+class OverheadBenchmark:
+    """A program run to its end as a hiber job; `figure` turns its log into one number."""
+
+    def __init__(self, name, unit, argv, done, figure):
+        self.name, self.unit, self.argv, self.done, self.figure = name, unit, argv, done, figure
+
+    def measure(self, agent):
+        job = "ov"
+        hiber_run(agent, job, self.argv)
+        d = STATE / "jobs" / job
+        try:
+            # The shim writes exit.json once the job's root has exited: its log is complete.
+            wait_for(f"{self.name} to finish", 300, lambda: (d / "exit.json").exists())
+            log = (d / "stdout.log").read_text()
+            if self.done not in log.splitlines():
+                tail = (log + (d / "stderr.log").read_text()).strip()[-600:]
+                raise RuntimeError(f"{self.name} ended ({(d / 'exit.json').read_text().strip()}) without `{self.done}`: {tail}")
+            v = self.figure(log)
+            if v is None:
+                raise RuntimeError(f"{self.name} printed no timing after warm-up")
+            return v
+        finally:
+            try:
+                run([HIBER, "rm", "-f", job])
+            except RuntimeError:
+                pass
+
+
+# Runs of the overhead benchmarks, and how much of each is warm-up (lazy module loading,
+# the allocators' first growth) left out of its median.
+MICRO_BLOCKS, MICRO_WARMUP = 40, 5
+TORCH_STEPS, TORCH_WARMUP = 200, 20
+
+
+def overhead_benchmarks(pytorch_gib):
+    micro = OverheadBenchmark(MICRO, "ms per block", [BUILD / "microbench", "--blocks", str(MICRO_BLOCKS)], "verify ok",
+                              lambda log: run_median(parse_timings(log, "block", "ms"), MICRO_WARMUP))
+    if not pytorch_gib:
+        return [micro]
+    steps = OverheadBenchmark(f"PyTorch {pytorch_gib} GiB step", "ms per step",
+                              ["python3", REPO / "bench/programs/train_big.py", "--gib", str(pytorch_gib), "--steps", str(TORCH_STEPS), "--interval-ms", "0"], "done",
+                              lambda log: run_median(parse_timings(log, "step", "step_ms"), TORCH_WARMUP))
+    return [micro, steps]
+
+
+def measure_overhead(reps, pytorch_gib, result, save):
+    """Each benchmark `reps` times with the agent and `reps` times without, interleaved
+    (which side goes first alternates), into result["overhead"]."""
+    for b in overhead_benchmarks(pytorch_gib):
+        entry = {"benchmark": b.name, "unit": b.unit, "samples": {"hiber": [], "hiber-no-agent": []}}
+        result["overhead"].append(entry)
+        for rep in range(reps):
+            for agent in ((True, False) if rep % 2 == 0 else (False, True)):
+                side = "hiber" if agent else "hiber-no-agent"
+                try:
+                    v = b.measure(agent)
+                except Exception as e:  # noqa: BLE001 - a failed run is recorded, not fatal
+                    result["errors"].append({"workload": b.name, "contender": side, "rep": rep, "error": str(e)[-800:]})
+                    print(f"[error] {b.name} {side} rep {rep}: {e}", flush=True)
+                    continue
+                entry["samples"][side].append(round(v, 4))
+                print(f"{b.name:>24} {side:>14} rep {rep}: {v:.3f} {b.unit}", flush=True)
+            save()
         shutil.rmtree(STATE, ignore_errors=True)
 
 
@@ -260,8 +363,9 @@ def machine():
 def report(paths):
     runs = [json.loads(Path(p).read_text()) for p in paths]
     rows = merge_rows(runs)
+    counts = sorted({len(r["samples"].get("downtime_s", [])) for r in rows})
     lines = [
-        "Medians with min–max over the repetitions (3 per row). Downtime: the longest gap in the workload's own progress",
+        f"Medians with min–max over the repetitions ({'/'.join(map(str, counts)) or 'none'} per row). Downtime: the longest gap in the workload's own progress",
         "timestamps around a `--leave-running` checkpoint (its normal step takes 0.01–0.04 s). Image durable: until",
         "the image is fsync'd (hiber: its command returns; stock: driver + `criu dump` + fsync). Restore: until the",
         "workload prints progress again. Checkpointer peak RSS: of hiber and CRIU (stock: of CRIU and the driver client).",
@@ -269,8 +373,30 @@ def report(paths):
         table(rows),
         "",
     ]
-    for w, x in ratios(rows).items():
-        lines.append(f"- {w}: stock downtime / hiber downtime = {x:.2f}")
+    for c in [c for c in dict.fromkeys(r["contender"] for r in rows) if c != "stock"]:
+        for w, x in ratios(rows, other=c).items():
+            lines.append(f"- {w}: stock downtime / {c} downtime = {x:.2f}")
+    lines.append("")
+    lines.append("Image durable bandwidth: image bytes / seconds until durable, and that against the disk write ceiling of")
+    lines.append("the sample's own run (medians):")
+    lines.append("")
+    rates = durable_rates(runs)
+    for r in rows:
+        d = rates.get((r["workload"], r["contender"]), {"GBps": [], "fraction": []})
+        g, f = summary(d["GBps"]), summary(d["fraction"])
+        if g:
+            lines.append(f"- {r['workload']}, {r['contender']}: {g['median']:.2f} GB/s" + (f", {f['median'] * 100:.0f}% of the disk's write bandwidth" if f else ""))
+    lines.append("")
+    entries = merge_overhead(runs)
+    lines.append("Agent overhead while not checkpointing: each program run to its end under `hiber run` (with the agent) and")
+    lines.append("`hiber run --no-agent`, interleaved; per run, the median of the program's own block times (microbenchmark,")
+    lines.append(f"after {MICRO_WARMUP} of {MICRO_BLOCKS} blocks) or step times (PyTorch, after {TORCH_WARMUP} of {TORCH_STEPS} steps); medians with min–max over the runs.")
+    lines.append("")
+    lines.append(overhead_table(entries) if entries else "Not measured in these runs.")
+    lines.append("")
+    lines.append("Targets:")
+    lines.append("")
+    lines.append(targets_table(evaluate_targets(runs)))
     lines.append("")
     lines.append("Runs (each measured its own ceilings):")
     lines.append("")
@@ -289,11 +415,18 @@ def main():
     ap.add_argument("--pytorch-gib", type=int, default=8, help="0 to skip")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tag", default="run")
+    ap.add_argument("--contenders", default="hiber,stock", help=f"comma-separated, of: {', '.join(CONTENDERS)}")
+    ap.add_argument("--overhead-reps", type=int, default=0, help="agent-overhead runs per side and benchmark; 0 to skip")
+    ap.add_argument("--overhead-pytorch-gib", type=int, default=8, help="the PyTorch overhead benchmark's size; 0 to skip it")
     ap.add_argument("--report", nargs="*")
     a = ap.parse_args()
     if a.report is not None:
         print(report(a.report))
         return 0
+    names = [c for c in a.contenders.split(",") if c]
+    unknown = [c for c in names if c not in CONTENDERS]
+    if unknown or not names:
+        ap.error(f"--contenders: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(CONTENDERS)}")
     # PR_SET_CHILD_SUBREAPER: orphans of the stock path's `criu restore -d` come to us.
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
@@ -304,14 +437,23 @@ def main():
     cuda_inc = "/usr/local/cuda/include"
     run(["nvcc", "-O2", "-o", BUILD / "counter", REPO / "gpu/programs/counter.cu"])
     run(["gcc", "-O2", "-I", cuda_inc, REPO / "bench/stock/cuda_ckpt.c", "-o", BUILD / "cuda_ckpt", "-ldl"])
-    result = {"machine": machine(), "ceilings": ceilings(), "rows": [], "errors": []}
+    if a.overhead_reps:
+        run(["nvcc", "-O2", "-o", BUILD / "microbench", REPO / "bench/programs/microbench.cu"])
+    result = {"machine": machine(), "ceilings": ceilings(), "rows": [], "overhead": [], "errors": []}
     print(json.dumps(result["machine"]), json.dumps(result["ceilings"]), flush=True)
+
+    def save():
+        (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
+
+    if a.overhead_reps:
+        measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save)
     workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
     for w in workloads:
-        rows = {c.name: {"workload": w.name, "contender": c.name, "samples": {}} for c in (Hiber(), Stock())}
+        rows = {n: {"workload": w.name, "contender": n, "samples": {}} for n in names}
         for rep in range(a.reps):
-            order = [Hiber(), Stock()] if rep % 2 == 0 else [Stock(), Hiber()]
-            for c in order:
+            # Which contender goes first rotates with the repetition.
+            first = rep % len(names)
+            for c in [CONTENDERS[n]() for n in names[first:] + names[:first]]:
                 try:
                     s = one_sample(c, w, rep)
                 except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
@@ -320,12 +462,15 @@ def main():
                     continue
                 for k, v in s.items():
                     rows[c.name]["samples"].setdefault(k, []).append(round(v, 3))
-                print(f"{w.name:>16} {c.name:>5} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
-        result["rows"] += [rows["hiber"], rows["stock"]]
-        (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
-    (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
+                print(f"{w.name:>16} {c.name:>14} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
+        result["rows"] += [rows[n] for n in names]
+        save()
+    save()
     print()
     print(table(result["rows"]))
+    if result["overhead"]:
+        print()
+        print(overhead_table(result["overhead"]))
     print(json.dumps(result["ceilings"]))
     return 0
 

@@ -1,5 +1,6 @@
 """The benchmark's logic that needs no GPU: reading a workload's progress, measuring gaps
-in it, statistics, and the report. Unit-tested in CI (test_benchlib.py)."""
+in it, statistics, the agent's overhead, the issue's targets, and the report. Unit-tested
+in CI (test_benchlib.py)."""
 import statistics
 
 
@@ -92,6 +93,11 @@ def ratios(rows, metric="downtime_s", base="stock", other="hiber"):
     return out
 
 
+# hiber with its agent (the default), hiber without it (`hiber run --no-agent`: the driver
+# engine alone), and the stock path; a row of another contender goes last.
+CONTENDER_ORDER = ("hiber", "hiber-no-agent", "stock")
+
+
 def merge_rows(runs):
     """Rows of several runs, one per (workload, contender), their samples concatenated:
     repetitions of one workload may come from several calls (each call is limited to 10
@@ -103,4 +109,152 @@ def merge_rows(runs):
             for k, v in r["samples"].items():
                 m["samples"].setdefault(k, []).extend(v)
     order = sorted({w for w, _ in merged}, key=lambda w: (w.startswith("PyTorch"), float(w.split()[-2])))
-    return [merged[(w, c)] for w in order for c in ("hiber", "stock") if (w, c) in merged]
+    contenders = sorted({c for _, c in merged}, key=lambda c: (CONTENDER_ORDER.index(c) if c in CONTENDER_ORDER else len(CONTENDER_ORDER), c))
+    return [merged[(w, c)] for w in order for c in contenders if (w, c) in merged]
+
+
+def parse_timings(text, lead, key):
+    """The number after `key` on every line `LEAD N ...` (N an integer): `block 3 ms 41.2`
+    (the microbenchmark) or `step 7 ... step_ms 12.5` (train_big.py). A line cut short or
+    with something else there is skipped."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) < 2 or f[0] != lead:
+            continue
+        try:
+            int(f[1])
+            out.append(float(f[f.index(key, 2) + 1]))
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+def run_median(values, warmup):
+    """Median of `values` after the first `warmup` (lazy module loading, allocator and
+    cache warm-up): one program run's figure. None when nothing is left."""
+    rest = values[warmup:]
+    return statistics.median(rest) if rest else None
+
+
+def overhead_pct(with_agent, without):
+    """(with - without) / without, in percent; None when either is missing."""
+    if with_agent is None or not without:
+        return None
+    return (with_agent - without) / without * 100
+
+
+def merge_overhead(runs):
+    """The agent-overhead entries of several runs, one per benchmark, their per-run medians
+    concatenated by side ("hiber": with the agent, "hiber-no-agent": without). A run from
+    before the overhead benchmark has none."""
+    merged = {}
+    for run_ in runs:
+        for e in run_.get("overhead", []):
+            m = merged.setdefault(e["benchmark"], {"benchmark": e["benchmark"], "unit": e.get("unit", ""), "samples": {}})
+            for side, v in e["samples"].items():
+                m["samples"].setdefault(side, []).extend(v)
+    return list(merged.values())
+
+
+def overhead_of(entry):
+    """{with, without (summaries of the per-run medians), pct (overhead of the medians)}."""
+    w = summary(entry["samples"].get("hiber", []))
+    wo = summary(entry["samples"].get("hiber-no-agent", []))
+    return {"with": w, "without": wo, "pct": overhead_pct(w["median"] if w else None, wo["median"] if wo else None)}
+
+
+def overhead_table(entries):
+    """Markdown table of the overhead entries: medians with min–max, and the overhead."""
+    lines = ["| benchmark | with the agent | without (`--no-agent`) | overhead |", "|---|---|---|---|"]
+    for e in entries:
+        o = overhead_of(e)
+        unit = f" {e['unit']}" if e["unit"] else ""
+        pct = "n/a" if o["pct"] is None else f"{o['pct']:+.2f}%"
+        n = min(o["with"]["n"] if o["with"] else 0, o["without"]["n"] if o["without"] else 0)
+        lines.append(f"| {e['benchmark']} | {fmt(o['with'], unit, digits=3)} | {fmt(o['without'], unit, digits=3)} | {pct} ({n} runs each) |")
+    return "\n".join(lines)
+
+
+def durable_rates(runs):
+    """(workload, contender) -> {"GBps": [...], "fraction": [...]}: per sample, the image's
+    bytes over the seconds until it was durable, and that over the disk write bandwidth
+    its own run measured (the ceiling). Samples of a row are aligned: each sample records
+    every metric or none."""
+    out = {}
+    for run_ in runs:
+        ceiling = run_.get("ceilings", {}).get("disk_write_GBps")
+        for r in run_["rows"]:
+            s = r["samples"]
+            d = out.setdefault((r["workload"], r["contender"]), {"GBps": [], "fraction": []})
+            for gib, secs in zip(s.get("image_gib", []), s.get("durable_s", [])):
+                if gib is None or not secs:
+                    continue
+                gbps = gib * (1 << 30) / secs / 1e9
+                d["GBps"].append(gbps)
+                if ceiling:
+                    d["fraction"].append(gbps / ceiling)
+    return out
+
+
+# The issue's targets are set on the 32 GiB counter, the PyTorch workload and the two
+# overhead benchmarks; these are the names the benchmark gives them.
+BIG = "32 GiB"
+MICRO = "CUDA microbenchmark"
+
+
+def _median(rows, workload, contender, metric):
+    for r in rows:
+        if r["workload"] == workload and r["contender"] == contender:
+            s = summary(r["samples"].get(metric, []))
+            return s["median"] if s else None
+    return None
+
+
+def _verdict(target, value, ok, measured):
+    """(target, measured, verdict); `measured` is called only when there is a value."""
+    if value is None:
+        return (target, "not measured", "not measured")
+    return (target, measured(), "met" if ok(value) else "NOT met")
+
+
+def _downtime_ratio(rows, workload, at_least):
+    hiber, stock = _median(rows, workload, "hiber", "downtime_s"), _median(rows, workload, "stock", "downtime_s")
+    x = stock / hiber if stock is not None and hiber else None
+    return _verdict(f"{workload}: stock downtime / hiber downtime ≥ {at_least}x", x, lambda v: v >= at_least,
+                    lambda: f"{x:.1f}x (stock {stock:.2f} s, hiber {hiber:.2f} s)")
+
+
+def evaluate_targets(runs):
+    """The issue's targets, each as (target, measured, verdict), the verdict "met", "NOT met"
+    or "not measured" (a run from before a metric existed, or a workload not run)."""
+    rows = merge_rows(runs)
+    out = []
+    down = _median(rows, BIG, "hiber", "downtime_s")
+    out.append(_verdict(f"{BIG}: hiber downtime ≤ 2 s", down, lambda v: v <= 2.0, lambda: f"{down:.2f} s"))
+    out.append(_downtime_ratio(rows, BIG, 10))
+    torch_workloads = [w for w in dict.fromkeys(r["workload"] for r in rows) if w.startswith("PyTorch")]
+    for w in torch_workloads or ["PyTorch"]:
+        out.append(_downtime_ratio(rows, w, 5))
+    warm = _median(rows, BIG, "hiber", "restore_warm_s")
+    out.append(_verdict(f"{BIG}: hiber restore from page cache until progress ≤ 5 s", warm, lambda v: v <= 5.0, lambda: f"{warm:.2f} s"))
+    rates = durable_rates(runs).get((BIG, "hiber"), {"GBps": [], "fraction": []})
+    frac, gbps = summary(rates["fraction"]), summary(rates["GBps"])
+    disk = summary([r.get("ceilings", {}).get("disk_write_GBps") for r in runs if any(x["workload"] == BIG and x["contender"] == "hiber" for x in r["rows"])])
+    out.append(_verdict(f"{BIG}: hiber image durable at ≥ 90% of the disk's write bandwidth", frac["median"] if frac else None, lambda v: v >= 0.9,
+                        lambda: f"{frac['median'] * 100:.0f}% ({gbps['median']:.2f} GB/s; disk {disk['median']:.2f} GB/s)"))
+    entries = merge_overhead(runs)
+    micro = [e for e in entries if e["benchmark"] == MICRO] or [{"benchmark": MICRO, "unit": "", "samples": {}}]
+    torch_steps = [e for e in entries if e["benchmark"].startswith("PyTorch")] or [{"benchmark": "PyTorch step", "unit": "", "samples": {}}]
+    for e in micro + torch_steps:
+        o = overhead_of(e)
+        out.append(_verdict(f"agent overhead, {e['benchmark']} ≤ 1%", o["pct"], lambda v: v <= 1.0,
+                            lambda: f"{o['pct']:+.2f}% ({o['with']['median']:.3f} vs {o['without']['median']:.3f} {e['unit']})"))
+    return out
+
+
+def targets_table(targets):
+    """Markdown table of evaluate_targets' answer."""
+    lines = ["| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {v} |" for t, m, v in targets]
+    return "\n".join(lines)

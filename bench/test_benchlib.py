@@ -1,7 +1,30 @@
 """Unit tests of the benchmark's parsing and statistics (run in CI by scripts/test.sh)."""
+import json
 import unittest
+from pathlib import Path
 
-from benchlib import downtime_ms, first_progress_after, merge_rows, parse_progress, ratios, summary, table, typical_gap_ms
+import bench
+from benchlib import (
+    durable_rates,
+    downtime_ms,
+    evaluate_targets,
+    first_progress_after,
+    merge_overhead,
+    merge_rows,
+    overhead_of,
+    overhead_pct,
+    overhead_table,
+    parse_progress,
+    parse_timings,
+    ratios,
+    run_median,
+    summary,
+    table,
+    targets_table,
+    typical_gap_ms,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 LOG = """start counter mib 1024 steps 100 pid 7
 step 0 checksum 00ff t 1000
@@ -63,6 +86,131 @@ class Stats(unittest.TestCase):
         self.assertEqual([(r["workload"], r["contender"]) for r in rows],
                          [("4 GiB", "stock"), ("32 GiB", "hiber"), ("32 GiB", "stock"), ("PyTorch 8 GiB", "hiber")])
         self.assertEqual(rows[1]["samples"], {"downtime_s": [1.0, 2.0], "image_gib": [32.5]})
+
+
+    def test_merge_orders_contenders_hiber_no_agent_stock(self):
+        a = {"rows": [{"workload": "4 GiB", "contender": c, "samples": {"downtime_s": [1.0]}} for c in ("stock", "other", "hiber-no-agent", "hiber")]}
+        self.assertEqual([r["contender"] for r in merge_rows([a])], ["hiber", "hiber-no-agent", "stock", "other"])
+
+
+MICRO_LOG = """start microbench blocks 4 pid 9
+block 0 ms 80.5
+block 1 ms 41.0
+cuda error nothing
+block 2 ms
+block x ms 1
+block 3 ms 43.0
+blocks 4 ms 999
+verify ok
+done
+"""
+
+TORCH_LOG = """start train_big layers 8 params 1 pid 3
+step 0 checksum 3f80 t 1000 loss 1 step_ms 250.0
+step 1 checksum 3f80 t 1020 loss 1 step_ms 12.5
+step 2 checksum 3f80 t 1040 loss 1
+step 3 checksum 3f80 t 1060 loss 1 step_ms 12.0
+done
+"""
+
+
+def run_with(rows=(), overhead=None, disk=1.0):
+    r = {"machine": {}, "ceilings": {"disk_write_GBps": disk}, "rows": list(rows)}
+    if overhead is not None:
+        r["overhead"] = overhead
+    return r
+
+
+def row(workload, contender, **samples):
+    return {"workload": workload, "contender": contender, "samples": samples}
+
+
+def micro(with_, without):
+    return {"benchmark": "CUDA microbenchmark", "unit": "ms per block", "samples": {"hiber": with_, "hiber-no-agent": without}}
+
+
+class Overhead(unittest.TestCase):
+    def test_parse_timings(self):
+        self.assertEqual(parse_timings(MICRO_LOG, "block", "ms"), [80.5, 41.0, 43.0])
+        # A step line without the field (an older train_big.py) is skipped.
+        self.assertEqual(parse_timings(TORCH_LOG, "step", "step_ms"), [250.0, 12.5, 12.0])
+        self.assertEqual(parse_timings("", "step", "step_ms"), [])
+
+    def test_run_median_leaves_out_warm_up(self):
+        self.assertEqual(run_median([80.5, 41.0, 43.0], 1), 42.0)
+        self.assertIsNone(run_median([80.5], 1))
+
+    def test_overhead_pct(self):
+        self.assertAlmostEqual(overhead_pct(101.0, 100.0), 1.0)
+        self.assertAlmostEqual(overhead_pct(99.0, 100.0), -1.0)
+        self.assertIsNone(overhead_pct(None, 100.0))
+        self.assertIsNone(overhead_pct(1.0, None))
+
+    def test_merge_across_runs_and_old_runs(self):
+        a = run_with(overhead=[micro([10.0], [10.0])])
+        b = run_with(overhead=[micro([10.2, 10.4], [10.0, 9.9]),
+                               {"benchmark": "PyTorch 8 GiB step", "unit": "ms per step", "samples": {"hiber": [12.0]}}])
+        old = {"machine": {}, "ceilings": {}, "rows": []}  # from before the overhead benchmark
+        entries = merge_overhead([a, old, b])
+        self.assertEqual([e["benchmark"] for e in entries], ["CUDA microbenchmark", "PyTorch 8 GiB step"])
+        self.assertEqual(entries[0]["samples"], {"hiber": [10.0, 10.2, 10.4], "hiber-no-agent": [10.0, 10.0, 9.9]})
+        o = overhead_of(entries[0])
+        self.assertAlmostEqual(o["pct"], 2.0)
+        self.assertIsNone(overhead_of(entries[1])["pct"])
+        t = overhead_table(entries)
+        self.assertIn("| CUDA microbenchmark | 10.200 ms per block (10.000–10.400) | 10.000 ms per block (9.900–10.000) | +2.00% (3 runs each) |", t)
+        self.assertIn("| n/a | n/a (0 runs each) |", t)
+
+
+class Targets(unittest.TestCase):
+    def test_durable_rates_use_each_runs_own_ceiling(self):
+        gib = 1e9 / (1 << 30)  # image_gib of exactly 1 GB
+        a = run_with([row("32 GiB", "hiber", image_gib=[2 * gib, 2 * gib], durable_s=[1.0, 2.0])], disk=2.0)
+        b = run_with([row("32 GiB", "hiber", image_gib=[3 * gib], durable_s=[1.0])], disk=4.0)
+        d = durable_rates([a, b])[("32 GiB", "hiber")]
+        self.assertEqual([round(x, 6) for x in d["GBps"]], [2.0, 1.0, 3.0])
+        self.assertEqual([round(x, 6) for x in d["fraction"]], [1.0, 0.5, 0.75])
+
+    def test_all_met(self):
+        gib = 1e9 / (1 << 30)
+        rows = [
+            row("32 GiB", "hiber", downtime_s=[1.5, 1.9, 2.5], restore_warm_s=[4.0], image_gib=[19 * gib], durable_s=[10.0]),
+            row("32 GiB", "stock", downtime_s=[36.0]),
+            row("PyTorch 8 GiB", "hiber", downtime_s=[2.0]),
+            row("PyTorch 8 GiB", "stock", downtime_s=[12.0]),
+        ]
+        torch_steps = {"benchmark": "PyTorch 8 GiB step", "unit": "ms per step", "samples": {"hiber": [10.05], "hiber-no-agent": [10.0]}}
+        got = evaluate_targets([run_with(rows, [micro([10.1], [10.0]), torch_steps], disk=2.0)])
+        self.assertEqual([v for _, _, v in got], ["met"] * 7, got)
+        self.assertEqual(got[0], ("32 GiB: hiber downtime ≤ 2 s", "1.90 s", "met"))
+        self.assertEqual(got[1][1], "18.9x (stock 36.00 s, hiber 1.90 s)")
+        self.assertEqual(got[2][0], "PyTorch 8 GiB: stock downtime / hiber downtime ≥ 5x")
+        self.assertEqual(got[4][1], "95% (1.90 GB/s; disk 2.00 GB/s)")
+        self.assertEqual(got[6], ("agent overhead, PyTorch 8 GiB step ≤ 1%", "+0.50% (10.050 vs 10.000 ms per step)", "met"))
+
+    def test_not_met(self):
+        rows = [row("32 GiB", "hiber", downtime_s=[4.0], restore_warm_s=[6.0], image_gib=[1.0], durable_s=[10.0]),
+                row("32 GiB", "stock", downtime_s=[36.0]),
+                row("PyTorch 8 GiB", "hiber", downtime_s=[3.0]), row("PyTorch 8 GiB", "stock", downtime_s=[12.0])]
+        got = evaluate_targets([run_with(rows, [micro([10.2], [10.0])])])
+        self.assertEqual([v for _, _, v in got], ["NOT met"] * 6 + ["not measured"])
+        self.assertIn("| agent overhead, CUDA microbenchmark ≤ 1% | +2.00% (10.200 vs 10.000 ms per block) | NOT met |", targets_table(got))
+
+    def test_nothing_measured(self):
+        got = evaluate_targets([run_with()])
+        self.assertEqual(len(got), 7)
+        self.assertEqual({v for _, m, v in got}, {"not measured"})
+        self.assertEqual({m for _, m, v in got}, {"not measured"})
+
+    def test_the_recorded_runs_still_read(self):
+        paths = sorted(RESULTS.glob("*.json"))
+        self.assertTrue(paths)
+        got = dict((t, v) for t, _, v in evaluate_targets([json.loads(p.read_text()) for p in paths]))
+        self.assertEqual(got["32 GiB: hiber downtime ≤ 2 s"], "NOT met")
+        self.assertEqual(got["agent overhead, CUDA microbenchmark ≤ 1%"], "not measured")
+        text = bench.report([str(p) for p in paths])
+        self.assertIn("| 32 GiB | hiber |", text)
+        self.assertIn("| agent overhead, PyTorch step ≤ 1% | not measured | not measured |", text)
 
 
 if __name__ == "__main__":

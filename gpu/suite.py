@@ -8,6 +8,10 @@ results, timings, image sizes) to $OUT/results.md and $OUT/results.json.
 
 Each scenario asserts the restored program's own state: it resumes at the next step with
 the original's checksum trajectory, and its final word-by-word check passes.
+
+`hiber run` preloads the agent (libhiber_agent.so) into every job unless told --no-agent, so
+every scenario runs with it; the agent_* scenarios also check, from the image's agent
+section and `hiber inspect`, what the agent moved itself and what it left to the driver.
 """
 import json
 import os
@@ -26,6 +30,10 @@ STATE = Path("/tmp/hiber-gpu-state")
 BUILD = Path("/tmp/hiber-gpu-build")
 ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "criu"), PYTHONUNBUFFERED="1")
 ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
+TRAIN = REPO / "gpu/programs/train.py"
+# The CUDA programs of gpu/programs/ that main() builds with nvcc, and how each build went.
+PROGRAMS = ("counter", "mallocasync", "graphs")
+BUILT = {}
 
 results = []
 
@@ -106,7 +114,7 @@ def assert_continues(original, copy, start):
 def job_log_tails():
     """The last lines of every job's logs and of CRIU's kept logs, for a failure report."""
     out = {}
-    for f in sorted(STATE.glob("jobs/*/std*.log")) + sorted(STATE.glob("logs/*/*.log"))[-4:]:
+    for f in sorted(STATE.glob("jobs/*/std*.log")) + sorted(STATE.glob("jobs/*/agent.log")) + sorted(STATE.glob("logs/*/*.log"))[-4:]:
         lines = f.read_text(errors="replace").splitlines()
         if lines:
             out[str(f.relative_to(STATE))] = lines[-4:]
@@ -124,34 +132,113 @@ def image_of(name):
     return str(STATE / "images" / name)
 
 
-def cuda_section(image):
+def program(name):
+    """A CUDA test program built by main(); the scenario is skipped if nvcc could not build it."""
+    b = BUILT.get(name)
+    if b is None or b.returncode != 0:
+        raise Skip(f"nvcc could not build {name}.cu: " + (b.stderr[-300:] if b else "not built"))
+    return BUILD / name
+
+
+def job_pid(job):
+    return json.loads((STATE / "jobs" / job / "job.json").read_text())["pid"]
+
+
+def run_job(job, *cmd, agent=None, limit=60):
+    """Start CMD as the hiber job JOB (with --no-agent when agent is False). With agent True or
+    False, wait for its first step and check that the agent is mapped into it, or is not."""
+    hiber("run", "--name", job, *(["--no-agent"] if agent is False else []), "--", *cmd)
+    if agent is not None:
+        wait_step(job, 0, limit)
+        mapped = "libhiber_agent" in Path(f"/proc/{job_pid(job)}/maps").read_text()
+        assert mapped == agent, f"the agent is {'not ' if agent else ''}mapped into {job}"
+
+
+def device_section(image, engine):
     m = json.loads((Path(image) / "manifest.json").read_text())
     for d in m["devices"]:
-        if d["engine"] == "cuda":
+        if d["engine"] == engine:
             return d["state"]
     return None
 
 
-def stop_and_restore(job, at, metrics, restore_args=()):
-    """Checkpoint (stopping the job), restore, and check the copy continues intact."""
-    wait_step(job, at)
+def cuda_section(image):
+    return device_section(image, "cuda")
+
+
+def agent_section(image):
+    return device_section(image, "agent")
+
+
+def agent_bytes(sec):
+    """Device bytes the agent moved itself, all processes of an agent section together."""
+    return sum(p["bytes"] for p in sec["processes"]) if sec else 0
+
+
+def inspect_agent(image, metrics):
+    """`hiber inspect IMAGE`'s text; its agent lines are kept in the metrics."""
+    out = hiber("inspect", image).stdout
+    metrics["inspect_agent"] = [l.strip() for l in out.splitlines() if l.strip().startswith("agent:")]
+    return out
+
+
+def agent_moved(image, metrics, at_least=1):
+    """Check that the agent itself moved at least AT_LEAST bytes of one process of the image,
+    and record what it did and what it left to the driver."""
+    sec = agent_section(image)
+    assert sec and sec["processes"], "the image has an agent section with the processes"
+    most = max(p["bytes"] for p in sec["processes"])
+    assert most >= at_least, f"the agent moved {most >> 20} MiB of a process, expected at least {at_least >> 20} MiB"
+    metrics.update(agent_mode=sec.get("mode"), agent_passthrough=[p.get("passthrough") for p in sec["processes"]])
+    inspect_agent(image, metrics)
+    return sec
+
+
+def stop_and_restore(job, at, metrics, restore_args=(), wait_limit=60):
+    """Checkpoint (stopping the job), restore, and check the copy continues intact.
+
+    The device memory is in the cuda section (the driver's), the agent section, or both."""
+    wait_step(job, at, wait_limit)
     img = image_of(job)
     ck = hiber_json("checkpoint", job, "--out", img)
-    sec = cuda_section(img)
-    assert sec and sec["processes"], "the image records the CUDA processes"
+    sec, agent = cuda_section(img), agent_section(img)
+    assert (sec and sec["processes"]) or (agent and agent["processes"]), "the image records the CUDA processes"
     before = progress(job)
     rs = hiber_json("restore", img, "--name", job + "-r", *restore_args)
     assert_verified(job + "-r")
     assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
+    metrics["checkpoint_s"] = round(ck["total_seconds"], 2)
+    if sec:
+        metrics["driver_checkpoint_s"] = round(sec["checkpoint_seconds"], 2)
+    if agent and "checkpoint_seconds" in agent:
+        metrics["agent_checkpoint_s"] = round(agent["checkpoint_seconds"], 2)
     metrics.update(
-        checkpoint_s=round(ck["total_seconds"], 2),
-        driver_checkpoint_s=round(sec["checkpoint_seconds"], 2),
         dump_s=round(ck["dump_seconds"], 2),
         restore_s=round(rs["total_seconds"], 2),
         restore_devices_s=round(rs["devices_seconds"], 2),
         image_mib=ck["image_bytes"] >> 20,
-        gpu_mib=sum(p["memory_bytes"] for p in sec["processes"]) >> 20,
     )
+    if sec:
+        metrics["gpu_mib"] = sum(p["memory_bytes"] for p in sec["processes"]) >> 20
+    if agent:
+        metrics["agent_mib"] = agent_bytes(agent) >> 20
+    return img
+
+
+def training_identical(m, job, flags=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False):
+    """train.py with FLAGS, uninterrupted outside hiber, then as the hiber job JOB checkpointed
+    at step AT and restored: the two loss trajectories must be bit-identical."""
+    ref = sh("python3", TRAIN, "--steps", steps, *flags, check=not ref_may_skip, timeout=ref_timeout)
+    if ref.returncode != 0:
+        raise Skip(f"train.py {' '.join(flags)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
+    ref_traj = [(int(l.split()[1]), l.split()[3]) for l in ref.stdout.splitlines() if l.startswith("step ")]
+    assert len(ref_traj) == int(steps), "reference run completed"
+    run_job(job, "python3", TRAIN, "--steps", steps, *flags, agent=agent, limit=limit)
+    img = stop_and_restore(job, at, m, wait_limit=limit)
+    combined = progress(job) + progress(job + "-r")
+    assert combined == ref_traj, "loss trajectory differs from the uninterrupted run"
+    m["loss_steps_compared"] = len(combined)
+    m["final_loss"] = log(job + "-r").splitlines()[-2].split()[-1]
     return img
 
 
@@ -210,16 +297,7 @@ def cuda_cpp_static_cudart_1gib(m):
 
 @scenario
 def pytorch_training_identical_loss(m):
-    steps = "160"
-    ref = sh("python3", REPO / "gpu/programs/train.py", "--steps", steps, timeout=300).stdout
-    ref_traj = [(int(l.split()[1]), l.split()[3]) for l in ref.splitlines() if l.startswith("step ")]
-    assert len(ref_traj) == int(steps), "reference run completed"
-    hiber("run", "--name", "train", "--", "python3", REPO / "gpu/programs/train.py", "--steps", steps)
-    stop_and_restore("train", 50, m)
-    combined = progress("train") + progress("train-r")
-    assert combined == ref_traj, "loss trajectory differs from the uninterrupted run"
-    m["loss_steps_compared"] = len(combined)
-    m["final_loss"] = log("train-r").splitlines()[-2].split()[-1]
+    training_identical(m, "train")
 
 
 @scenario
@@ -301,6 +379,90 @@ def restore_refused_without_enough_gpu_memory(m):
 
 
 @scenario
+def agent_static_cudart_counter(m):
+    run_job("acount", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=True)
+    img = stop_and_restore("acount", 40, m)
+    agent_moved(img, m, at_least=1 << 30)
+    sec = cuda_section(img)
+    assert sec and sec["processes"], "the driver took the remainder: the image has a cuda section"
+
+
+@scenario
+def agent_pytorch_default(m):
+    img = training_identical(m, "atrain", agent=True)
+    agent_moved(img, m)
+
+
+@scenario
+def agent_pytorch_expandable(m):
+    # PyTorch's allocator maps its memory with cuMemCreate/cuMemMap, which the agent tracks;
+    # the reference run is --expandable too.
+    img = training_identical(m, "aexp", ("--expandable",), agent=True)
+    agent_moved(img, m)
+
+
+@scenario
+def agent_mallocasync_falls_back(m):
+    run_job("async", program("mallocasync"), "--mib", "1024", "--steps", "300", agent=True)
+    img = stop_and_restore("async", 40, m)
+    out = inspect_agent(img, m)
+    assert "left to the driver path" in out, "inspect says what the agent left to the driver:\n" + out[-1500:]
+    sec = agent_section(img)
+    assert sec and sec["processes"], "the image has an agent section with the process"
+    m["agent_passthrough"] = [p.get("passthrough") for p in sec["processes"]]
+    stream_ordered = sum(((p.get("passthrough") or {}).get("kinds") or {}).get("async", 0) for p in sec["processes"])
+    assert stream_ordered > 0, f"the agent counted no stream-ordered allocation: {m['agent_passthrough']}"
+    drv = cuda_section(img)
+    assert drv and drv["processes"], "the driver took the stream-ordered memory: the image has a cuda section"
+
+
+@scenario
+def agent_cuda_graphs(m):
+    # Two cudaMalloc'd buffers of 256 MiB, which the agent serves, that the graph's kernel nodes
+    # name by address.
+    run_job("graphs", program("graphs"), "--mib", "512", "--steps", "300", agent=True)
+    img = stop_and_restore("graphs", 40, m)
+    agent_moved(img, m, at_least=512 << 20)
+
+
+@scenario
+def agent_torch_compile(m):
+    # The first step compiles (the reference run leaves inductor's caches warm for the job).
+    img = training_identical(m, "acomp", ("--compile",), agent=True, limit=300, ref_timeout=600, ref_may_skip=True)
+    agent_moved(img, m)
+
+
+@scenario
+def agent_leave_running(m):
+    run_job("alive", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=True)
+    wait_step("alive", 40)
+    img = image_of("alive")
+    ck = hiber_json("checkpoint", "alive", "--leave-running", "--out", img)
+    at = progress("alive")[-1][0]
+    wait_step("alive", at + 10)
+    rs = hiber_json("restore", img, "--name", "alive-copy", "--isolate-net")
+    assert state_of("alive") == "running", "original and copy run side by side"
+    assert_verified("alive")
+    assert_verified("alive-copy")
+    copy = progress("alive-copy")
+    assert copy[0][0] <= at + 1
+    assert_continues(progress("alive"), copy, copy[0][0])
+    sec = agent_moved(img, m, at_least=1 << 30)
+    m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
+
+
+@scenario
+def no_agent_opt_out(m):
+    run_job("plain", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=False)
+    img = stop_and_restore("plain", 40, m)
+    agent = agent_section(img)
+    assert agent_bytes(agent) == 0, f"the agent moved {agent_bytes(agent)} bytes of a --no-agent job"
+    sec = cuda_section(img)
+    assert sec and sum(p["memory_bytes"] for p in sec["processes"]) >= 1 << 30, "the driver took all the device memory"
+    m["agent_section"] = agent is not None
+
+
+@scenario
 def hiber_demo_on_the_gpu(m):
     p = hiber("demo", "--mem-mib", "2048")
     assert "GPU workload" in p.stdout and "demo passed" in p.stdout, p.stdout
@@ -325,7 +487,9 @@ def main():
     BUILD.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(json.dumps(info), flush=True)
-    build = sh("nvcc", "-O2", "-o", BUILD / "counter", REPO / "gpu/programs/counter.cu", check=False, timeout=300)
+    for prog in PROGRAMS:
+        BUILT[prog] = sh("nvcc", "-O2", "-o", BUILD / prog, REPO / f"gpu/programs/{prog}.cu", check=False, timeout=300)
+    build = BUILT["counter"]
     for fn in SCENARIOS:
         name = fn.__name__
         if ONLY and name not in ONLY:

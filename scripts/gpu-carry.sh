@@ -8,6 +8,7 @@ bash "$repo/scripts/setup.sh"
 carry=$repo/.carry
 rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib"
 install -m 0755 -s "$repo/target/release/hiber" "$carry/bin/hiber"
+install -m 0755 -s "$repo/target/release/libhiber_agent.so" "$carry/bin/libhiber_agent.so"
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
 install -m 0755 "$criu" "$carry/bin/criu.real"
 # Every library CRIU links that is not part of glibc travels with it.

@@ -95,8 +95,8 @@ install_criu() {
 }
 
 build_hiber() {
-    log "building hiber (cargo build --release)"
-    (cd "$repo" && cargo build --release --quiet --workspace --bins)
+    log "building hiber and its agent (cargo build --release)"
+    (cd "$repo" && cargo build --release --quiet -p hiber -p hiber-agent)
 }
 
 install_packages

@@ -2,20 +2,30 @@
 
 Prints `step N checksum X t MS loss L` per step, where X is the loss's float32 bits in hex:
 a restored run must reproduce an uninterrupted run's trajectory bit for bit.
+
+--expandable has PyTorch's caching allocator map its memory with CUDA VMM (cuMemCreate /
+cuMemMap) instead of cudaMalloc. --compile runs the model through torch.compile, whose
+kernels differ from eager ones: compare its trajectory only with another --compile run.
+Without either flag the program and its output are what they always were.
 """
 import argparse
 import os
 import struct
 import time
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-import torch  # noqa: E402
-
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--interval-ms", type=int, default=20)
 p.add_argument("--extra-gib", type=float, default=2.0, help="extra device memory held, with known content")
+p.add_argument("--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile (default mode)")
 args = p.parse_args()
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+if args.expandable:
+    # The allocator reads its configuration once, so it is set before torch is loaded.
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+import torch  # noqa: E402
 
 torch.manual_seed(1234)
 torch.use_deterministic_algorithms(True)
@@ -25,6 +35,9 @@ model = torch.nn.Sequential(
     torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 10)
 ).to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+# The compiled module shares the model's parameters; deterministic algorithms (above) also
+# keep inductor from choosing kernels by timing them.
+net = torch.compile(model) if args.compile else model
 g = torch.Generator(device=dev)
 g.manual_seed(99)
 extra = torch.arange(int(args.extra_gib * (1 << 30) // 8), device=dev, dtype=torch.int64)
@@ -32,7 +45,7 @@ print(f"start train steps {args.steps} pid {os.getpid()} torch {torch.__version_
 for step in range(args.steps):
     x = torch.randn(256, 512, device=dev, generator=g)
     y = torch.randint(0, 10, (256,), device=dev, generator=g)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss = torch.nn.functional.cross_entropy(net(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::criu::{CriuError, DumpOptions};
-use crate::engine::{DeviceEngine, EngineError};
-use crate::image::{DeviceSection, ImageError, ImageWriter, Manifest, Source, FORMAT, MAGIC};
+use crate::engine::{CaptureTarget, DeviceEngine, EngineError};
+use crate::image::{DeviceSection, FileEntry, ImageError, ImageWriter, Manifest, Source, FORMAT, MAGIC};
 use crate::journal::{Claim, Entry, Journal, Phase};
 use crate::jobs::Job;
 use crate::proctree::{self, ProcessInfo, TreeError};
@@ -182,8 +182,43 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
             return Err(CheckpointError::Resume(e));
         }
     }
+    let result = match result {
+        Ok(Steps::Committed(report)) => Ok(report),
+        // With --leave-running the application runs again already; the image is finished
+        // now, off its critical path. A failure here costs the image, not the application.
+        Ok(Steps::Pending { manifest, devices, dump_start }) => {
+            ctx.phase("finishing the image (device memory, checksums, fsync)");
+            let committed = finish_engines(&claims).and_then(|known| writer.commit(*manifest, &known).map_err(CheckpointError::from));
+            committed.map(|()| {
+                let _ = journal.update(|e| e.phase = Phase::Committed);
+                report(req, &tree, devices, dump_start.elapsed(), started)
+            })
+        }
+        Err(e) => Err(e),
+    };
     journal.finish();
     result
+}
+
+/// How `run_steps` ended: the image committed while the tree was frozen, or (with
+/// `--leave-running`) still to be finished once the application runs again.
+enum Steps {
+    Committed(CheckpointReport),
+    Pending { manifest: Box<Manifest>, devices: Duration, dump_start: Instant },
+}
+
+/// Lets every engine write what it still holds; returns the entries of files they wrote.
+fn finish_engines(claims: &[(&dyn DeviceEngine, Vec<i32>)]) -> Result<Vec<FileEntry>, CheckpointError> {
+    let mut known = Vec::new();
+    for (engine, _) in claims {
+        known.extend(engine.finish()?);
+    }
+    Ok(known)
+}
+
+fn report(req: &CheckpointRequest, tree: &[ProcessInfo], devices: Duration, dump: Duration, started: Instant) -> CheckpointReport {
+    let image_bytes = crate::image::Image::open(&req.dest).map(|i| i.total_bytes()).unwrap_or(0);
+    CheckpointReport { image: req.dest.clone(), processes: tree.len(), devices, dump, total: started.elapsed(), image_bytes }
 }
 
 fn run_steps(
@@ -194,13 +229,14 @@ fn run_steps(
     writer: &mut ImageWriter,
     journal: &mut Journal,
     started: Instant,
-) -> Result<CheckpointReport, CheckpointError> {
+) -> Result<Steps, CheckpointError> {
     let devices_start = Instant::now();
     if !claims.is_empty() {
-        ctx.phase("locking GPU processes");
+        ctx.phase("quiescing GPU processes");
     }
     for (engine, pids) in claims {
-        engine.quiesce(pids)?;
+        let dir = writer.tmp_dir().join(engine.name());
+        engine.quiesce(pids, &CaptureTarget { dir: &dir, leave_running: req.leave_running })?;
     }
     journal.update(|e| e.phase = Phase::DevicesQuiesced).map_err(CheckpointError::Journal)?;
     let mut sections = Vec::new();
@@ -253,14 +289,18 @@ fn run_steps(
     };
     ctx.phase("dumping process state (CRIU)");
     let dumped = ctx.criu.dump(&opts, &mut |script| {
-        if script != "post-dump" {
+        if script != "post-dump" || req.leave_running {
             return Ok(());
         }
         ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
         // The tree is still frozen: finish the image now, and let CRIU resume the tree
         // rather than stop it if that fails.
         manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
-        match writer.commit(manifest.clone()) {
+        let known = match finish_engines(claims) {
+            Ok(k) => k,
+            Err(e) => return Err(e.to_string()),
+        };
+        match writer.commit(manifest.clone(), &known) {
             Ok(()) => {
                 let _ = journal.update(|e| e.phase = Phase::Committed);
                 Ok(())
@@ -283,8 +323,10 @@ fn run_steps(
         }
         return Err(e.into());
     }
-    let dump = dump_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);
-    let image_bytes = crate::image::Image::open(&req.dest).map(|i| i.total_bytes()).unwrap_or(0);
-    Ok(CheckpointReport { image: req.dest.clone(), processes: tree.len(), devices, dump, total: started.elapsed(), image_bytes })
+    if req.leave_running {
+        manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
+        return Ok(Steps::Pending { manifest: Box::new(manifest), devices, dump_start });
+    }
+    Ok(Steps::Committed(report(req, tree, devices, dump_start.elapsed(), started)))
 }

@@ -107,9 +107,17 @@ pub struct Command {
     cwd: CString,
     stdout: CString,
     stderr: CString,
+    env: Vec<(CString, CString)>,
 }
 
 impl Command {
+    /// Sets `key=value` in the job's environment.
+    pub fn env(mut self, key: &str, value: &str) -> Result<Command, LaunchError> {
+        let c = |s: &str| CString::new(s).map_err(|_| LaunchError::Start(format!("environment variable {key} contains a NUL byte")));
+        self.env.push((c(key)?, c(value)?));
+        Ok(self)
+    }
+
     /// `stdout` and `stderr` are files the job appends to (they should exist).
     pub fn new(argv: &[String], cwd: &Path, stdout: &Path, stderr: &Path) -> Result<Command, LaunchError> {
         let bad = |what: &str| LaunchError::Start(format!("{what} contains a NUL byte"));
@@ -118,7 +126,7 @@ impl Command {
         }
         let argv = argv.iter().map(|a| CString::new(a.as_bytes()).map_err(|_| bad("the command"))).collect::<Result<_, _>>()?;
         let path = |p: &Path, what: &str| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| bad(what));
-        Ok(Command { argv, cwd: path(cwd, "the working directory")?, stdout: path(stdout, "the log path")?, stderr: path(stderr, "the log path")? })
+        Ok(Command { argv, cwd: path(cwd, "the working directory")?, stdout: path(stdout, "the log path")?, stderr: path(stderr, "the log path")?, env: Vec::new() })
     }
 }
 
@@ -192,5 +200,10 @@ fn exec_job(cmd: &Command, keep: RawFd) -> std::io::Error {
     // Nothing the caller of hiber leaked (a terminal's pipes, say) reaches the job; the
     // exec-error pipe is close-on-exec and survives until the exec itself.
     sys::close_from_except(3, &[keep]);
+    for (k, v) in &cmd.env {
+        if let Err(e) = sys::setenv(k, v) {
+            return e;
+        }
+    }
     sys::execvp(&cmd.argv)
 }

@@ -103,7 +103,8 @@ pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, Res
     }
     let image = Image::open(&req.image)?;
     ctx.phase("verifying every file of the image");
-    image.verify()?;
+    // Device memory chunks are checked as they stream to the GPU.
+    image.verify_except(Some("agent"))?;
     let verify = started.elapsed();
 
     for (path, pid) in required_files(&image) {
@@ -211,9 +212,13 @@ fn finish_restored_tree(
         ctx.phase("restoring GPU state");
         let tree = proctree::discover_tree(root)?;
         let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
-        for section in &image.manifest.devices {
+        let mut opts = req.devices.clone();
+        opts.image_dir = image.dir.clone();
+        opts.checksums = image.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect();
+        // Engines that quiesced first (the agent, before the driver) resume last.
+        for section in image.manifest.devices.iter().rev() {
             let engine = engine::for_section(&ctx.engines, &section.engine).expect("checked before restore");
-            engine.restore(&section.state, &pids, &req.devices)?;
+            engine.restore(&section.state, &pids, &opts)?;
         }
     }
     let devices = devices_start.elapsed();

@@ -90,6 +90,34 @@ pub fn unshare_network_namespace() -> io::Result<()> {
     Ok(())
 }
 
+/// Runs `f` on a thread of its own inside `pid`'s network namespace (where abstract unix
+/// socket names live), or on the caller's thread when that is hiber's own.
+pub fn in_network_namespace_of<T: Send>(pid: i32, f: impl FnOnce() -> T + Send) -> io::Result<T> {
+    let theirs = std::fs::read_link(format!("/proc/{pid}/ns/net"))?;
+    if std::fs::read_link("/proc/self/ns/net").ok().as_ref() == Some(&theirs) {
+        return Ok(f());
+    }
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            // SAFETY: setns on a thread of our own, which ends with `f`; `ns` is an open
+            // namespace file.
+            cvt(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) })?;
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("thread panicked")))
+    })
+}
+
+/// setenv(3). Only for a freshly forked, single-threaded child about to exec.
+pub fn setenv(key: &std::ffi::CStr, value: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: both are NUL-terminated; callers are single-threaded, so nothing reads the
+    // environment concurrently.
+    cvt(unsafe { libc::setenv(key.as_ptr(), value.as_ptr(), 1) })?;
+    Ok(())
+}
+
 /// Mounts a /proc for the caller's PID namespace over the inherited one.
 pub fn mount_private_proc() -> io::Result<()> {
     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;

@@ -7,9 +7,13 @@
 //! back to running from whatever state a failed or interrupted checkpoint left them in,
 //! which is also what `hiber recover` calls from a journal.
 
+pub mod agent;
 pub mod cuda;
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::image::FileEntry;
 
 use crate::proctree::ProcessInfo;
 
@@ -32,6 +36,19 @@ impl EngineError {
 pub struct DeviceRestoreOptions {
     /// `OLD=NEW` GPU mappings as the user gave them (UUIDs or indices).
     pub gpu_map: Vec<(String, String)>,
+    /// The image being restored, and the checksum of each of its files (for engines that
+    /// stream their own files and check them on the way).
+    pub image_dir: PathBuf,
+    pub checksums: HashMap<String, String>,
+}
+
+/// Where a checkpoint goes and how it ends.
+#[derive(Debug, Clone, Copy)]
+pub struct CaptureTarget<'a> {
+    /// The engine's own directory inside the (temporary) image.
+    pub dir: &'a Path,
+    /// The application runs on after the checkpoint.
+    pub leave_running: bool,
 }
 
 /// A restored process: its PID inside its namespace (as recorded in the image) and the
@@ -50,7 +67,8 @@ pub trait DeviceEngine: Send + Sync {
     fn claim(&self, tree: &[ProcessInfo]) -> Result<Vec<i32>, EngineError>;
 
     /// Stops new device work in `pids` and waits for work in flight, within a timeout.
-    fn quiesce(&self, pids: &[i32]) -> Result<(), EngineError>;
+    /// Engines earlier in [`available`]'s order quiesce first and resume last.
+    fn quiesce(&self, pids: &[i32], target: &CaptureTarget<'_>) -> Result<(), EngineError>;
 
     /// Moves the device state of quiesced `pids` where the CRIU dump (or the engine's own
     /// files under `dir`) will take it. Returns the engine's manifest section.
@@ -59,6 +77,13 @@ pub trait DeviceEngine: Send + Sync {
     /// Brings `pids` back to running from whatever state quiesce/capture left them in.
     /// Idempotent: safe on processes that were never touched.
     fn resume(&self, pids: &[i32]) -> Result<(), EngineError>;
+
+    /// Once the image's other parts are written (with `--leave-running`, after the
+    /// application was resumed): writes what the engine still holds, and returns the
+    /// manifest entries of every file it wrote, so they are not hashed again.
+    fn finish(&self) -> Result<Vec<FileEntry>, EngineError> {
+        Ok(Vec::new())
+    }
 
     /// Before a restore commits: checks that this machine can take `section`'s state
     /// (devices present, enough memory), so a restore never half-happens.
@@ -74,6 +99,9 @@ pub trait DeviceEngine: Send + Sync {
 /// The engines this machine can run, most specific first.
 pub fn available() -> Vec<Box<dyn DeviceEngine>> {
     let mut out: Vec<Box<dyn DeviceEngine>> = Vec::new();
+    if let Some(e) = agent::AgentEngine::load() {
+        out.push(Box::new(e));
+    }
     if let Some(e) = cuda::DriverEngine::load() {
         out.push(Box::new(e));
     }

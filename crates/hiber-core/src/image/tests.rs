@@ -53,7 +53,7 @@ fn write_image(root: &Path) -> PathBuf {
     let mut w = ImageWriter::create(&dest).unwrap();
     fs::write(w.criu_dir().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
     fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
-    w.commit(sample_manifest()).unwrap();
+    w.commit(sample_manifest(), &[]).unwrap();
     dest
 }
 

@@ -57,13 +57,25 @@ impl ImageWriter {
     /// Lists and hashes every file, writes the manifest, makes it all durable and renames
     /// the directory into place. On error nothing is renamed and the caller decides (the
     /// drop removes the temporary directory).
-    pub fn commit(&mut self, mut manifest: Manifest) -> Result<(), ImageError> {
+    ///
+    /// `known` are entries of files already written durably and hashed by their writer
+    /// (device memory chunks); they are checked for size, not hashed again.
+    pub fn commit(&mut self, mut manifest: Manifest, known: &[FileEntry]) -> Result<(), ImageError> {
+        let known: std::collections::HashMap<&str, &FileEntry> = known.iter().map(|f| (f.path.as_str(), f)).collect();
         let mut entries = Vec::new();
         for rel in list_files(&self.tmp)? {
             if rel == MANIFEST_FILE || rel == MANIFEST_SUM_FILE {
                 return Err(ImageError::UnexpectedFile(self.tmp.join(rel)));
             }
             let path = self.tmp.join(&rel);
+            if let Some(k) = known.get(rel.as_str()) {
+                let size = fs::metadata(&path).map_err(ImageError::io(&path, "stat"))?.len();
+                if size != k.size {
+                    return Err(ImageError::SizeMismatch { path, expected: k.size, found: size });
+                }
+                entries.push((*k).clone());
+                continue;
+            }
             fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(ImageError::io(&path, "chmod"))?;
             let f = File::open(&path).map_err(ImageError::io(&path, "open"))?;
             f.sync_all().map_err(ImageError::io(&path, "fsync"))?;

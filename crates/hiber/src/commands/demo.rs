@@ -62,7 +62,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if ctx.engines.is_empty() { "no GPU here" } else { "--cpu" });
     }
 
-    let job = start_job(&registry, Some(registry.free_name("demo")), command)?;
+    let job = start_job(&registry, Some(registry.free_name("demo")), command, true)?;
     println!("  started job {} (pid {})", job.name, job.pid);
     let at = steps / 3;
     wait_until("the workload to make progress", Duration::from_secs(120), || {

@@ -58,6 +58,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("devices     {}", d.engine);
         let lines = match d.engine.as_str() {
             engine::cuda::ENGINE => engine::cuda::describe(&d.state),
+            engine::agent::ENGINE => engine::agent::describe(&d.state),
             _ => vec![d.state.to_string()],
         };
         for l in lines {

@@ -101,6 +101,7 @@ pub struct CudaLib {
     error_name: Option<FnErrorString>,
     driver_version: c_int,
     checkpoint: Option<CheckpointFns>,
+    vmm: Option<VmmFns>,
 }
 
 /// Why libcuda could not be used.
@@ -142,7 +143,8 @@ impl CudaLib {
         })()
         .ok();
         let error_name = sym(&lib, "cuGetErrorName").ok();
-        Ok(CudaLib { _lib: lib, init, init_result: std::sync::OnceLock::new(), error_name, driver_version: v, checkpoint })
+        let vmm = VmmFns::load(&lib).ok();
+        Ok(CudaLib { _lib: lib, init, init_result: std::sync::OnceLock::new(), error_name, driver_version: v, checkpoint, vmm })
     }
 
     /// As `cuDriverGetVersion` reports it: 1000 * major + 10 * minor.
@@ -224,6 +226,319 @@ fn check(r: CuResult) -> Result<(), CuResult> {
         Err(r)
     }
 }
+
+// ---- VMM and copies: hiber's own device memory, for the agent engine ----
+
+/// `CUmemAllocationProp` (32 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AllocationProp {
+    pub kind: c_int,
+    pub requested_handle_types: c_int,
+    pub location: [c_int; 2],
+    pub win32_metadata: *mut c_void,
+    pub alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc` (12 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AccessDesc {
+    pub location: [c_int; 2],
+    pub flags: c_int,
+}
+
+const LOCATION_DEVICE: c_int = 1;
+const ALLOCATION_PINNED: c_int = 1;
+const HANDLE_TYPE_POSIX_FD: c_int = 1;
+const ACCESS_READWRITE: c_int = 3;
+
+fn device_prop(dev: c_int, exportable: bool) -> AllocationProp {
+    AllocationProp {
+        kind: ALLOCATION_PINNED,
+        requested_handle_types: if exportable { HANDLE_TYPE_POSIX_FD } else { 0 },
+        location: [LOCATION_DEVICE, dev],
+        win32_metadata: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
+    }
+}
+
+pub type Ctx = *mut c_void;
+pub type Stream = *mut c_void;
+
+struct VmmFns {
+    device_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    device_uuid: unsafe extern "C" fn(*mut CuUuid, c_int) -> CuResult,
+    primary_retain: unsafe extern "C" fn(*mut Ctx, c_int) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(Ctx) -> CuResult,
+    mem_info: unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult,
+    address_reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> CuResult,
+    address_free: unsafe extern "C" fn(u64, usize) -> CuResult,
+    create: unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> CuResult,
+    release: unsafe extern "C" fn(u64) -> CuResult,
+    map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> CuResult,
+    unmap: unsafe extern "C" fn(u64, usize) -> CuResult,
+    set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> CuResult,
+    export: unsafe extern "C" fn(*mut c_void, u64, c_int, u64) -> CuResult,
+    import: unsafe extern "C" fn(*mut u64, *mut c_void, c_int) -> CuResult,
+    properties: unsafe extern "C" fn(*mut AllocationProp, u64) -> CuResult,
+    host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+    free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, Stream) -> CuResult,
+    htod_async: unsafe extern "C" fn(u64, *const c_void, usize, Stream) -> CuResult,
+    dtod_async: unsafe extern "C" fn(u64, u64, usize, Stream) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut Stream, c_uint) -> CuResult,
+    stream_sync: unsafe extern "C" fn(Stream) -> CuResult,
+    stream_destroy: unsafe extern "C" fn(Stream) -> CuResult,
+}
+
+impl VmmFns {
+    fn load(lib: &Library) -> Result<VmmFns, LoadError> {
+        Ok(VmmFns {
+            device_count: sym(lib, "cuDeviceGetCount")?,
+            device_uuid: sym(lib, "cuDeviceGetUuid_v2")?,
+            primary_retain: sym(lib, "cuDevicePrimaryCtxRetain")?,
+            ctx_set_current: sym(lib, "cuCtxSetCurrent")?,
+            mem_info: sym(lib, "cuMemGetInfo_v2")?,
+            address_reserve: sym(lib, "cuMemAddressReserve")?,
+            address_free: sym(lib, "cuMemAddressFree")?,
+            create: sym(lib, "cuMemCreate")?,
+            release: sym(lib, "cuMemRelease")?,
+            map: sym(lib, "cuMemMap")?,
+            unmap: sym(lib, "cuMemUnmap")?,
+            set_access: sym(lib, "cuMemSetAccess")?,
+            export: sym(lib, "cuMemExportToShareableHandle")?,
+            import: sym(lib, "cuMemImportFromShareableHandle")?,
+            properties: sym(lib, "cuMemGetAllocationPropertiesFromHandle")?,
+            host_alloc: sym(lib, "cuMemHostAlloc")?,
+            free_host: sym(lib, "cuMemFreeHost")?,
+            dtoh_async: sym(lib, "cuMemcpyDtoHAsync_v2")?,
+            htod_async: sym(lib, "cuMemcpyHtoDAsync_v2")?,
+            dtod_async: sym(lib, "cuMemcpyDtoDAsync_v2")?,
+            stream_create: sym(lib, "cuStreamCreate")?,
+            stream_sync: sym(lib, "cuStreamSynchronize")?,
+            stream_destroy: sym(lib, "cuStreamDestroy_v2")?,
+        })
+    }
+}
+
+/// Pinned host memory from `cuMemHostAlloc`, freed on drop.
+pub struct PinnedBuf<'a> {
+    lib: &'a CudaLib,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; the driver allows freeing it
+// from any thread with a context current.
+unsafe impl Send for PinnedBuf<'_> {}
+
+impl PinnedBuf<'_> {
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points at `len` bytes this value owns exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuf<'_> {
+    fn drop(&mut self) {
+        if let Ok(f) = self.lib.vmm_fns() {
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
+            unsafe { (f.free_host)(self.ptr.cast()) };
+        }
+    }
+}
+
+impl CudaLib {
+    fn vmm_fns(&self) -> Result<&VmmFns, CuResult> {
+        // SAFETY: cuInit takes flags by value; 0 is the only defined value.
+        let r = *self.init_result.get_or_init(|| unsafe { (self.init)(0) });
+        check(r)?;
+        self.vmm.as_ref().ok_or(CUDA_ERROR_NOT_SUPPORTED)
+    }
+
+    pub fn device_count(&self) -> Result<i32, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut n = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { (f.device_count)(&mut n) })?;
+        Ok(n)
+    }
+
+    pub fn device_uuid(&self, dev: i32) -> Result<CuUuid, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut u = CuUuid::default();
+        // SAFETY: valid out-pointer.
+        check(unsafe { (f.device_uuid)(&mut u, dev) })?;
+        Ok(u)
+    }
+
+    /// Retains `dev`'s primary context (hiber keeps it for its lifetime) and makes it
+    /// current on the calling thread.
+    pub fn use_device(&self, dev: i32) -> Result<Ctx, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut ctx: Ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is retained, never released early.
+        unsafe {
+            check((f.primary_retain)(&mut ctx, dev))?;
+            check((f.ctx_set_current)(ctx))?;
+        }
+        Ok(ctx)
+    }
+
+    pub fn set_current(&self, ctx: Ctx) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: `ctx` is a context retained by `use_device`.
+        check(unsafe { (f.ctx_set_current)(ctx) })
+    }
+
+    /// Free and total memory of the current context's device.
+    pub fn mem_info(&self) -> Result<(u64, u64), CuResult> {
+        let f = self.vmm_fns()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        check(unsafe { (f.mem_info)(&mut free, &mut total) })?;
+        Ok((free as u64, total as u64))
+    }
+
+    pub fn reserve(&self, size: usize) -> Result<u64, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut va = 0u64;
+        // SAFETY: valid out-pointer.
+        check(unsafe { (f.address_reserve)(&mut va, size, 0, 0, 0) })?;
+        Ok(va)
+    }
+
+    pub fn free_reservation(&self, va: u64, size: usize) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: plain values, checked by the driver.
+        check(unsafe { (f.address_free)(va, size) })
+    }
+
+    pub fn create(&self, size: usize, dev: i32, exportable: bool) -> Result<u64, CuResult> {
+        let f = self.vmm_fns()?;
+        let prop = device_prop(dev, exportable);
+        let mut h = 0u64;
+        // SAFETY: valid out-pointer and prop.
+        check(unsafe { (f.create)(&mut h, size, &prop, 0) })?;
+        Ok(h)
+    }
+
+    pub fn release(&self, h: u64) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: plain value.
+        check(unsafe { (f.release)(h) })
+    }
+
+    /// Maps `h` at `va` and gives `dev` read/write access.
+    pub fn map(&self, va: u64, size: usize, h: u64, dev: i32) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        let desc = AccessDesc { location: [LOCATION_DEVICE, dev], flags: ACCESS_READWRITE };
+        // SAFETY: plain values and one valid access descriptor.
+        unsafe {
+            check((f.map)(va, size, 0, h, 0))?;
+            check((f.set_access)(va, size, &desc, 1)).inspect_err(|_| {
+                (f.unmap)(va, size);
+            })
+        }
+    }
+
+    pub fn unmap(&self, va: u64, size: usize) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: plain values.
+        check(unsafe { (f.unmap)(va, size) })
+    }
+
+    /// A new descriptor for `h` (created exportable); the caller owns it.
+    pub fn export_fd(&self, h: u64) -> Result<std::os::fd::OwnedFd, CuResult> {
+        use std::os::fd::FromRawFd;
+        let f = self.vmm_fns()?;
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX_FD the shareable handle is an int out-parameter.
+        check(unsafe { (f.export)((&mut fd as *mut c_int).cast(), h, HANDLE_TYPE_POSIX_FD, 0) })?;
+        // SAFETY: the driver returned a fresh descriptor for the caller.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// A handle to the memory behind `fd` and the device (ordinal) it lives on.
+    pub fn import_fd(&self, fd: std::os::fd::BorrowedFd<'_>) -> Result<(u64, i32), CuResult> {
+        use std::os::fd::AsRawFd;
+        let f = self.vmm_fns()?;
+        let mut h = 0u64;
+        let mut prop = device_prop(0, false);
+        // SAFETY: for POSIX_FD the OS handle is the descriptor passed as a pointer-sized
+        // value; the driver does not take ownership of it.
+        unsafe {
+            check((f.import)(&mut h, fd.as_raw_fd() as usize as *mut c_void, HANDLE_TYPE_POSIX_FD))?;
+            if let Err(e) = check((f.properties)(&mut prop, h)) {
+                (f.release)(h);
+                return Err(e);
+            }
+        }
+        if prop.location[0] != LOCATION_DEVICE {
+            let _ = self.release(h);
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        Ok((h, prop.location[1]))
+    }
+
+    pub fn pinned(&self, len: usize) -> Result<PinnedBuf<'_>, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; flags 0 = portable-less default pinned memory.
+        check(unsafe { (f.host_alloc)(&mut p, len, 0) })?;
+        Ok(PinnedBuf { lib: self, ptr: p.cast(), len })
+    }
+
+    pub fn stream(&self) -> Result<Stream, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut s: Stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; 1 = CU_STREAM_NON_BLOCKING.
+        check(unsafe { (f.stream_create)(&mut s, 1) })?;
+        Ok(s)
+    }
+
+    pub fn stream_destroy(&self, s: Stream) {
+        if let Ok(f) = self.vmm_fns() {
+            // SAFETY: `s` came from `stream` and is destroyed once.
+            unsafe { (f.stream_destroy)(s) };
+        }
+    }
+
+    /// Device → pinned host, waited for.
+    pub fn copy_to_host(&self, dst: &mut PinnedBuf<'_>, len: usize, src: u64, s: Stream) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        assert!(len <= dst.len);
+        // SAFETY: `dst` holds at least `len` pinned bytes; the copy completes before return.
+        unsafe {
+            check((f.dtoh_async)(dst.ptr.cast(), src, len, s))?;
+            check((f.stream_sync)(s))
+        }
+    }
+
+    /// Pinned host → device, waited for.
+    pub fn copy_to_device(&self, dst: u64, src: &PinnedBuf<'_>, len: usize, s: Stream) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        assert!(len <= src.len);
+        // SAFETY: `src` holds at least `len` bytes; the copy completes before return.
+        unsafe {
+            check((f.htod_async)(dst, src.ptr.cast(), len, s))?;
+            check((f.stream_sync)(s))
+        }
+    }
+
+    /// Device → device, waited for.
+    pub fn copy_on_device(&self, dst: u64, src: u64, len: usize, s: Stream) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: plain device addresses checked by the driver; waited for before return.
+        unsafe {
+            check((f.dtod_async)(dst, src, len, s))?;
+            check((f.stream_sync)(s))
+        }
+    }
+}
+
+pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 
 // ---- NVML: GPUs and per-process memory, without creating a CUDA context ----
 
@@ -373,6 +688,13 @@ mod tests {
         assert_eq!(size_of::<GpuPair>(), 32);
         assert_eq!(size_of::<CuUuid>(), 16);
         assert_eq!(align_of::<RestoreArgs>(), 8);
+    }
+
+    #[test]
+    fn vmm_structs() {
+        assert_eq!(size_of::<AllocationProp>(), 32);
+        assert_eq!(offset_of!(AllocationProp, location), 8);
+        assert_eq!(size_of::<AccessDesc>(), 12);
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //! `resume` undoes whatever state a failed checkpoint left: CHECKPOINTED → restore →
 //! LOCKED → unlock → RUNNING.
 
-mod ffi;
-mod gpumap;
+pub(crate) mod ffi;
+pub(crate) mod gpumap;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
+use super::{CaptureTarget, DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
 use crate::proctree::ProcessInfo;
 pub use ffi::{abi_layout, CuUuid, GpuPair};
 pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
@@ -132,6 +132,15 @@ impl CheckpointApi for RealApi {
             })
             .collect()
     }
+}
+
+/// This machine's GPUs as NVML lists them (empty without NVML).
+pub fn nvml_gpus() -> Vec<Gpu> {
+    let Some(nvml) = ffi::Nvml::load() else { return Vec::new() };
+    nvml.gpus()
+        .into_iter()
+        .map(|g| Gpu { index: g.index, uuid: g.uuid, name: g.name, memory_total: g.memory.total, memory_free: g.memory.free })
+        .collect()
 }
 
 /// What `hiber doctor` reports about the NVIDIA driver.
@@ -336,7 +345,7 @@ impl DeviceEngine for DriverEngine {
         Ok(pids)
     }
 
-    fn quiesce(&self, pids: &[i32]) -> Result<(), EngineError> {
+    fn quiesce(&self, pids: &[i32], _target: &CaptureTarget<'_>) -> Result<(), EngineError> {
         let timeout = self.lock_timeout_ms;
         self.parallel(pids, |pid| self.api.lock(pid, timeout).map_err(|e| Self::driver_fail("lock", pid, &e)))
     }

@@ -109,7 +109,7 @@ fn checkpoint_then_resume_round_trip() {
     let tree = vec![proc_info(10, 1, true), proc_info(11, 2, true), proc_info(12, 3, false)];
     let pids = e.claim(&tree).unwrap();
     assert_eq!(pids, vec![10, 11], "only processes holding NVIDIA files are claimed");
-    e.quiesce(&pids).unwrap();
+    e.quiesce(&pids, &target()).unwrap();
     let v = e.capture(&pids, &tree, Path::new("/nonexistent")).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Checkpointed);
     let section: Section = serde_json::from_value(v.clone()).unwrap();
@@ -136,7 +136,7 @@ fn failed_lock_is_rolled_back_by_resume() {
     d.fail_lock = Some(11);
     let d = Arc::new(d);
     let e = engine(&d);
-    let err = e.quiesce(&[10, 11]).unwrap_err();
+    let err = e.quiesce(&[10, 11], &target()).unwrap_err();
     assert!(err.to_string().contains("lock of process 11"), "{err}");
     assert!(err.hint().unwrap().contains("keeps running"));
     assert_eq!(d.state_of(10), ProcessState::Locked, "the other lock went through");
@@ -151,7 +151,7 @@ fn failed_checkpoint_is_rolled_back_by_resume() {
     d.fail_checkpoint = Some(10);
     let d = Arc::new(d);
     let e = engine(&d);
-    e.quiesce(&[10, 11]).unwrap();
+    e.quiesce(&[10, 11], &target()).unwrap();
     let err = e.capture(&[10, 11], &[], Path::new("/x")).unwrap_err();
     assert!(err.hint().unwrap().contains("managed/UVM"), "{err}");
     e.resume(&[10, 11]).unwrap();
@@ -174,7 +174,7 @@ fn restore_checks_gpu_memory_before_committing() {
     let d = Arc::new(FakeDriver::new(&[10]));
     let e = engine(&d);
     let tree = vec![proc_info(10, 1, true)];
-    e.quiesce(&[10]).unwrap();
+    e.quiesce(&[10], &target()).unwrap();
     let mut v = e.capture(&[10], &tree, Path::new("/x")).unwrap();
     v["processes"][0]["memory_bytes"] = serde_json::json!(75u64 << 30);
     let err = e.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
@@ -185,7 +185,7 @@ fn restore_checks_gpu_memory_before_committing() {
 fn missing_gpu_names_it_and_suggests_a_map() {
     let d = Arc::new(FakeDriver::new(&[10]));
     let e = engine(&d);
-    e.quiesce(&[10]).unwrap();
+    e.quiesce(&[10], &target()).unwrap();
     let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
     let mut other = FakeDriver::new(&[]);
     other.gpus = vec![(gpu(0, UUID_B, H100, 70), vec![])];
@@ -193,7 +193,7 @@ fn missing_gpu_names_it_and_suggests_a_map() {
     let err = e2.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
     assert!(err.to_string().contains(UUID_A), "{err}");
     assert!(err.hint().unwrap().contains("--gpu-map"));
-    let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())] };
+    let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())], ..Default::default() };
     e2.check_restore(&v, &opts).unwrap();
     let (_, map) = e2.resolve(&DriverEngine::section(&v).unwrap(), &opts).unwrap();
     assert_eq!(e2.pairs(&map).unwrap().len(), 1);
@@ -205,9 +205,9 @@ fn remapping_needs_cuda_13() {
     d.version = 12080;
     let d = Arc::new(d);
     let e = engine(&d);
-    e.quiesce(&[10]).unwrap();
+    e.quiesce(&[10], &target()).unwrap();
     let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
-    let opts = DeviceRestoreOptions { gpu_map: vec![("0".into(), "0".into())] };
+    let opts = DeviceRestoreOptions { gpu_map: vec![("0".into(), "0".into())], ..Default::default() };
     assert!(e.check_restore(&v, &opts).unwrap_err().to_string().contains("CUDA 13.0"));
 }
 
@@ -237,4 +237,8 @@ fn uuid_parsing() {
     assert!(gpumap::uuid_bytes("GPU-123").is_err());
     assert!(gpumap::uuid_bytes("GPU-zz111111-2222-3333-4444-555555555555").is_err());
     assert!(gpumap::uuid_bytes("GPU-ééééééééééééééé11111111111111").is_err(), "multi-byte characters, no panic");
+}
+
+fn target() -> crate::engine::CaptureTarget<'static> {
+    crate::engine::CaptureTarget { dir: std::path::Path::new("/nonexistent"), leave_running: false }
 }

@@ -1,0 +1,289 @@
+//! hiber's side of the agent engine's data path: device memory hiber holds (imported from
+//! the application, or created to restore into) and the movers that stream it between
+//! the GPU and the image's chunk files through small pinned buffers, in parallel.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::engine::cuda::ffi::{CudaLib, CuResult};
+use crate::image::FileEntry;
+
+/// Bytes per chunk file: large enough for full-speed copies, small enough that a few
+/// pinned buffers of this size are cheap to allocate.
+pub const CHUNK: u64 = 64 << 20;
+const WORKERS: usize = 8;
+
+/// The CUDA library plus the primary context hiber uses on each device.
+pub struct Gpus {
+    pub cuda: CudaLib,
+    contexts: Mutex<HashMap<i32, usize>>,
+}
+
+impl Gpus {
+    pub fn new(cuda: CudaLib) -> Gpus {
+        Gpus { cuda, contexts: Mutex::new(HashMap::new()) }
+    }
+
+    /// Makes `dev`'s primary context current on the calling thread.
+    pub fn enter(&self, dev: i32) -> Result<(), CuResult> {
+        let mut c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        match c.get(&dev) {
+            Some(&ctx) => self.cuda.set_current(ctx as *mut std::ffi::c_void),
+            None => {
+                let ctx = self.cuda.use_device(dev)?;
+                c.insert(dev, ctx as usize);
+                Ok(())
+            }
+        }
+    }
+
+    /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of device ordinal `dev`.
+    pub fn uuid(&self, dev: i32) -> Result<String, CuResult> {
+        Ok(format_uuid(&self.cuda.device_uuid(dev)?.bytes))
+    }
+
+    /// The ordinal of the device with `uuid`.
+    pub fn ordinal(&self, uuid: &str) -> Result<Option<i32>, CuResult> {
+        for d in 0..self.cuda.device_count()? {
+            if self.uuid(d)? == uuid {
+                return Ok(Some(d));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Free bytes on `dev`.
+    pub fn free_bytes(&self, dev: i32) -> Result<u64, CuResult> {
+        self.enter(dev)?;
+        Ok(self.cuda.mem_info()?.0)
+    }
+}
+
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// Device memory mapped into hiber's address space; unmapped and released on drop.
+pub struct DeviceMem {
+    gpus: Arc<Gpus>,
+    pub va: u64,
+    pub size: u64,
+    pub dev: i32,
+    handle: u64,
+}
+
+impl DeviceMem {
+    fn mapped(gpus: &Arc<Gpus>, handle: u64, size: u64, dev: i32) -> Result<DeviceMem, CuResult> {
+        let cuda = &gpus.cuda;
+        let va = match cuda.reserve(size as usize) {
+            Ok(va) => va,
+            Err(e) => {
+                let _ = cuda.release(handle);
+                return Err(e);
+            }
+        };
+        if let Err(e) = cuda.map(va, size as usize, handle, dev) {
+            let _ = cuda.release(handle);
+            let _ = cuda.free_reservation(va, size as usize);
+            return Err(e);
+        }
+        Ok(DeviceMem { gpus: gpus.clone(), va, size, dev, handle })
+    }
+
+    /// Takes a reference to the application's memory behind `fd`.
+    pub fn import(gpus: &Arc<Gpus>, fd: BorrowedFd<'_>, size: u64) -> Result<DeviceMem, CuResult> {
+        let (h, dev) = gpus.cuda.import_fd(fd)?;
+        gpus.enter(dev)?;
+        Self::mapped(gpus, h, size, dev)
+    }
+
+    /// New memory on `dev`; `exportable` when it is to be handed to an application.
+    pub fn create(gpus: &Arc<Gpus>, size: u64, dev: i32, exportable: bool) -> Result<DeviceMem, CuResult> {
+        gpus.enter(dev)?;
+        let h = gpus.cuda.create(size as usize, dev, exportable)?;
+        Self::mapped(gpus, h, size, dev)
+    }
+
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd, CuResult> {
+        self.gpus.cuda.export_fd(self.handle)
+    }
+
+    /// A copy on the same device (fast: device bandwidth), not exportable.
+    pub fn snapshot(&self) -> Result<DeviceMem, CuResult> {
+        let copy = DeviceMem::create(&self.gpus, self.size, self.dev, false)?;
+        let s = self.gpus.cuda.stream()?;
+        let r = self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, s);
+        self.gpus.cuda.stream_destroy(s);
+        r.map(|()| copy)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        let cuda = &self.gpus.cuda;
+        let _ = self.gpus.enter(self.dev);
+        let _ = cuda.unmap(self.va, self.size as usize);
+        let _ = cuda.release(self.handle);
+        let _ = cuda.free_reservation(self.va, self.size as usize);
+    }
+}
+
+/// The chunk files of an allocation of `size` bytes, relative to the image.
+pub fn chunk_files(prefix: &str, size: u64) -> Vec<String> {
+    (0..size.div_ceil(CHUNK)).map(|k| format!("{prefix}.{k:05}")).collect()
+}
+
+struct Task {
+    dev: i32,
+    va: u64,
+    len: usize,
+    rel: String,
+}
+
+fn tasks(mems: &[(&DeviceMem, String)]) -> Vec<Task> {
+    let mut out = Vec::new();
+    for (m, prefix) in mems {
+        for (k, rel) in chunk_files(prefix, m.size).into_iter().enumerate() {
+            let off = k as u64 * CHUNK;
+            out.push(Task { dev: m.dev, va: m.va + off, len: (m.size - off).min(CHUNK) as usize, rel });
+        }
+    }
+    out
+}
+
+/// Runs `work` over `tasks` on up to [`WORKERS`] threads, each with its own pinned buffer
+/// and streams. The first error stops the others.
+fn parallel<T: Send>(
+    gpus: &Gpus,
+    tasks: &[Task],
+    work: impl Fn(&Task, &mut crate::engine::cuda::ffi::PinnedBuf<'_>, *mut std::ffi::c_void) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let next = AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let results: Mutex<Vec<(usize, T)>> = Mutex::new(Vec::new());
+    let first_error: Mutex<Option<String>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..WORKERS.min(tasks.len()) {
+            s.spawn(|| {
+                let run = || -> Result<(), String> {
+                    let mut streams: HashMap<i32, usize> = HashMap::new();
+                    let mut buf = None;
+                    let out = loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= tasks.len() || failed.load(Ordering::Relaxed) {
+                            break Ok(());
+                        }
+                        let t = &tasks[i];
+                        gpus.enter(t.dev).map_err(|e| format!("CUDA context: {}", gpus.cuda.error_name(e)))?;
+                        if buf.is_none() {
+                            buf = Some(gpus.cuda.pinned(CHUNK as usize).map_err(|e| format!("pinned buffer: {}", gpus.cuda.error_name(e)))?);
+                        }
+                        let stream = match streams.get(&t.dev) {
+                            Some(&s) => s,
+                            None => {
+                                let s = gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))? as usize;
+                                streams.insert(t.dev, s);
+                                s
+                            }
+                        };
+                        match work(t, buf.as_mut().expect("allocated above"), stream as *mut std::ffi::c_void) {
+                            Ok(v) => results.lock().unwrap_or_else(|e| e.into_inner()).push((i, v)),
+                            Err(e) => break Err(e),
+                        }
+                    };
+                    for (dev, s) in streams {
+                        let _ = gpus.enter(dev);
+                        gpus.cuda.stream_destroy(s as *mut std::ffi::c_void);
+                    }
+                    out
+                };
+                if let Err(e) = run() {
+                    failed.store(true, Ordering::Relaxed);
+                    first_error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                }
+            });
+        }
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
+    let mut r = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    r.sort_by_key(|(i, _)| *i);
+    Ok(r.into_iter().map(|(_, v)| v).collect())
+}
+
+/// Streams each memory into chunk files `PREFIX.NNNNN` under `dir` (created 0600, made
+/// durable), hashing as it goes. Returns the files' manifest entries.
+pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path) -> Result<Vec<FileEntry>, String> {
+    let tasks = tasks(mems);
+    for t in &tasks {
+        if let Some(parent) = dir.join(&t.rel).parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(parent)
+                .map_err(|e| format!("{}: {e}", parent.display()))?;
+        }
+    }
+    parallel(gpus, &tasks, |t, buf, stream| {
+        gpus.cuda.copy_to_host(buf, t.len, t.va, stream).map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
+        let data = &buf.as_mut_slice()[..t.len];
+        let path = dir.join(&t.rel);
+        let io = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(io)?;
+        f.write_all(data).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        Ok(FileEntry { path: t.rel.clone(), size: t.len as u64, blake3: blake3::hash(data).to_hex().to_string() })
+    })
+}
+
+/// Streams chunk files back into each memory, checking every chunk against its
+/// manifest checksum before it reaches the GPU.
+pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: &HashMap<String, String>) -> Result<(), String> {
+    let tasks = tasks(mems);
+    parallel(gpus, &tasks, |t, buf, stream| {
+        let path: PathBuf = dir.join(&t.rel);
+        let io = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut f = File::open(&path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        if len != t.len as u64 {
+            return Err(format!("{} has {len} bytes, expected {}", path.display(), t.len));
+        }
+        let data = &mut buf.as_mut_slice()[..t.len];
+        f.read_exact(data).map_err(io)?;
+        let want = sums.get(&t.rel).ok_or_else(|| format!("{} is not in the manifest", t.rel))?;
+        if blake3::hash(data).to_hex().as_str() != want {
+            return Err(format!("{} does not match its checksum", path.display()));
+        }
+        gpus.cuda.copy_to_device(t.va, buf, t.len, stream).map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
+    })
+    .map(|_| ())
+}
+
+use std::os::unix::fs::DirBuilderExt;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunking_covers_the_allocation() {
+        assert_eq!(chunk_files("agent/1/7", 1), vec!["agent/1/7.00000"]);
+        assert_eq!(chunk_files("agent/1/7", CHUNK).len(), 1);
+        assert_eq!(chunk_files("agent/1/7", CHUNK + 1).len(), 2);
+        assert_eq!(chunk_files("a", 32 << 30).len(), 512);
+    }
+
+    #[test]
+    fn uuids_print_like_nvidia_smi() {
+        let b: [u8; 16] = [0x9e, 0x84, 0x46, 0x9c, 0xe0, 0x99, 0x54, 0x33, 0xf3, 0xcd, 0x0b, 0x11, 0xf8, 0x72, 0x9f, 0x86];
+        assert_eq!(format_uuid(&b), "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86");
+    }
+}
