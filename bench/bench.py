@@ -231,7 +231,10 @@ def one_sample(contender, w, rep):
         t1 = now_ms()
         wait_for("progress after the checkpoint", 120, lambda: first_progress_after(parse_progress(contender.log()), t1))
         prog = parse_progress(contender.log())
-        at_step = prog[-1][0]
+        # The step the checkpoint caught: the last one logged before it began. A restored
+        # copy resumes just after it (not where the original is now, which with a long
+        # image write after --leave-running can be hundreds of steps later).
+        at_step = max((s for s, t in prog if t <= t0), default=prog[-1][0])
         sample = {
             "downtime_s": downtime_ms(prog, t0, t1) / 1000,
             "typical_step_s": typical_gap_ms(prog, t0) / 1000,

@@ -431,6 +431,7 @@ impl DeviceEngine for AgentEngine {
                 .find(|r| r.ns_pid == p.ns_pid)
                 .ok_or_else(|| fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
             let name = recovered_name(now.pid).ok_or_else(|| fail(format!("process {} has no agent token in its environment", now.pid), None))?;
+            let t0 = Instant::now();
             let mut mems = Vec::new();
             for a in &p.allocations {
                 let uuid = map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
@@ -439,13 +440,23 @@ impl DeviceEngine for AgentEngine {
                 mems.push((a.id, mem));
             }
             let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, format!("{ENGINE}/{}/{id}", p.ns_pid))).collect();
+            let t1 = Instant::now();
             device::load(&self.gpus, &jobs, &opts.image_dir, &opts.checksums).map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+            let t2 = Instant::now();
             let conn = Conn::open(now.pid, &name)?;
             for (id, m) in &mems {
                 let fd = m.export_fd().map_err(|e| self.cuda_fail("exporting device memory", e))?;
                 conn.call(&Request::Load { id: *id }, Some(&fd))?;
             }
             conn.call(&Request::Resume, None)?;
+            tracing::info!(
+                pid = now.pid,
+                create_s = (t1 - t0).as_secs_f64(),
+                load_s = (t2 - t1).as_secs_f64(),
+                handover_s = t2.elapsed().as_secs_f64(),
+                bytes = p.bytes,
+                "agent memory restored"
+            );
         }
         Ok(())
     }
