@@ -301,8 +301,10 @@ pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
             return Err(cuda::ERROR_NOT_FOUND);
         };
         if !e.evacuated {
+            // Never released (hiber is undoing a checkpoint that failed before): the
+            // application's memory is still mapped; nothing to do.
             let _ = d.release(h);
-            return Err(cuda::ERROR_INVALID_VALUE);
+            return Ok(());
         }
         let old_dev = e.dev;
         for m in e.maps.iter_mut() {

@@ -69,6 +69,20 @@ pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
     }
 }
 
+/// Makes `recv` on `sock` fail with `TimedOut` after `timeout` (`None`: wait forever).
+pub fn set_recv_timeout(sock: &OwnedFd, timeout: Option<std::time::Duration>) -> io::Result<()> {
+    let t = timeout.unwrap_or_default();
+    let tv = libc::timeval { tv_sec: t.as_secs() as libc::time_t, tv_usec: t.subsec_micros() as libc::suseconds_t };
+    // SAFETY: `tv` is a valid timeval of the size given.
+    let r = unsafe {
+        libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as libc::socklen_t)
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Room for one descriptor's control message.
 #[repr(C)]
 union Control {
@@ -129,8 +143,10 @@ pub fn recv(sock: &OwnedFd) -> io::Result<Option<(String, Option<OwnedFd>)>> {
             break n as usize;
         }
         let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Err(io::Error::new(io::ErrorKind::TimedOut, "no answer in time")),
+            _ => return Err(e),
         }
     };
     let mut fd = None;

@@ -157,6 +157,10 @@ impl Conn {
         match socket::recv(&self.sock) {
             Ok(Some((msg, fd))) => Ok((Reply::parse(&msg).map_err(|e| fail(format!("agent of process {}: {e}", self.pid), None))?, fd)),
             Ok(None) => Err(fail(format!("the agent of process {} closed the connection", self.pid), None)),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Err(fail(
+                format!("the agent of process {} could not quiesce it: device work still running after the timeout; the application keeps running", self.pid),
+                Some("retry later, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
+            )),
             Err(e) => Err(fail(format!("agent of process {}: {e}", self.pid), None)),
         }
     }
@@ -180,7 +184,9 @@ impl AgentEngine {
     /// The engine, when libcuda with the VMM API is here.
     pub fn load() -> Option<AgentEngine> {
         let lib = ffi::CudaLib::load().ok()?;
-        let timeout_ms = std::env::var("HIBER_AGENT_QUIESCE_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_QUIESCE_TIMEOUT_MS);
+        // One timeout for "work in flight must finish": the agent's own, else the driver lock's.
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse().ok());
+        let timeout_ms = env("HIBER_AGENT_QUIESCE_TIMEOUT_MS").or_else(|| env("HIBER_CUDA_LOCK_TIMEOUT_MS")).unwrap_or(DEFAULT_QUIESCE_TIMEOUT_MS);
         Some(AgentEngine { gpus: Arc::new(Gpus::new(lib)), state: Mutex::new(State::default()), timeout_ms })
     }
 
@@ -195,11 +201,17 @@ impl AgentEngine {
     /// Quiesces one process and takes its memory; on error the process is as before.
     fn take(&self, pid: i32, t: &Target, target: &CaptureTarget<'_>, snapshot: bool) -> Result<(Vec<Held>, Vec<FileEntry>), EngineError> {
         let conn = Conn::open(pid, &t.name)?;
+        // The agent bounds its wait for calls in flight; a kernel still running when it
+        // synchronizes is bounded here. Timing out closes the connection, and the agent,
+        // finding no one to hand its memory to, opens its gate again.
+        let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
         conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None)?;
         let mut held = Vec::new();
+        let mut timed_out = false;
         let taken = (|| {
             loop {
-                match conn.recv()? {
+                let msg = conn.recv().inspect_err(|_| timed_out = true)?;
+                match msg {
                     (Reply::Alloc { id, size, .. }, Some(fd)) => {
                         let mem = DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| self.cuda_fail("importing device memory from the agent", e))?;
                         let gpu = self.gpus.uuid(mem.dev).map_err(|e| self.cuda_fail("device UUID", e))?;
@@ -215,6 +227,7 @@ impl AgentEngine {
                     (other, _) => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
                 }
             }
+            let _ = socket::set_recv_timeout(&conn.sock, None);
             let written = if snapshot {
                 for h in held.iter_mut() {
                     h.snapshot = Some(h.mem.snapshot().map_err(|e| self.cuda_fail("copying device memory", e))?);
@@ -231,20 +244,28 @@ impl AgentEngine {
         match taken {
             Ok(written) => Ok((held, written)),
             Err(e) => {
-                // The agent still has (or gets back) its memory and opens its gate.
-                let _ = self.give_back(pid, &t.name, &held);
+                // The agent gets back whatever it released and opens its gate. After a
+                // timeout it is still busy; it opens the gate itself once it finds the
+                // connection closed.
+                if !timed_out {
+                    let _ = Self::give_back_on(&conn, &held);
+                }
                 Err(e)
             }
         }
     }
 
-    /// Hands `held` back to the agent of `pid` and opens its gate.
-    fn give_back(&self, pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
-        let conn = Conn::open(pid, name)?;
+    /// Hands `held` back over `conn` and opens the agent's gate.
+    fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
         for h in held {
             conn.call(&Request::Load { id: h.id }, Some(&h.fd))?;
         }
         conn.call(&Request::Resume, None).map(|_| ())
+    }
+
+    /// Hands `held` back to the agent of `pid` and opens its gate.
+    fn give_back(&self, pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
+        Self::give_back_on(&Conn::open(pid, name)?, held)
     }
 }
 
