@@ -166,3 +166,42 @@ fn other_versions_and_foreign_directories_are_rejected() {
     fs::write(&file, b"hello").unwrap();
     assert!(matches!(Image::open(&file), Err(ImageError::NotAnImage(_))));
 }
+
+#[test]
+fn device_chunks_hashed_by_their_writer_are_trusted_for_commit_and_checked_on_restore() {
+    let t = TempDir::new("known");
+    let dest = t.0.join("img");
+    let mut w = ImageWriter::create(&dest).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    fs::create_dir_all(w.tmp_dir().join("agent/1")).unwrap();
+    let chunk = vec![3u8; 4096];
+    fs::write(w.tmp_dir().join("agent/1/1.00000"), &chunk).unwrap();
+    let known = FileEntry { path: "agent/1/1.00000".into(), size: 4096, blake3: blake3::hash(&chunk).to_hex().to_string() };
+    w.commit(sample_manifest(), std::slice::from_ref(&known)).unwrap();
+    let img = Image::open(&dest).unwrap();
+    assert!(img.manifest.files.contains(&known));
+    img.verify().unwrap();
+
+    // A chunk altered after the checkpoint: the full verify catches it; a restore defers
+    // it to the engine that streams it (which checks each chunk), but still checks the rest.
+    fs::write(dest.join("agent/1/1.00000"), vec![4u8; 4096]).unwrap();
+    assert!(matches!(img.verify(), Err(ImageError::ChecksumMismatch(_))));
+    img.verify_except(Some("agent")).unwrap();
+    fs::write(dest.join("criu/core-1.img"), b"corf").unwrap();
+    assert!(matches!(img.verify_except(Some("agent")), Err(ImageError::ChecksumMismatch(_))));
+    // A deferred chunk is still checked for size.
+    fs::write(dest.join("criu/core-1.img"), b"core").unwrap();
+    fs::write(dest.join("agent/1/1.00000"), vec![3u8; 100]).unwrap();
+    assert!(matches!(img.verify_except(Some("agent")), Err(ImageError::SizeMismatch { .. })));
+}
+
+#[test]
+fn a_known_entry_whose_file_changed_size_is_refused() {
+    let t = TempDir::new("known-size");
+    let dest = t.0.join("img");
+    let mut w = ImageWriter::create(&dest).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into() };
+    assert!(matches!(w.commit(sample_manifest(), &[known]), Err(ImageError::SizeMismatch { .. })));
+    assert!(!dest.exists());
+}

@@ -1,0 +1,52 @@
+//! The agent preloaded into programs that never touch a GPU (a shell, Python, the
+//! dynamic loader's own lookups) on this machine, which has no GPU: the programs must
+//! behave exactly as without it, and the agent must add no thread and no socket.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn agent() -> PathBuf {
+    // target/<profile>/deps/preload-HASH → target/<profile>/libhiber_agent.so
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().parent().unwrap().join("libhiber_agent.so");
+    assert!(lib.exists(), "the agent cdylib is built beside the tests: {}", lib.display());
+    lib
+}
+
+fn run(script: &str, preload: bool) -> (String, String) {
+    let mut c = Command::new("sh");
+    c.arg("-c").arg(script).env("HIBER_AGENT_TOKEN", "preloadtest").env_remove("LD_PRELOAD");
+    if preload {
+        c.env("LD_PRELOAD", agent());
+    }
+    let out = c.output().unwrap();
+    assert!(out.status.success(), "{script}: {out:?}");
+    (String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+#[test]
+fn a_program_without_cuda_is_untouched() {
+    // Threads of the shell itself, its view of its environment, a pipeline of children.
+    let script = "ls /proc/$$/task | wc -l; echo $HIBER_AGENT_TOKEN; printf 'b\\na\\n' | sort | tr -d '\\n'; echo; grep -c preloadtest /proc/net/unix || true";
+    let (plain, plain_err) = run(script, false);
+    let (with, with_err) = run(script, true);
+    assert_eq!(with, plain, "same output with the agent preloaded");
+    assert_eq!(with.lines().next(), Some("1"), "no thread added");
+    assert_eq!(with.lines().last(), Some("0"), "no control socket without CUDA");
+    assert_eq!(with_err, plain_err, "nothing written to stderr");
+    assert!(with_err.is_empty());
+}
+
+#[test]
+fn dlsym_lookups_through_the_agent_match_the_loader() {
+    // Python's ctypes resolves symbols with dlsym: with RTLD_DEFAULT, in a library handle,
+    // and a missing one, through the agent's dlsym.
+    let py = "import ctypes, ctypes.util; c = ctypes.CDLL(None); m = ctypes.CDLL(ctypes.util.find_library('m')); \
+              print(c.getpid() > 0, hasattr(m, 'cos'), hasattr(c, 'no_such_symbol_xyz'))";
+    let script = format!("command -v python3 >/dev/null && python3 -c \"{py}\" || echo 'True True False'");
+    let (plain, _) = run(&script, false);
+    let (with, err) = run(&script, true);
+    assert_eq!(with, plain);
+    assert_eq!(with.trim(), "True True False");
+    assert!(err.is_empty(), "{err}");
+}
