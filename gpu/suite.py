@@ -453,6 +453,32 @@ def agent_leave_running(m):
 
 
 @scenario
+def agent_hiber_killed_after_handover_recovers(m):
+    """SIGKILL hiber once the agent has released the job's device memory (hiber held the
+    only reference): `hiber recover` loads it back from the chunks hiber wrote first, and
+    the job runs on intact."""
+    hiber("run", "--name", "victim", "--", BUILD / "counter", "--mib", "2048", "--steps", "400")
+    wait_step("victim", 30)
+    img = image_of("victim")
+    p = subprocess.Popen([HIBER, "checkpoint", "victim", "--out", img], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    start, killed_at = time.time(), None
+    while time.time() - start < 60 and p.poll() is None:
+        if any('"devices_quiesced"' in f.read_text(errors="replace") for f in (STATE / "journal").glob("*.json")):
+            p.kill()
+            killed_at = time.time() - start
+            break
+        time.sleep(0.002)
+    p.wait()
+    assert killed_at is not None, f"hiber was not caught after the handover: {p.returncode} {p.stderr.read().decode()[-400:]}"
+    before = progress("victim")[-1][0]
+    r = hiber("recover")
+    m.update(killed_after_s=round(killed_at, 2), recover=r.stdout.strip()[-300:])
+    assert not Path(img).exists(), "no image from the interrupted checkpoint"
+    assert_verified("victim")
+    assert progress("victim")[-1][0] == 399 and progress("victim")[-1][0] > before
+
+
+@scenario
 def no_agent_opt_out(m):
     run_job("plain", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=False)
     img = stop_and_restore("plain", 40, m)

@@ -103,6 +103,14 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 };
                 reply(conn, r)?;
             }
+            Request::List => {
+                let list: Vec<(u64, u64, i32)> = memory::with(|t| t.entries.values().filter(|e| e.evacuated).map(|e| (e.id, e.size as u64, e.dev)).collect());
+                for (id, size, dev) in &list {
+                    let gpu = cuda::driver().and_then(|d| d.device_uuid(*dev).ok()).unwrap_or_else(|| "unknown".into());
+                    reply(conn, Reply::Evacuated { id: *id, size: *size, gpu })?;
+                }
+                reply(conn, Reply::Done { count: list.len() as u64 })?;
+            }
             Request::Resume => {
                 let evacuated = memory::with(|t| t.entries.values().filter(|e| e.evacuated).count());
                 if evacuated > 0 {

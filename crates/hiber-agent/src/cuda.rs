@@ -176,6 +176,7 @@ driver_fns! {
     import = c"cuMemImportFromShareableHandle": fn(*mut Handle, *mut c_void, c_int);
     granularity = c"cuMemGetAllocationGranularity": fn(*mut usize, *const AllocationProp, c_int);
     properties = c"cuMemGetAllocationPropertiesFromHandle": fn(*mut AllocationProp, Handle);
+    device_uuid = c"cuDeviceGetUuid_v2": fn(*mut [u8; 16], c_int);
     mem_alloc = c"cuMemAlloc_v2": fn(*mut DevPtr, usize);
     mem_free = c"cuMemFree_v2": fn(DevPtr);
     mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut DevPtr, *mut usize, usize, usize, c_uint);
@@ -300,6 +301,15 @@ impl Driver {
         // SAFETY: for POSIX_FD the OS handle is the descriptor itself, passed as a pointer-sized value.
         check(unsafe { (self.import)(&mut h, fd as usize as *mut c_void, HANDLE_TYPE_POSIX_FD) })?;
         Ok(h)
+    }
+
+    /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as hiber and nvidia-smi name GPUs.
+    pub fn device_uuid(&self, dev: c_int) -> Result<String, CuResult> {
+        let mut b = [0u8; 16];
+        // SAFETY: valid 16-byte out-buffer (CUuuid).
+        check(unsafe { (self.device_uuid)(&mut b, dev) })?;
+        let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        Ok(format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]))
     }
 
     pub fn properties(&self, h: Handle) -> Result<AllocationProp, CuResult> {

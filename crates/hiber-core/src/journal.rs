@@ -128,11 +128,12 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
             problems: vec!["CRIU still holds the tree after 120 s; run `hiber recover` again later".into()],
         };
     }
-    for claim in &entry.claims {
+    // Engines that quiesced first resume last (the agent needs the driver unlocked).
+    for claim in entry.claims.iter().rev() {
         match engines.iter().find(|e| e.name() == claim.engine) {
             Some(engine) => {
                 let alive: Vec<i32> = claim.pids.iter().copied().filter(|&p| proctree::exists(p)).collect();
-                if let Err(e) = engine.resume(&alive) {
+                if let Err(e) = engine.recover(&alive, &[&entry.tmp_dir, &entry.dest]) {
                     problems.push(e.to_string());
                 }
             }

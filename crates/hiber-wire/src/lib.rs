@@ -21,6 +21,9 @@
 //! hiber → resume                 agent opens its gate
 //! agent → ok
 //! ```
+//!
+//! `list` asks an agent whose hiber died mid-checkpoint what it released: one `evacuated`
+//! (id, bytes, GPU UUID) per allocation, then `done`; `hiber recover` loads them back.
 
 pub mod socket;
 
@@ -46,12 +49,14 @@ pub enum Request {
     Release,
     Load { id: u64 },
     Resume,
+    List,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Status(Status),
     Alloc { id: u64, size: u64, device: i32 },
+    Evacuated { id: u64, size: u64, gpu: String },
     Done { count: u64 },
     Ok,
     Err(String),
@@ -96,6 +101,7 @@ impl Request {
             Request::Release => "release".into(),
             Request::Load { id } => format!("load {id}"),
             Request::Resume => "resume".into(),
+            Request::List => "list".into(),
         }
     }
 
@@ -107,6 +113,7 @@ impl Request {
             Some("release") => Request::Release,
             Some("load") => Request::Load { id: num(w.next(), line)? },
             Some("resume") => Request::Resume,
+            Some("list") => Request::List,
             _ => return Err(ParseError(line.into())),
         })
     }
@@ -141,6 +148,7 @@ impl Reply {
                 out
             }
             Reply::Alloc { id, size, device } => format!("alloc {id} {size} {device}"),
+            Reply::Evacuated { id, size, gpu } => format!("evacuated {id} {size} {gpu}"),
             Reply::Done { count } => format!("done {count}"),
             Reply::Ok => "ok".into(),
             Reply::Err(m) => {
@@ -178,6 +186,11 @@ impl Reply {
                 Reply::Status(s)
             }
             "alloc" => Reply::Alloc { id: num(w.next(), line)?, size: num(w.next(), line)?, device: num(w.next(), line)? },
+            "evacuated" => Reply::Evacuated {
+                id: num(w.next(), line)?,
+                size: num(w.next(), line)?,
+                gpu: w.next().ok_or_else(|| ParseError(line.into()))?.to_string(),
+            },
             "done" => Reply::Done { count: num(w.next(), line)? },
             "ok" => Reply::Ok,
             "err" => Reply::Err(rest.to_string()),
@@ -192,7 +205,7 @@ mod tests {
 
     #[test]
     fn requests_round_trip() {
-        for r in [Request::Status, Request::Quiesce { timeout_ms: 10_000 }, Request::Release, Request::Load { id: 7 }, Request::Resume] {
+        for r in [Request::Status, Request::Quiesce { timeout_ms: 10_000 }, Request::Release, Request::Load { id: 7 }, Request::Resume, Request::List] {
             assert_eq!(Request::parse(&r.encode()).unwrap(), r);
         }
         assert!(Request::parse("quiesce").is_err());
@@ -203,7 +216,7 @@ mod tests {
     #[test]
     fn replies_round_trip() {
         let s = Status { tracked: 3, tracked_bytes: 1 << 30, gate_closed: true, stream_ordered: 2, passthrough_bytes: 99, ..Status::default() };
-        for r in [Reply::Status(s), Reply::Alloc { id: 1, size: 2 << 20, device: 0 }, Reply::Done { count: 4 }, Reply::Ok, Reply::Err("in flight".into())] {
+        for r in [Reply::Status(s), Reply::Alloc { id: 1, size: 2 << 20, device: 0 }, Reply::Evacuated { id: 2, size: 4 << 20, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() }, Reply::Done { count: 4 }, Reply::Ok, Reply::Err("in flight".into())] {
             assert_eq!(Reply::parse(&r.encode()).unwrap(), r);
         }
         assert_eq!(Reply::parse("status tracked=1 future_field=5").unwrap(), Reply::Status(Status { tracked: 1, ..Status::default() }));

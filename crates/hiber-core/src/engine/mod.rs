@@ -78,6 +78,15 @@ pub trait DeviceEngine: Send + Sync {
     /// Idempotent: safe on processes that were never touched.
     fn resume(&self, pids: &[i32]) -> Result<(), EngineError>;
 
+    /// `hiber recover` after a hiber that was checkpointing died: like [`resume`], with the
+    /// places (the partial image, the finished one) where that hiber may have left device
+    /// data the engine needs to bring back.
+    ///
+    /// [`resume`]: DeviceEngine::resume
+    fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
+        self.resume(pids)
+    }
+
     /// Once the image's other parts are written (with `--leave-running`, after the
     /// application was resumed): writes what the engine still holds, and returns the
     /// manifest entries of every file it wrote, so they are not hashed again.

@@ -255,6 +255,43 @@ impl AgentEngine {
         }
     }
 
+    /// After a hiber died mid-checkpoint: whatever the agent of `pid` released is loaded
+    /// back from the chunks that hiber wrote before it let the agent release (direct mode
+    /// always writes first), and the gate opens.
+    fn recover_one(&self, pid: i32, dirs: &[&Path]) -> Result<(), EngineError> {
+        let Some(name) = recovered_name(pid) else { return Ok(()) };
+        // No agent answering: it never started (no CUDA), so there is nothing to undo.
+        let Ok(conn) = Conn::open(pid, &name) else { return Ok(()) };
+        let ns_pid = crate::proctree::read_process(pid).map(|p| p.ns_pid).unwrap_or(pid);
+        conn.send(&Request::List, None)?;
+        let mut released = Vec::new();
+        loop {
+            match conn.recv()?.0 {
+                Reply::Evacuated { id, size, gpu } => released.push((id, size, gpu)),
+                Reply::Done { .. } => break,
+                other => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
+            }
+        }
+        for (id, size, gpu) in released {
+            let prefix = format!("{ENGINE}/{ns_pid}/{id}");
+            let dir = dirs.iter().find(|d| d.join(format!("{prefix}.00000")).exists()).ok_or_else(|| {
+                fail(
+                    format!("the device memory of process {pid} (allocation {id}, {} MiB) was only in the hiber that died; it is lost", size >> 20),
+                    Some("the application cannot continue on the GPU; stop it and restore an earlier image"),
+                )
+            })?;
+            // A finished image has checksums for the chunks; a partial one does not yet.
+            let image = crate::image::Image::open(dir).ok();
+            let sums: Option<HashMap<String, String>> = image.map(|i| i.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect());
+            let dev = self.gpus.ordinal(&gpu).map_err(|e| self.cuda_fail("listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {gpu} here"), None))?;
+            let mem = DeviceMem::create(&self.gpus, size, dev, true).map_err(|e| self.cuda_fail("allocating device memory", e))?;
+            device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref()).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
+            let fd = mem.export_fd().map_err(|e| self.cuda_fail("exporting device memory", e))?;
+            conn.call(&Request::Load { id }, Some(&fd))?;
+        }
+        conn.call(&Request::Resume, None).map(|_| ())
+    }
+
     /// Hands `held` back over `conn` and opens the agent's gate.
     fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
         for h in held {
@@ -407,6 +444,16 @@ impl DeviceEngine for AgentEngine {
         first.map_or(Ok(()), Err)
     }
 
+    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
+        let mut first = None;
+        for &pid in pids {
+            if let Err(e) = self.recover_one(pid, dirs) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     fn finish(&self) -> Result<Vec<FileEntry>, EngineError> {
         let (pending, dir, mut written) = {
             let mut st = self.state();
@@ -462,7 +509,7 @@ impl DeviceEngine for AgentEngine {
             }
             let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, format!("{ENGINE}/{}/{id}", p.ns_pid))).collect();
             let t1 = Instant::now();
-            device::load(&self.gpus, &jobs, &opts.image_dir, &opts.checksums).map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+            device::load(&self.gpus, &jobs, &opts.image_dir, Some(&opts.checksums)).map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
             let t2 = Instant::now();
             let conn = Conn::open(now.pid, &name)?;
             for (id, m) in &mems {
