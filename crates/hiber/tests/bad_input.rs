@@ -12,6 +12,15 @@ use common::*;
 const NOT_FOUND: i32 = 3;
 const INVALID_IMAGE: i32 = 4;
 
+/// The full-disk test mounts a tmpfs. CRIU records the host's mounts at dump time and
+/// needs them again at restore, so no other test of this file may checkpoint or restore
+/// while that mount comes and goes: it takes this lock for writing, the others for reading.
+static MOUNTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    MOUNTS.read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn still_progressing(h: &Hiber, job: &str) {
     let now = h.last_step(job).unwrap_or(0);
     h.wait_step(job, now + 3);
@@ -29,6 +38,7 @@ fn image(h: &Hiber, name: &str) -> std::path::PathBuf {
 
 #[test]
 fn unknown_job_and_pid() {
+    let _mounts = shared();
     let h = Hiber::new("unknown");
     let f = h.fails(&["checkpoint", "no-such-job"]);
     assert_eq!(f.code, NOT_FOUND, "{}", f.stderr);
@@ -46,6 +56,7 @@ fn unknown_job_and_pid() {
 
 #[test]
 fn processes_hiber_may_not_trace() {
+    let _mounts = shared();
     let h = Hiber::new("untraceable");
     // kthreadd: a kernel thread.
     let f = h.fails(&["checkpoint", "2"]);
@@ -72,6 +83,7 @@ fn processes_hiber_may_not_trace() {
 
 #[test]
 fn corrupt_truncated_newer_and_foreign_images() {
+    let _mounts = shared();
     let h = Hiber::new("badimg");
     let img = image(&h, "badimg");
     let pages = std::fs::read_dir(img.join("criu")).unwrap().flatten().map(|e| e.path()).find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-")).unwrap();
@@ -130,6 +142,7 @@ fn corrupt_truncated_newer_and_foreign_images() {
 
 #[test]
 fn restore_whose_open_files_are_missing() {
+    let _mounts = shared();
     let h = Hiber::new("missingfile");
     let data = h.scratch.join("data.txt");
     h.start("mf", &["files", "--path", data.to_str().unwrap(), "--steps", "100"]);
@@ -150,6 +163,7 @@ fn restore_whose_open_files_are_missing() {
 
 #[test]
 fn output_directory_that_exists() {
+    let _mounts = shared();
     let h = Hiber::new("exists");
     h.start("ex", &["cpu", "--steps", "400", "--mem-mib", "8"]);
     h.wait_step("ex", 3);
@@ -181,6 +195,7 @@ impl Drop for Tmpfs {
 
 #[test]
 fn full_disk_during_checkpoint() {
+    let _mounts = MOUNTS.write().unwrap_or_else(|e| e.into_inner());
     let h = Hiber::new("full");
     let small = Tmpfs::mount(&h.scratch.join("small"), "48m");
     h.start("full", &["cpu", "--steps", "600", "--mem-mib", "96"]);
@@ -206,6 +221,7 @@ fn full_disk_during_checkpoint() {
 
 #[test]
 fn usage_errors_and_names() {
+    let _mounts = shared();
     let h = Hiber::new("usage");
     let out = h.output(&["checkpoint"]);
     assert_eq!(out.status.code(), Some(2));
