@@ -35,11 +35,28 @@ pub fn start() {
 }
 
 fn serve(listener: OwnedFd) {
+    // SAFETY: getuid has no preconditions.
+    let own_uid = unsafe { libc::getuid() };
     loop {
         match socket::accept(&listener) {
             Ok(conn) => {
-                if let Err(e) = session(&conn) {
-                    log(&format!("control connection: {e}"));
+                // Only root (hiber) or the application's own user may take its memory.
+                match socket::peer_uid(&conn) {
+                    Ok(uid) if uid == 0 || uid == own_uid => {}
+                    other => {
+                        log(&format!("refused a control connection from uid {other:?}"));
+                        continue;
+                    }
+                }
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(&conn))) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => log(&format!("control connection: {e}")),
+                    Err(_) => log("control connection: internal error"),
+                }
+                // A session that ends with nothing handed over (hiber gave up, timed out or
+                // died after quiesce) leaves the application running, not waiting.
+                if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {
+                    gate::open();
                 }
             }
             Err(e) => {
@@ -73,6 +90,8 @@ fn status() -> Status {
 /// Serves one connection. Returns after a successful `release`, closing the connection,
 /// so that no socket to hiber is open when CRIU dumps the process.
 fn session(conn: &OwnedFd) -> std::io::Result<()> {
+    // `release` only follows a `quiesce` that succeeded on this same connection.
+    let mut quiesced = false;
     while let Some((msg, fd)) = socket::recv(conn)? {
         let req = match Request::parse(&msg) {
             Ok(r) => r,
@@ -83,7 +102,8 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
         };
         match req {
             Request::Status => reply(conn, Reply::Status(status()))?,
-            Request::Quiesce { timeout_ms } => quiesce(conn, Duration::from_millis(timeout_ms))?,
+            Request::Quiesce { timeout_ms } => quiesced = quiesce(conn, Duration::from_millis(timeout_ms))?,
+            Request::Release if !quiesced => reply(conn, Reply::Err("release without quiesce".into()))?,
             Request::Release => match cuda::driver().map(memory::evacuate) {
                 Some(Ok(())) => {
                     reply(conn, Reply::Ok)?;
@@ -125,35 +145,68 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<()> {
-    let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())) };
+/// Closes the gate, waits for device work, and sends every allocation. `Ok(true)` when the
+/// application is quiesced and hiber has all descriptors.
+fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<bool> {
+    let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())).map(|()| false) };
     if memory::with(|t| t.entries.values().any(|e| e.evacuated)) {
-        return reply(conn, Reply::Err("device memory is with hiber already".into()));
+        return reply(conn, Reply::Err("device memory is with hiber already".into())).map(|()| false);
     }
+    let started = std::time::Instant::now();
     if let Err(n) = gate::close(timeout) {
-        return reply(conn, Reply::Err(format!("{n} CUDA calls still running after {} ms", timeout.as_millis())));
+        return reply(conn, Reply::Err(format!("{n} CUDA calls still running after {} ms", timeout.as_millis()))).map(|()| false);
     }
     let fail = |conn: &OwnedFd, msg: String| {
         gate::open();
-        reply(conn, Reply::Err(msg))
+        reply(conn, Reply::Err(msg)).map(|()| false)
     };
-    for dev in memory::with(|t| t.devices()) {
-        if let Err(r) = d.synchronize_device(dev) {
-            return fail(conn, format!("synchronizing device {dev}: CUDA error {r}"));
-        }
+    // Device work may wait on something only a thread held at the gate would do (a host
+    // function, a stream waiting on a value): the wait is bounded, on a thread of its own
+    // that is left to finish by itself if it overruns.
+    let devices = memory::with(|t| t.devices());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new().name("hiber-agent-sync".into()).spawn(move || {
+        let r = devices.iter().try_for_each(|&dev| d.synchronize_device(dev).map_err(|r| (dev, r)));
+        let _ = tx.send(r);
+    });
+    if spawned.is_err() {
+        return fail(conn, "cannot start a thread to wait for the device".into());
     }
-    let entries: Vec<(u64, u64, i32, u64)> = memory::with(|t| t.entries.values().map(|e| (e.id, e.size as u64, e.dev, e.handle)).collect());
-    for (id, size, dev, handle) in &entries {
-        let fd = match d.export_fd(*handle) {
-            Ok(fd) => fd,
-            Err(r) => return fail(conn, format!("exporting allocation {id}: CUDA error {r}")),
-        };
-        let sent = socket::send(conn, &Reply::Alloc { id: *id, size: *size, device: *dev }.encode(), Some(fd));
+    match rx.recv_timeout(timeout.saturating_sub(started.elapsed())) {
+        Ok(Ok(())) => {}
+        Ok(Err((dev, r))) => return fail(conn, format!("synchronizing device {dev}: CUDA error {r}")),
+        Err(_) => return fail(conn, format!("device work still running after {} ms", timeout.as_millis())),
+    }
+    let fds: Result<Vec<(u64, u64, i32, std::ffi::c_int)>, String> = memory::with(|t| {
+        let mut out = Vec::new();
+        for e in t.entries.values() {
+            match memory::export_fd(d, e) {
+                Ok(fd) => out.push((e.id, e.size as u64, e.dev, fd)),
+                Err(r) => {
+                    for (_, _, _, fd) in out {
+                        crate::close_fd(fd);
+                    }
+                    return Err(format!("exporting allocation {}: CUDA error {r}", e.id));
+                }
+            }
+        }
+        Ok(out)
+    });
+    let fds = match fds {
+        Ok(f) => f,
+        Err(m) => return fail(conn, m),
+    };
+    let count = fds.len() as u64;
+    let mut sent = Ok(());
+    for (id, size, dev, fd) in fds {
+        if sent.is_ok() {
+            sent = socket::send(conn, &Reply::Alloc { id, size, device: dev }.encode(), Some(fd));
+        }
         crate::close_fd(fd);
-        if let Err(e) = sent {
-            gate::open();
-            return Err(e);
-        }
     }
-    reply(conn, Reply::Done { count: entries.len() as u64 })
+    if let Err(e) = sent {
+        gate::open();
+        return Err(e);
+    }
+    reply(conn, Reply::Done { count }).map(|()| true)
 }

@@ -74,7 +74,17 @@ impl AccessDesc {
 
 type RealDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+/// glibc's dlsym, resolved when the agent is loaded; the `dlsym` entry point jumps to it.
+pub static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs when the agent is loaded: resolves glibc's dlsym before anyone calls the agent's.
+extern "C" fn resolve_at_load() {
+    let _ = real_dlsym();
+}
+
+#[used]
+#[link_section = ".init_array"]
+static RESOLVE_AT_LOAD: extern "C" fn() = resolve_at_load;
 static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
 /// glibc's own `dlsym`, behind the agent's export.
@@ -177,6 +187,7 @@ driver_fns! {
     granularity = c"cuMemGetAllocationGranularity": fn(*mut usize, *const AllocationProp, c_int);
     properties = c"cuMemGetAllocationPropertiesFromHandle": fn(*mut AllocationProp, Handle);
     device_uuid = c"cuDeviceGetUuid_v2": fn(*mut [u8; 16], c_int);
+    retain = c"cuMemRetainAllocationHandle": fn(*mut Handle, *mut c_void);
     mem_alloc = c"cuMemAlloc_v2": fn(*mut DevPtr, usize);
     mem_free = c"cuMemFree_v2": fn(DevPtr);
     mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut DevPtr, *mut usize, usize, usize, c_uint);
@@ -310,6 +321,14 @@ impl Driver {
         check(unsafe { (self.device_uuid)(&mut b, dev) })?;
         let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
         Ok(format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]))
+    }
+
+    /// A new reference to the allocation mapped at `va`.
+    pub fn retain(&self, va: DevPtr) -> Result<Handle, CuResult> {
+        let mut h: Handle = 0;
+        // SAFETY: valid out-pointer; the address is passed as the pointer-sized value it is.
+        check(unsafe { (self.retain)(&mut h, va as usize as *mut c_void) })?;
+        Ok(h)
     }
 
     pub fn properties(&self, h: Handle) -> Result<AllocationProp, CuResult> {

@@ -110,7 +110,7 @@ type FnGetProcAddress = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_
 type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
 /// The typed wrappers, by the exported name each stands for.
-fn typed() -> [(&'static str, usize); 19] {
+fn typed() -> [(&'static str, usize); 20] {
     [
         ("cuGetProcAddress\0", cuGetProcAddress as *const () as usize),
         ("cuGetProcAddress_v2\0", cuGetProcAddress_v2 as *const () as usize),
@@ -121,6 +121,7 @@ fn typed() -> [(&'static str, usize); 19] {
         ("cuMemGetAddressRange_v2\0", cuMemGetAddressRange_v2 as *const () as usize),
         ("cuMemCreate\0", cuMemCreate as *const () as usize),
         ("cuMemRelease\0", cuMemRelease as *const () as usize),
+        ("cuMemRetainAllocationHandle\0", cuMemRetainAllocationHandle as *const () as usize),
         ("cuMemMap\0", cuMemMap as *const () as usize),
         ("cuMemUnmap\0", cuMemUnmap as *const () as usize),
         ("cuMemSetAccess\0", cuMemSetAccess as *const () as usize),
@@ -174,7 +175,26 @@ pub fn redirect(p: *mut c_void) -> *mut c_void {
 #[unsafe(naked)]
 #[no_mangle]
 pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _symbol: *const c_char) -> *mut c_void {
-    core::arch::naked_asm!("mov rdx, [rsp]", "jmp {0}", sym hooked_dlsym)
+    // Names not starting with "cu" go straight to glibc's dlsym (resolved when the agent
+    // was loaded), which then sees the real caller and the agent allocates nothing.
+    core::arch::naked_asm!(
+        "test rsi, rsi",
+        "jz 2f",
+        "cmp byte ptr [rsi], 0x63",
+        "jne 2f",
+        "cmp byte ptr [rsi + 1], 0x75",
+        "jne 2f",
+        "3:",
+        "mov rdx, [rsp]",
+        "jmp {hooked}",
+        "2:",
+        "mov rax, qword ptr [rip + {real}]",
+        "test rax, rax",
+        "jz 3b",
+        "jmp rax",
+        hooked = sym hooked_dlsym,
+        real = sym cuda::REAL_DLSYM,
+    )
 }
 
 /// See the x86_64 version.
@@ -200,9 +220,24 @@ unsafe extern "C" fn hooked_dlsym(handle: *mut c_void, symbol: *const c_char, ca
     // SAFETY: `symbol` is a NUL-terminated string (dlsym's contract); only two bytes are read
     // when it is shorter.
     if !r.is_null() && !symbol.is_null() && unsafe { *symbol == b'c' as c_char && *symbol.add(1) == b'u' as c_char } {
+        // Without libcuda, the agent's own exports are not a driver: a program probing for
+        // CUDA must not find one.
+        if cuda::libcuda().is_none() && in_agent(r) {
+            return std::ptr::null_mut();
+        }
         return redirect(r);
     }
     r
+}
+
+/// Whether `p` lies in the agent's own code.
+fn in_agent(p: *mut c_void) -> bool {
+    // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
+    unsafe {
+        let mut a: libc::Dl_info = std::mem::zeroed();
+        let mut b: libc::Dl_info = std::mem::zeroed();
+        libc::dladdr(p, &mut a) != 0 && libc::dladdr(in_agent as *const c_void, &mut b) != 0 && a.dli_fbase == b.dli_fbase
+    }
 }
 
 struct Object {
@@ -334,7 +369,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut DevPtr, size: usize) -> CuResu
     if r == cuda::SUCCESS {
         memory::with(|t| {
             t.passthrough.calls += 1;
-            t.passthrough.bytes += size as u64;
+            t.passthrough.bytes = t.passthrough.bytes.saturating_add(size as u64);
             t.passthrough.small += 1;
         });
     }
@@ -349,9 +384,9 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(dptr: *mut DevPtr, pitch: *mut usize
     let _pass = gate::enter();
     // The driver's pitch alignment on current GPUs; cudaMallocPitch answers the same.
     const PITCH_ALIGN: usize = 512;
-    if let (Some(d), false, false, 1..=16) = (cuda::driver(), dptr.is_null(), pitch.is_null(), elem) {
-        let p = width.div_ceil(PITCH_ALIGN) * PITCH_ALIGN;
-        if let Some(total) = p.checked_mul(height) {
+    if let (Some(d), false, false, 4 | 8 | 16) = (cuda::driver(), dptr.is_null(), pitch.is_null(), elem) {
+        if let Some(total) = width.checked_next_multiple_of(PITCH_ALIGN).and_then(|p| p.checked_mul(height).map(|t| (p, t))) {
+            let (p, total) = total;
             match memory::serve(d, total) {
                 Ok(Some(va)) => {
                     *dptr = va;
@@ -370,7 +405,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(dptr: *mut DevPtr, pitch: *mut usize
     if r == cuda::SUCCESS {
         memory::with(|t| {
             t.passthrough.calls += 1;
-            t.passthrough.bytes += (width * height) as u64;
+            t.passthrough.bytes += width.saturating_mul(height) as u64;
             t.passthrough.pitch += 1;
         });
     }
@@ -430,7 +465,7 @@ pub unsafe extern "C" fn cuMemCreate(handle: *mut Handle, size: usize, prop: *co
         let mut p = *prop;
         p.requested_handle_types |= cuda::HANDLE_TYPE_POSIX_FD;
         if real(handle, size, &p, flags) == cuda::SUCCESS {
-            memory::track_created(*handle, size, p.location.id);
+            *handle = memory::track_created(*handle, size, p.location.id);
             return cuda::SUCCESS;
         }
         memory::with(|t| t.passthrough.vmm_not_exportable += 1);
@@ -444,11 +479,27 @@ pub unsafe extern "C" fn cuMemCreate(handle: *mut Handle, size: usize, prop: *co
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn cuMemRelease(handle: Handle) -> CuResult {
     let _pass = gate::enter();
-    let Some(real) = real!(c"cuMemRelease" => unsafe extern "C" fn(Handle) -> CuResult) else { return cuda::ERROR_NOT_FOUND };
-    let h = memory::with(|t| t.translate(handle));
-    let r = real(h);
-    if r == cuda::SUCCESS {
-        memory::track_released(h);
+    if let Some(r) = cuda::driver().and_then(|d| memory::release_app_handle(d, handle)) {
+        return r;
+    }
+    match real!(c"cuMemRelease" => unsafe extern "C" fn(Handle) -> CuResult) {
+        Some(real) => real(handle),
+        None => cuda::ERROR_NOT_FOUND,
+    }
+}
+
+/// # Safety
+/// Called as cuMemRetainAllocationHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut Handle, addr: *mut c_void) -> CuResult {
+    let _pass = gate::enter();
+    let Some(real) = real!(c"cuMemRetainAllocationHandle" => unsafe extern "C" fn(*mut Handle, *mut c_void) -> CuResult) else {
+        return cuda::ERROR_NOT_FOUND;
+    };
+    let r = real(handle, addr);
+    if r == cuda::SUCCESS && !handle.is_null() {
+        *handle = memory::track_retained(addr as DevPtr, *handle);
     }
     r
 }
@@ -462,10 +513,9 @@ pub unsafe extern "C" fn cuMemMap(p: DevPtr, size: usize, offset: usize, handle:
     let Some(real) = real!(c"cuMemMap" => unsafe extern "C" fn(DevPtr, usize, usize, Handle, u64) -> CuResult) else {
         return cuda::ERROR_NOT_FOUND;
     };
-    let h = memory::with(|t| t.translate(handle));
-    let r = real(p, size, offset, h, flags);
+    let r = real(p, size, offset, memory::with(|t| t.translate(handle)), flags);
     if r == cuda::SUCCESS {
-        memory::track_mapped(p, size, offset, h);
+        memory::track_mapped(p, size, offset, handle);
     }
     r
 }
@@ -505,6 +555,7 @@ pub unsafe extern "C" fn cuMemSetAccess(p: DevPtr, size: usize, desc: *const Acc
 #[no_mangle]
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn cuMemExportToShareableHandle(out: *mut c_void, handle: Handle, kind: c_int, flags: u64) -> CuResult {
+    let _pass = gate::enter();
     match real!(c"cuMemExportToShareableHandle" => unsafe extern "C" fn(*mut c_void, Handle, c_int, u64) -> CuResult) {
         Some(real) => real(out, memory::with(|t| t.translate(handle)), kind, flags),
         None => cuda::ERROR_NOT_FOUND,
@@ -516,6 +567,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(out: *mut c_void, handle: 
 #[no_mangle]
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut AllocationProp, handle: Handle) -> CuResult {
+    let _pass = gate::enter();
     match real!(c"cuMemGetAllocationPropertiesFromHandle" => unsafe extern "C" fn(*mut AllocationProp, Handle) -> CuResult) {
         Some(real) => real(prop, memory::with(|t| t.translate(handle))),
         None => cuda::ERROR_NOT_FOUND,
@@ -540,7 +592,7 @@ macro_rules! counted_alloc {
             if r == cuda::SUCCESS {
                 memory::with(|t| {
                     t.passthrough.calls += 1;
-                    t.passthrough.bytes += size as u64;
+                    t.passthrough.bytes = t.passthrough.bytes.saturating_add(size as u64);
                     t.passthrough.$field += 1;
                 });
             }
@@ -578,6 +630,18 @@ mod tests {
         assert_eq!(next, default);
         // SAFETY: as above.
         assert!(unsafe { dlsym(libc::RTLD_DEFAULT, c"no_such_symbol_anywhere".as_ptr()) }.is_null());
+    }
+
+    #[test]
+    fn without_libcuda_a_cuda_probe_finds_nothing() {
+        // The agent exports cuInit (this test binary holds the agent), yet with no libcuda
+        // loaded a program looking for the driver must not find one.
+        // SAFETY: plain dlsym calls with NUL-terminated names.
+        unsafe {
+            assert!(dlsym(libc::RTLD_DEFAULT, c"cuInit".as_ptr()).is_null());
+            assert!(dlsym(libc::RTLD_DEFAULT, c"cuMemAlloc_v2".as_ptr()).is_null());
+            assert!(!dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()).is_null());
+        }
     }
 
     #[test]

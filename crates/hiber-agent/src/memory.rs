@@ -29,18 +29,34 @@ pub struct Mapping {
 #[derive(Debug)]
 pub struct Entry {
     pub id: u64,
-    /// The handle that owns the memory now (changes when hiber hands memory back).
+    /// The driver handle the agent holds for the memory now (it changes when hiber hands
+    /// memory back); the application never sees it (see [`app_handle`]).
     pub handle: Handle,
     pub size: usize,
     pub dev: c_int,
-    /// Served by the agent: it owns the reservation `maps[0]` and the handle; the
-    /// application knows only the address.
+    /// Served by the agent: the requested size. The agent owns the reservation `maps[0]`
+    /// and one handle reference; the application knows only the address.
     pub served: Option<usize>,
-    /// The application still holds its handle (not yet `cuMemRelease`d).
-    pub app_holds: bool,
+    /// References the application holds through its handle (create and retain count up,
+    /// release counts down). Mappings keep the memory alive on their own.
+    pub app_refs: u32,
     pub maps: Vec<Mapping>,
     /// Unmapped and released: hiber holds the memory.
     pub evacuated: bool,
+}
+
+/// Handles the agent gives the application for its own VMM allocations: a tag and the
+/// entry's id. Driver handle values are reused once released, and the agent releases and
+/// re-creates every handle at each checkpoint, so the application must never hold one.
+const APP_HANDLE_TAG: u64 = 0x4842_0000_0000_0000;
+const APP_HANDLE_MASK: u64 = 0xffff_0000_0000_0000;
+
+pub fn app_handle(id: u64) -> Handle {
+    APP_HANDLE_TAG | id
+}
+
+fn app_handle_id(h: Handle) -> Option<u64> {
+    (h & APP_HANDLE_MASK == APP_HANDLE_TAG).then_some(h & !APP_HANDLE_MASK)
 }
 
 #[derive(Debug, Default)]
@@ -60,8 +76,6 @@ pub struct Table {
     pub entries: BTreeMap<u64, Entry>,
     /// Base address → id, for served allocations.
     served: BTreeMap<DevPtr, u64>,
-    /// Any handle value the application may use (its original or the current one) → id.
-    handles: HashMap<Handle, u64>,
     granularity: HashMap<c_int, usize>,
     pub passthrough: Passthrough,
 }
@@ -77,8 +91,8 @@ pub fn with<R>(f: impl FnOnce(&mut Table) -> R) -> R {
     f(g.get_or_insert_with(Table::default))
 }
 
-fn round_up(n: usize, to: usize) -> usize {
-    n.div_ceil(to) * to
+fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_next_multiple_of(to)
 }
 
 impl Table {
@@ -94,7 +108,6 @@ impl Table {
     fn insert(&mut self, mut e: Entry) -> u64 {
         self.next_id += 1;
         e.id = self.next_id;
-        self.handles.insert(e.handle, e.id);
         if e.served.is_some() {
             self.served.insert(e.maps[0].va, e.id);
         }
@@ -105,7 +118,6 @@ impl Table {
 
     fn remove(&mut self, id: u64) -> Option<Entry> {
         let e = self.entries.remove(&id)?;
-        self.handles.retain(|_, v| *v != id);
         if e.served.is_some() {
             self.served.remove(&e.maps[0].va);
         }
@@ -116,12 +128,18 @@ impl Table {
     pub fn served_containing(&self, p: DevPtr) -> Option<&Entry> {
         let (_, id) = self.served.range(..=p).next_back()?;
         let e = &self.entries[id];
-        (p < e.maps[0].va + e.size as u64).then_some(e)
+        (p < e.maps[0].va.saturating_add(e.size as u64)).then_some(e)
     }
 
-    /// The handle the application's `h` stands for now.
+    /// The application's own allocation one of whose mappings contains `p`.
+    fn app_entry_at(&mut self, p: DevPtr) -> Option<&mut Entry> {
+        self.entries.values_mut().find(|e| e.served.is_none() && e.maps.iter().any(|m| p >= m.va && p < m.va.saturating_add(m.size as u64)))
+    }
+
+    /// The driver handle the application's `h` stands for (unknown handles pass unchanged:
+    /// ones the application imported itself, say).
     pub fn translate(&self, h: Handle) -> Handle {
-        self.handles.get(&h).and_then(|id| self.entries.get(id)).map(|e| e.handle).unwrap_or(h)
+        app_handle_id(h).and_then(|id| self.entries.get(&id)).map(|e| e.handle).unwrap_or(h)
     }
 
     pub fn tracked_bytes(&self) -> u64 {
@@ -144,7 +162,7 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
     }
     let Some((_ctx, dev)) = d.current_device() else { return Ok(None) };
     let Ok(gran) = with(|t| t.granularity(d, dev)) else { return Ok(None) };
-    let rsize = round_up(size, gran);
+    let Some(rsize) = round_up(size, gran) else { return Ok(None) };
     let Ok(va) = d.reserve(rsize) else { return Ok(None) };
     let prop = AllocationProp::device(dev, cuda::HANDLE_TYPE_POSIX_FD);
     let h = match d.create(rsize, &prop) {
@@ -164,16 +182,7 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
         return Ok(None);
     }
     with(|t| {
-        t.insert(Entry {
-            id: 0,
-            handle: h,
-            size: rsize,
-            dev,
-            served: Some(size),
-            app_holds: false,
-            maps: vec![Mapping { va, size: rsize, offset: 0, access }],
-            evacuated: false,
-        })
+        t.insert(Entry { id: 0, handle: h, size: rsize, dev, served: Some(size), app_refs: 0, maps: vec![Mapping { va, size: rsize, offset: 0, access }], evacuated: false })
     });
     Ok(Some(va))
 }
@@ -190,6 +199,7 @@ pub fn free_served(d: &Driver, p: DevPtr) -> Option<CuResult> {
     };
     // cuMemFree waits for the device; unmapping memory a kernel still uses would not.
     let _ = d.synchronize_current();
+    let _ = d.synchronize_device(e.dev);
     let m = &e.maps[0];
     let mut r = d.unmap(m.va, m.size);
     if !e.evacuated {
@@ -204,29 +214,45 @@ pub fn served_range(p: DevPtr) -> Option<(DevPtr, usize)> {
     with(|t| t.served_containing(p).map(|e| (e.maps[0].va, e.served.unwrap_or(e.size))))
 }
 
-/// After the application's own `cuMemCreate` succeeded with an exportable handle.
-pub fn track_created(h: Handle, size: usize, dev: c_int) {
-    with(|t| {
-        t.insert(Entry { id: 0, handle: h, size, dev, served: None, app_holds: true, maps: Vec::new(), evacuated: false });
-    });
+/// After the application's own `cuMemCreate` made `h` (exportable): the handle to give it.
+pub fn track_created(h: Handle, size: usize, dev: c_int) -> Handle {
+    with(|t| app_handle(t.insert(Entry { id: 0, handle: h, size, dev, served: None, app_refs: 1, maps: Vec::new(), evacuated: false })))
 }
 
-pub fn track_mapped(va: DevPtr, size: usize, offset: usize, h: Handle) {
+/// After `cuMemRetainAllocationHandle(p)` gave the driver handle `h`: the handle to give
+/// the application (its own allocations count one more reference; others pass).
+pub fn track_retained(p: DevPtr, h: Handle) -> Handle {
+    with(|t| match t.app_entry_at(p) {
+        Some(e) => {
+            e.app_refs += 1;
+            app_handle(e.id)
+        }
+        None => h,
+    })
+}
+
+/// After the application mapped its handle `app` at `[va, va+size)`.
+pub fn track_mapped(va: DevPtr, size: usize, offset: usize, app: Handle) {
     with(|t| {
-        if let Some(id) = t.handles.get(&h).copied() {
-            if let Some(e) = t.entries.get_mut(&id) {
-                e.maps.push(Mapping { va, size, offset, access: Vec::new() });
-            }
+        if let Some(e) = app_handle_id(app).and_then(|id| t.entries.get_mut(&id)) {
+            e.maps.push(Mapping { va, size, offset, access: Vec::new() });
         }
     });
 }
 
+/// After `cuMemSetAccess`: the access each mapping inside the range now has, merged per
+/// location as the driver does.
 pub fn track_access(va: DevPtr, size: usize, descs: &[AccessDesc]) {
     let end = va.saturating_add(size as u64);
     with(|t| {
         for e in t.entries.values_mut().filter(|e| e.served.is_none()) {
             for m in e.maps.iter_mut().filter(|m| m.va >= va && m.va < end) {
-                m.access = descs.to_vec();
+                for d in descs {
+                    match m.access.iter_mut().find(|a| a.location.kind == d.location.kind && a.location.id == d.location.id) {
+                        Some(a) => a.flags = d.flags,
+                        None => m.access.push(*d),
+                    }
+                }
             }
         }
     });
@@ -240,7 +266,7 @@ pub fn track_unmapped(va: DevPtr, size: usize) {
         let mut gone = Vec::new();
         for e in t.entries.values_mut().filter(|e| e.served.is_none()) {
             e.maps.retain(|m| !(m.va >= va && m.va < end));
-            if e.maps.is_empty() && !e.app_holds {
+            if e.maps.is_empty() && e.app_refs == 0 {
                 gone.push(e.id);
             }
         }
@@ -250,33 +276,60 @@ pub fn track_unmapped(va: DevPtr, size: usize) {
     });
 }
 
-/// After the application's `cuMemRelease(h)`.
-pub fn track_released(h: Handle) {
-    with(|t| {
-        let Some(id) = t.handles.get(&h).copied() else { return };
-        let gone = match t.entries.get_mut(&id) {
-            Some(e) => {
-                e.app_holds = false;
-                e.maps.is_empty()
-            }
-            None => false,
-        };
-        if gone {
+/// `cuMemRelease` of the application's handle `app`. `None`: not one of the agent's.
+pub fn release_app_handle(d: &Driver, app: Handle) -> Option<CuResult> {
+    let id = app_handle_id(app)?;
+    Some(with(|t| {
+        let Some(e) = t.entries.get_mut(&id) else { return cuda::ERROR_INVALID_VALUE };
+        if e.app_refs == 0 {
+            return cuda::ERROR_INVALID_VALUE;
+        }
+        if let Err(r) = d.release(e.handle) {
+            return r;
+        }
+        e.app_refs -= 1;
+        if e.app_refs == 0 && e.maps.is_empty() {
             t.remove(id);
         }
-    });
+        cuda::SUCCESS
+    }))
+}
+
+/// A fresh descriptor for entry `e`'s memory. The application may have released its own
+/// handle while keeping the memory mapped, so a reference is taken through a mapping.
+pub fn export_fd(d: &Driver, e: &Entry) -> Result<c_int, CuResult> {
+    if e.served.is_some() || e.maps.is_empty() {
+        return d.export_fd(e.handle);
+    }
+    let h = d.retain(e.maps[0].va)?;
+    let fd = d.export_fd(h);
+    let _ = d.release(h);
+    fd
 }
 
 /// Unmaps and releases every tracked allocation (hiber holds references to all of them).
-/// Reservations stay. On error the ones done so far stay evacuated; hiber hands them back.
+/// Reservations stay. An allocation that fails is mapped back as it was; the ones done
+/// before it stay evacuated, and hiber hands them back.
 pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
     with(|t| {
         for e in t.entries.values_mut().filter(|e| !e.evacuated) {
+            let mut unmapped: Vec<&Mapping> = Vec::new();
             for m in &e.maps {
-                d.unmap(m.va, m.size).map_err(|r| (e.id, r))?;
+                if let Err(r) = d.unmap(m.va, m.size) {
+                    for u in unmapped {
+                        let _ = d.map(u.va, u.size, u.offset, e.handle).and_then(|()| d.set_access(u.va, u.size, &u.access));
+                    }
+                    return Err((e.id, r));
+                }
+                unmapped.push(m);
             }
-            if e.served.is_some() || e.app_holds {
-                d.release(e.handle).map_err(|r| (e.id, r))?;
+            // Every reference in this process goes: the agent's (served) or the
+            // application's (one per create or retain it has not released).
+            let refs = if e.served.is_some() { 1 } else { e.app_refs };
+            for _ in 0..refs {
+                if let Err(r) = d.release(e.handle) {
+                    crate::log(&format!("releasing allocation {}: CUDA error {r}", e.id));
+                }
             }
             e.evacuated = true;
         }
@@ -285,7 +338,7 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
 }
 
 /// Maps the memory behind `fd` where entry `id` was. Its device may have changed (a
-/// restore onto another GPU): access is granted there.
+/// restore onto another GPU): access moves there.
 pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
     let h = d.import_fd(fd)?;
     let dev = match d.properties(h) {
@@ -307,6 +360,7 @@ pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
             return Ok(());
         }
         let old_dev = e.dev;
+        let mut mapped: Vec<(DevPtr, usize)> = Vec::new();
         for m in e.maps.iter_mut() {
             for a in m.access.iter_mut().filter(|a| a.location.id == old_dev) {
                 a.location.id = dev;
@@ -314,21 +368,30 @@ pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
             if m.access.is_empty() {
                 m.access.push(AccessDesc::read_write(dev));
             }
-            if let Err(r) = d.map(m.va, m.size, m.offset, h).and_then(|()| d.set_access(m.va, m.size, &m.access)) {
-                let _ = d.unmap(m.va, m.size);
+            if let Err(r) = d.map(m.va, m.size, m.offset, h).and_then(|()| {
+                mapped.push((m.va, m.size));
+                d.set_access(m.va, m.size, &m.access)
+            }) {
+                for (va, size) in mapped {
+                    let _ = d.unmap(va, size);
+                }
                 let _ = d.release(h);
                 return Err(r);
             }
         }
-        // The agent (served) or the application keeps this reference; otherwise the
-        // mappings alone keep the memory, as before the checkpoint.
-        if e.served.is_none() && !e.app_holds {
+        // As many references as before the checkpoint: the agent's one (served), or the
+        // application's count; with none, the mappings alone keep the memory.
+        let refs = if e.served.is_some() { 1 } else { e.app_refs };
+        if refs == 0 {
             let _ = d.release(h);
+        } else if let Some(m) = e.maps.first() {
+            for _ in 1..refs {
+                let _ = d.retain(m.va);
+            }
         }
         e.handle = h;
         e.dev = dev;
         e.evacuated = false;
-        t.handles.insert(h, id);
         Ok(())
     })
 }
@@ -344,7 +407,7 @@ mod tests {
             size,
             dev: 0,
             served: served.then_some(size - 100),
-            app_holds: !served,
+            app_refs: u32::from(!served),
             maps: vec![Mapping { va, size, offset: 0, access: Vec::new() }],
             evacuated: false,
         }
@@ -364,24 +427,40 @@ mod tests {
     }
 
     #[test]
-    fn handles_translate_after_memory_comes_back() {
+    fn the_application_holds_tagged_handles_that_translate_to_the_current_one() {
         let mut t = Table::default();
         let id = t.insert(entry(0x3000_0000, 0x20_0000, false));
-        let old = t.entries[&id].handle;
-        assert_eq!(t.translate(old), old);
+        let app = app_handle(id);
+        assert_eq!(t.translate(app), 0x3000_0001);
+        // Memory handed back after a checkpoint has a new driver handle; the application's
+        // stays the same, even if the driver reuses the old value for something else.
         t.entries.get_mut(&id).unwrap().handle = 0xdead;
-        t.handles.insert(0xdead, id);
-        assert_eq!(t.translate(old), 0xdead, "the application's old handle names the new memory");
-        assert_eq!(t.translate(0xdead), 0xdead);
-        assert_eq!(t.translate(42), 42, "unknown handles pass unchanged");
+        assert_eq!(t.translate(app), 0xdead);
+        assert_eq!(t.translate(0x3000_0001), 0x3000_0001, "driver handles pass unchanged");
+        assert_eq!(t.translate(42), 42);
         t.remove(id);
-        assert_eq!(t.translate(old), old);
+        assert_eq!(t.translate(app), app, "a stale handle reaches the driver, which refuses it");
+    }
+
+    #[test]
+    fn access_merges_per_location() {
+        with(|t| *t = Table::default());
+        let id = with(|t| t.insert(entry(0x5000_0000, 0x20_0000, false)));
+        track_access(0x5000_0000, 0x20_0000, &[AccessDesc::read_write(0)]);
+        track_access(0x5000_0000, 0x20_0000, &[AccessDesc::read_write(1)]);
+        track_access(0x5000_0000, 0x20_0000, &[AccessDesc { flags: 1, ..AccessDesc::read_write(1) }]);
+        let access = with(|t| t.entries[&id].maps[0].access.clone());
+        assert_eq!(access.len(), 2, "granting a peer keeps the owner's access");
+        assert_eq!((access[0].location.id, access[0].flags), (0, cuda::ACCESS_READWRITE));
+        assert_eq!((access[1].location.id, access[1].flags), (1, 1));
+        with(|t| *t = Table::default());
     }
 
     #[test]
     fn round_up_to_granules() {
-        assert_eq!(round_up(1, 2 << 20), 2 << 20);
-        assert_eq!(round_up(2 << 20, 2 << 20), 2 << 20);
-        assert_eq!(round_up((2 << 20) + 1, 2 << 20), 4 << 20);
+        assert_eq!(round_up(1, 2 << 20), Some(2 << 20));
+        assert_eq!(round_up(2 << 20, 2 << 20), Some(2 << 20));
+        assert_eq!(round_up((2 << 20) + 1, 2 << 20), Some(4 << 20));
+        assert_eq!(round_up(usize::MAX, 2 << 20), None);
     }
 }

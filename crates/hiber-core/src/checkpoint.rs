@@ -179,6 +179,9 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
             }
         }
         if let Some(e) = failed {
+            // The journal stays for `hiber recover`, and so does the partial image: device
+            // memory an engine could not hand back may be there.
+            writer.keep_partial();
             return Err(CheckpointError::Resume(e));
         }
     }

@@ -140,6 +140,11 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
             None => problems.push(format!("engine {} is not available here to resume pids {:?}", claim.engine, claim.pids)),
         }
     }
+    if !problems.is_empty() {
+        // Keep the partial image (device data may be in it) and the entry: a later
+        // `hiber recover` tries again.
+        return Recovered { root_pid: entry.root_pid, root_running: proctree::exists(entry.root_pid), image_complete: None, problems };
+    }
     let _ = fs::remove_dir_all(&entry.tmp_dir);
     let root_running = proctree::exists(entry.root_pid);
     let mut image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());

@@ -118,6 +118,18 @@ pub fn setenv(key: &std::ffi::CStr, value: &std::ffi::CStr) -> io::Result<()> {
     Ok(())
 }
 
+/// Raises the soft limit on open files to the hard limit.
+pub fn raise_open_files_limit() {
+    // SAFETY: rlimit is plain data, filled by getrlimit before setrlimit reads it.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
 /// Mounts a /proc for the caller's PID namespace over the inherited one.
 pub fn mount_private_proc() -> io::Result<()> {
     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;

@@ -153,7 +153,11 @@ impl Reply {
             Reply::Ok => "ok".into(),
             Reply::Err(m) => {
                 let mut m: String = m.chars().filter(|c| !c.is_control()).collect();
-                m.truncate(MAX_MESSAGE - 8);
+                let mut cut = m.len().min(MAX_MESSAGE - 8);
+                while !m.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                m.truncate(cut);
                 format!("err {m}")
             }
         }
@@ -227,5 +231,7 @@ mod tests {
     fn error_text_is_one_bounded_line() {
         let e = Reply::Err(format!("a\nb{}", "x".repeat(2000))).encode();
         assert!(!e.contains('\n') && e.len() <= MAX_MESSAGE);
+        let e = Reply::Err("é".repeat(600)).encode();
+        assert!(e.len() <= MAX_MESSAGE, "cut at a character boundary");
     }
 }

@@ -83,6 +83,19 @@ pub fn set_recv_timeout(sock: &OwnedFd, timeout: Option<std::time::Duration>) ->
     Ok(())
 }
 
+/// The user id of the process at the other end of `sock`.
+pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
+    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes of it.
+    unsafe {
+        let mut cred: libc::ucred = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        if libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cred.uid)
+    }
+}
+
 /// Room for one descriptor's control message.
 #[repr(C)]
 union Control {
@@ -173,6 +186,10 @@ pub fn recv(sock: &OwnedFd) -> io::Result<Option<(String, Option<OwnedFd>)>> {
     }
     if hdr.msg_flags & libc::MSG_TRUNC != 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "agent message too long"));
+    }
+    if hdr.msg_flags & libc::MSG_CTRUNC != 0 {
+        // The kernel dropped a descriptor (the receiver's descriptor limit, say).
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "a descriptor sent with the message was dropped (too many open files?)"));
     }
     Ok(Some((String::from_utf8_lossy(&buf[..n]).into_owned(), fd)))
 }

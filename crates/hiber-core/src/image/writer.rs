@@ -14,6 +14,7 @@ pub struct ImageWriter {
     tmp: PathBuf,
     dest: PathBuf,
     committed: bool,
+    keep: bool,
 }
 
 impl ImageWriter {
@@ -39,7 +40,13 @@ impl ImageWriter {
         b.mode(0o700);
         b.create(&tmp).map_err(ImageError::io(&tmp, "create directory"))?;
         b.create(tmp.join(CRIU_DIR)).map_err(ImageError::io(&tmp, "create directory"))?;
-        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false })
+        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false })
+    }
+
+    /// Keeps the temporary directory when dropped: it holds device data that `hiber
+    /// recover` needs (a checkpoint whose undo failed).
+    pub fn keep_partial(&mut self) {
+        self.keep = true;
     }
 
     pub fn is_committed(&self) -> bool {
@@ -63,7 +70,11 @@ impl ImageWriter {
     pub fn commit(&mut self, mut manifest: Manifest, known: &[FileEntry]) -> Result<(), ImageError> {
         let known: std::collections::HashMap<&str, &FileEntry> = known.iter().map(|f| (f.path.as_str(), f)).collect();
         let mut entries = Vec::new();
-        for rel in list_files(&self.tmp)? {
+        let present = list_files(&self.tmp)?;
+        if let Some(missing) = known.keys().find(|k| !present.iter().any(|p| p == *k)) {
+            return Err(ImageError::MissingFile(self.tmp.join(missing)));
+        }
+        for rel in present {
             if rel == MANIFEST_FILE || rel == MANIFEST_SUM_FILE {
                 return Err(ImageError::UnexpectedFile(self.tmp.join(rel)));
             }
@@ -109,7 +120,7 @@ impl ImageWriter {
 
 impl Drop for ImageWriter {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.committed && !self.keep {
             if let Err(e) = fs::remove_dir_all(&self.tmp) {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     tracing::warn!(path = %self.tmp.display(), error = %e, "could not remove partial image");

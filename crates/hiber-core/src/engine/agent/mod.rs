@@ -337,6 +337,9 @@ impl DeviceEngine for AgentEngine {
     }
 
     fn quiesce(&self, pids: &[i32], target: &CaptureTarget<'_>) -> Result<(), EngineError> {
+        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
+        // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
+        crate::sys::raise_open_files_limit();
         let start = Instant::now();
         let targets: Vec<(i32, Target)> = {
             let st = self.state();
@@ -421,9 +424,24 @@ impl DeviceEngine for AgentEngine {
             };
             let r = match held {
                 Some(held) => {
-                    let r = self.give_back(pid, &name, &held);
+                    let mut r = self.give_back(pid, &name, &held);
                     let mut st = self.state();
                     let ns_pid = st.targets.get(&pid).map(|t| t.ns_pid).unwrap_or(pid);
+                    if r.is_err() {
+                        // hiber holds the only reference and is about to fail: put the memory
+                        // where `hiber recover` looks for it (in direct mode it is there already).
+                        if let Some(dir) = st.dir.clone() {
+                            let image = dir.parent().unwrap_or(&dir).to_path_buf();
+                            let mems: Vec<(&DeviceMem, String)> = held
+                                .iter()
+                                .map(|h| (&h.mem, format!("{ENGINE}/{ns_pid}/{}", h.id)))
+                                .filter(|(_, p)| !image.join(format!("{p}.00000")).exists())
+                                .collect();
+                            if let Err(e) = device::save(&self.gpus, &mems, &image) {
+                                r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
+                            }
+                        }
+                    }
                     for h in held {
                         if let Some(s) = h.snapshot {
                             st.pending.push((s, format!("{ENGINE}/{ns_pid}/{}", h.id)));
