@@ -6,11 +6,12 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn agent() -> PathBuf {
-    // target/<profile>/deps/preload-HASH → target/<profile>/libhiber_agent.so
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().unwrap().parent().unwrap().join("libhiber_agent.so");
-    assert!(lib.exists(), "the agent cdylib is built beside the tests: {}", lib.display());
-    lib
+    // The test is target/<profile>/deps/preload-HASH; cargo builds the cdylib into deps/
+    // for tests, and copies it up a level for builds.
+    let deps = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
+    let candidates = [deps.join("libhiber_agent.so"), deps.parent().unwrap().join("libhiber_agent.so")];
+    let lib = candidates.iter().find(|p| p.exists()).unwrap_or_else(|| panic!("the agent cdylib is built beside the tests: {candidates:?}"));
+    lib.clone()
 }
 
 fn run(script: &str, preload: bool) -> (String, String) {
