@@ -319,8 +319,7 @@ impl Driver {
         let mut b = [0u8; 16];
         // SAFETY: valid 16-byte out-buffer (CUuuid).
         check(unsafe { (self.device_uuid)(&mut b, dev) })?;
-        let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        Ok(format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]))
+        Ok(hiber_wire::gpu_uuid(&b))
     }
 
     /// A new reference to the allocation mapped at `va`.

@@ -104,7 +104,7 @@ pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, Res
     let image = Image::open(&req.image)?;
     ctx.phase("verifying every file of the image");
     // Device memory chunks are checked as they stream to the GPU.
-    image.verify_except(Some("agent"))?;
+    image.verify_except(Some(engine::agent::ENGINE))?;
     let verify = started.elapsed();
 
     for (path, pid) in required_files(&image) {

@@ -39,6 +39,13 @@ pub fn socket_name(token: &str, ns_pid: i32) -> String {
     format!("hiber-agent.{token}.{ns_pid}")
 }
 
+/// A GPU's name as NVML, nvidia-smi and hiber's manifests spell it, from the 16 bytes of
+/// its CUuuid: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
+pub fn gpu_uuid(b: &[u8; 16]) -> String {
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
 /// Largest message either side sends.
 pub const MAX_MESSAGE: usize = 512;
 
@@ -225,6 +232,12 @@ mod tests {
         }
         assert_eq!(Reply::parse("status tracked=1 future_field=5").unwrap(), Reply::Status(Status { tracked: 1, ..Status::default() }));
         assert!(Reply::parse("alloc 1 two 0").is_err());
+    }
+
+    #[test]
+    fn uuids_print_like_nvidia_smi() {
+        let b: [u8; 16] = [0x9e, 0x84, 0x46, 0x9c, 0xe0, 0x99, 0x54, 0x33, 0xf3, 0xcd, 0x0b, 0x11, 0xf8, 0x72, 0x9f, 0x86];
+        assert_eq!(gpu_uuid(&b), "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86");
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl Gpus {
 
     /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of device ordinal `dev`.
     pub fn uuid(&self, dev: i32) -> Result<String, CuResult> {
-        Ok(format_uuid(&self.cuda.device_uuid(dev)?.bytes))
+        Ok(hiber_wire::gpu_uuid(&self.cuda.device_uuid(dev)?.bytes))
     }
 
     /// The ordinal of the device with `uuid`.
@@ -63,11 +63,6 @@ impl Gpus {
         self.enter(dev)?;
         Ok(self.cuda.mem_info()?.0)
     }
-}
-
-pub fn format_uuid(b: &[u8; 16]) -> String {
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
 }
 
 /// Device memory mapped into hiber's address space; unmapped and released on drop.
@@ -282,11 +277,5 @@ mod tests {
         assert_eq!(chunk_files("agent/1/7", CHUNK).len(), 1);
         assert_eq!(chunk_files("agent/1/7", CHUNK + 1).len(), 2);
         assert_eq!(chunk_files("a", 32 << 30).len(), 512);
-    }
-
-    #[test]
-    fn uuids_print_like_nvidia_smi() {
-        let b: [u8; 16] = [0x9e, 0x84, 0x46, 0x9c, 0xe0, 0x99, 0x54, 0x33, 0xf3, 0xcd, 0x0b, 0x11, 0xf8, 0x72, 0x9f, 0x86];
-        assert_eq!(format_uuid(&b), "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86");
     }
 }

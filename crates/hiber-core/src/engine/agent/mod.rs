@@ -348,11 +348,7 @@ impl DeviceEngine for AgentEngine {
         // A device snapshot lets the application run again before the data reaches the
         // disk; it needs room on the GPU beside the memory it copies.
         let snapshot = target.leave_running && {
-            let mut need: HashMap<i32, u64> = HashMap::new();
-            for (_, t) in &targets {
-                *need.entry(0).or_default() += t.status.tracked_bytes;
-            }
-            let total: u64 = need.values().sum();
+            let total: u64 = targets.iter().map(|(_, t)| t.status.tracked_bytes).sum();
             (0..self.gpus.cuda.device_count().unwrap_or(0)).all(|d| self.gpus.free_bytes(d).map(|f| f >= total + SNAPSHOT_MARGIN).unwrap_or(false))
         };
         let mut done: Vec<(i32, Target, Vec<Held>)> = Vec::new();
@@ -390,8 +386,7 @@ impl DeviceEngine for AgentEngine {
             st.held.insert(pid, held);
         }
         // Processes with an agent that tracked nothing: recorded for what they left to the driver.
-        for (pid, t) in st.targets.iter().filter(|(p, t)| pids.contains(p) && t.status.tracked == 0) {
-            let _ = pid;
+        for t in st.targets.iter().filter(|(p, t)| pids.contains(p) && t.status.tracked == 0).map(|(_, t)| t) {
             processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
         }
         st.section = Some(Section {
@@ -488,8 +483,7 @@ impl DeviceEngine for AgentEngine {
     fn check_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
         let section = section(value)?;
         let here = cuda::nvml_gpus();
-        let used: Vec<&str> = section.processes.iter().flat_map(|p| p.allocations.iter().map(|a| a.gpu.as_str())).collect();
-        let map = cuda::resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| fail(e.to_string(), e.hint()))?;
+        let map = gpu_map(&section, &here, opts)?;
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for a in section.processes.iter().flat_map(|p| &p.allocations) {
             *need.entry(map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone())).or_default() += a.size;
@@ -508,9 +502,7 @@ impl DeviceEngine for AgentEngine {
 
     fn restore(&self, value: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
         let section = section(value)?;
-        let here = cuda::nvml_gpus();
-        let used: Vec<&str> = section.processes.iter().flat_map(|p| p.allocations.iter().map(|a| a.gpu.as_str())).collect();
-        let map = cuda::resolve_gpu_map(&opts.gpu_map, &section.gpus, &here, &used).map_err(|e| fail(e.to_string(), e.hint()))?;
+        let map = gpu_map(&section, &cuda::nvml_gpus(), opts)?;
         for p in section.processes.iter().filter(|p| !p.allocations.is_empty()) {
             let now = pids
                 .iter()
@@ -557,6 +549,13 @@ fn recovered_name(pid: i32) -> Option<String> {
     let token = agent_token(pid)?;
     let ns_pid = crate::proctree::read_process(pid).ok()?.ns_pid;
     Some(hiber_wire::socket_name(&token, ns_pid))
+}
+
+/// The user's `--gpu-map` resolved for the GPUs the section's allocations used (old UUID →
+/// new; empty when they stay where they were).
+fn gpu_map(section: &Section, here: &[Gpu], opts: &DeviceRestoreOptions) -> Result<BTreeMap<String, String>, EngineError> {
+    let used: Vec<&str> = section.processes.iter().flat_map(|p| p.allocations.iter().map(|a| a.gpu.as_str())).collect();
+    cuda::resolve_gpu_map(&opts.gpu_map, &section.gpus, here, &used).map_err(|e| fail(e.to_string(), e.hint()))
 }
 
 fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
