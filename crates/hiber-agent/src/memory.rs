@@ -182,7 +182,16 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
         return Ok(None);
     }
     with(|t| {
-        t.insert(Entry { id: 0, handle: h, size: rsize, dev, served: Some(size), app_refs: 0, maps: vec![Mapping { va, size: rsize, offset: 0, access }], evacuated: false })
+        t.insert(Entry {
+            id: 0,
+            handle: h,
+            size: rsize,
+            dev,
+            served: Some(size),
+            app_refs: 0,
+            maps: vec![Mapping { va, size: rsize, offset: 0, access }],
+            evacuated: false,
+        })
     });
     Ok(Some(va))
 }

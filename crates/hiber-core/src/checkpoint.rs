@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use crate::criu::{CriuError, DumpOptions};
 use crate::engine::{CaptureTarget, DeviceEngine, EngineError};
 use crate::image::{DeviceSection, FileEntry, ImageError, ImageWriter, Manifest, Source, FORMAT, MAGIC};
-use crate::journal::{Claim, Entry, Journal, Phase};
 use crate::jobs::Job;
+use crate::journal::{Claim, Entry, Journal, Phase};
 use crate::proctree::{self, ProcessInfo, TreeError};
 use crate::{sys, Context};
 

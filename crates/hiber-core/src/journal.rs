@@ -168,9 +168,7 @@ fn tracer_of(pid: i32) -> Option<i32> {
 fn wait_untraced(pid: i32, limit: Duration) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
-        let traced = proctree::discover_tree(pid)
-            .map(|tree| tree.iter().any(|p| tracer_of(p.pid).unwrap_or(0) != 0))
-            .unwrap_or(false);
+        let traced = proctree::discover_tree(pid).map(|tree| tree.iter().any(|p| tracer_of(p.pid).unwrap_or(0) != 0)).unwrap_or(false);
         if !traced {
             return true;
         }

@@ -126,7 +126,13 @@ impl Command {
         }
         let argv = argv.iter().map(|a| CString::new(a.as_bytes()).map_err(|_| bad("the command"))).collect::<Result<_, _>>()?;
         let path = |p: &Path, what: &str| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| bad(what));
-        Ok(Command { argv, cwd: path(cwd, "the working directory")?, stdout: path(stdout, "the log path")?, stderr: path(stderr, "the log path")?, env: Vec::new() })
+        Ok(Command {
+            argv,
+            cwd: path(cwd, "the working directory")?,
+            stdout: path(stdout, "the log path")?,
+            stderr: path(stderr, "the log path")?,
+            env: Vec::new(),
+        })
     }
 }
 

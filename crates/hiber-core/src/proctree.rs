@@ -103,11 +103,7 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
 
 pub fn stat(pid: i32) -> Result<Stat, TreeError> {
     let text = read(pid, "stat")?;
-    parse_stat(&text).ok_or_else(|| TreeError::Proc {
-        pid,
-        file: "stat",
-        source: io::Error::new(io::ErrorKind::InvalidData, "unparsable"),
-    })
+    parse_stat(&text).ok_or_else(|| TreeError::Proc { pid, file: "stat", source: io::Error::new(io::ErrorKind::InvalidData, "unparsable") })
 }
 
 /// Whether `pid` is still the process that started at `start_time` (PIDs are reused).
@@ -129,10 +125,7 @@ pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
     let cmdline = fs::read(format!("/proc/{pid}/cmdline"))
         .map(|raw| raw.split(|&b| b == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect())
         .unwrap_or_default();
-    let ns_pid = status_field(&status, "NSpid")
-        .and_then(|v| v.split_whitespace().last())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(pid);
+    let ns_pid = status_field(&status, "NSpid").and_then(|v| v.split_whitespace().last()).and_then(|v| v.parse().ok()).unwrap_or(pid);
     let uid = status_field(&status, "Uid").and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or(0);
     let fds = open_fds(pid);
     let uses_nvidia = fds.iter().any(|f| f.target.starts_with("/dev/nvidia")) || maps_nvidia(pid);
@@ -176,10 +169,7 @@ fn maps_nvidia(pid: i32) -> bool {
 /// PID -> parent PID of every process on the system.
 fn parents() -> BTreeMap<i32, i32> {
     let Ok(dir) = fs::read_dir("/proc") else { return BTreeMap::new() };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter_map(|pid| Some((pid, stat(pid).ok()?.ppid)))
-        .collect()
+    dir.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).filter_map(|pid| Some((pid, stat(pid).ok()?.ppid))).collect()
 }
 
 /// The tree rooted at `root`, root first, then breadth-first.

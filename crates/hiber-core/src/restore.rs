@@ -48,7 +48,9 @@ impl RestoreError {
             RestoreError::Image(e) if e.is_invalid_image() => "the image cannot be trusted; checkpoint again".into(),
             RestoreError::Job(JobError::Exists(_)) => "pick another --name, or `hiber rm` the old job".into(),
             RestoreError::MissingFile { .. } => "put the file back where it was (same path), then restore again".into(),
-            RestoreError::EngineUnavailable { engine } if engine == "cuda" => "restore on a machine with an NVIDIA GPU and driver 570 or newer (`hiber doctor` says what this one has)".into(),
+            RestoreError::EngineUnavailable { engine } if engine == "cuda" => {
+                "restore on a machine with an NVIDIA GPU and driver 570 or newer (`hiber doctor` says what this one has)".into()
+            }
             RestoreError::Engine(e) => return e.hint().map(String::from),
             RestoreError::Criu { hint, log, .. } => match (hint, log) {
                 (Some(h), _) => h.clone(),
@@ -113,8 +115,7 @@ pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, Res
         }
     }
     for section in &image.manifest.devices {
-        let engine = engine::for_section(&ctx.engines, &section.engine)
-            .ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone() })?;
+        let engine = engine::for_section(&ctx.engines, &section.engine).ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone() })?;
         engine.check_restore(&section.state, &req.devices)?;
     }
 
@@ -170,11 +171,7 @@ fn restore_into_job(
         let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, external_mounts: src.mount_namespace };
         match ctx.criu.restore(&opts, &mut |_| Ok(())) {
             Ok(pid) => Started::Running { pid },
-            Err(e) => Started::Failed {
-                message: e.to_string(),
-                hint: restore_hint(image, &e),
-                log: e.log().map(|l| l.display().to_string()),
-            },
+            Err(e) => Started::Failed { message: e.to_string(), hint: restore_hint(image, &e), log: e.log().map(|l| l.display().to_string()) },
         }
     })?;
     let root = match started_report {
@@ -254,10 +251,7 @@ fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
         );
     }
     if !src.pid_namespace && e.to_string().contains("already") {
-        return Some(format!(
-            "the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first",
-            src.pid
-        ));
+        return Some(format!("the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first", src.pid));
     }
     e.log().map(|l| format!("CRIU's log: {}", l.display()))
 }

@@ -19,9 +19,7 @@ fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
 pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: `fds` is a valid, writable array of two ints, as socketpair(2) requires.
-    cvt(unsafe {
-        libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr())
-    })?;
+    cvt(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) })?;
     // SAFETY: socketpair succeeded, so both descriptors are open and owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
@@ -201,11 +199,7 @@ pub fn waitpid(pid: i32) -> io::Result<ExitStatus> {
         }
         break;
     }
-    Ok(if libc::WIFSIGNALED(status) {
-        ExitStatus::Signal(libc::WTERMSIG(status))
-    } else {
-        ExitStatus::Code(libc::WEXITSTATUS(status))
-    })
+    Ok(if libc::WIFSIGNALED(status) { ExitStatus::Signal(libc::WTERMSIG(status)) } else { ExitStatus::Code(libc::WEXITSTATUS(status)) })
 }
 
 /// Waits until child `pid` has exited and returns its status, but leaves it a zombie
@@ -251,8 +245,7 @@ pub fn getpid() -> i32 {
 
 /// Bytes available to an unprivileged writer on the filesystem holding `path`.
 pub fn available_bytes(path: &Path) -> io::Result<u64> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
     // SAFETY: statvfs is plain old data; all-zero is a valid value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.

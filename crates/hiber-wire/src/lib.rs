@@ -197,11 +197,9 @@ impl Reply {
                 Reply::Status(s)
             }
             "alloc" => Reply::Alloc { id: num(w.next(), line)?, size: num(w.next(), line)?, device: num(w.next(), line)? },
-            "evacuated" => Reply::Evacuated {
-                id: num(w.next(), line)?,
-                size: num(w.next(), line)?,
-                gpu: w.next().ok_or_else(|| ParseError(line.into()))?.to_string(),
-            },
+            "evacuated" => {
+                Reply::Evacuated { id: num(w.next(), line)?, size: num(w.next(), line)?, gpu: w.next().ok_or_else(|| ParseError(line.into()))?.to_string() }
+            }
             "done" => Reply::Done { count: num(w.next(), line)? },
             "ok" => Reply::Ok,
             "err" => Reply::Err(rest.to_string()),
@@ -227,7 +225,14 @@ mod tests {
     #[test]
     fn replies_round_trip() {
         let s = Status { tracked: 3, tracked_bytes: 1 << 30, gate_closed: true, stream_ordered: 2, passthrough_bytes: 99, ..Status::default() };
-        for r in [Reply::Status(s), Reply::Alloc { id: 1, size: 2 << 20, device: 0 }, Reply::Evacuated { id: 2, size: 4 << 20, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() }, Reply::Done { count: 4 }, Reply::Ok, Reply::Err("in flight".into())] {
+        for r in [
+            Reply::Status(s),
+            Reply::Alloc { id: 1, size: 2 << 20, device: 0 },
+            Reply::Evacuated { id: 2, size: 4 << 20, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() },
+            Reply::Done { count: 4 },
+            Reply::Ok,
+            Reply::Err("in flight".into()),
+        ] {
             assert_eq!(Reply::parse(&r.encode()).unwrap(), r);
         }
         assert_eq!(Reply::parse("status tracked=1 future_field=5").unwrap(), Reply::Status(Status { tracked: 1, ..Status::default() }));

@@ -75,7 +75,13 @@ pub fn set_recv_timeout(sock: &OwnedFd, timeout: Option<std::time::Duration>) ->
     let tv = libc::timeval { tv_sec: t.as_secs() as libc::time_t, tv_usec: t.subsec_micros() as libc::suseconds_t };
     // SAFETY: `tv` is a valid timeval of the size given.
     let r = unsafe {
-        libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as libc::socklen_t)
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
     };
     if r != 0 {
         return Err(io::Error::last_os_error());

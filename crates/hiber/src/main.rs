@@ -7,7 +7,6 @@ mod workload;
 
 use clap::{Parser, Subcommand};
 
-
 #[derive(Parser)]
 #[command(name = "hiber", version, about = "Checkpoint, restore and migrate (GPU) applications", long_about = None)]
 struct Cli {

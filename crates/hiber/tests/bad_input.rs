@@ -86,7 +86,12 @@ fn corrupt_truncated_newer_and_foreign_images() {
     let _mounts = shared();
     let h = Hiber::new("badimg");
     let img = image(&h, "badimg");
-    let pages = std::fs::read_dir(img.join("criu")).unwrap().flatten().map(|e| e.path()).find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-")).unwrap();
+    let pages = std::fs::read_dir(img.join("criu"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
+        .unwrap();
     let original = std::fs::read(&pages).unwrap();
 
     // One flipped byte.

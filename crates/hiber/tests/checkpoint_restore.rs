@@ -81,7 +81,8 @@ fn one_gib_of_anonymous_memory() {
     let image = h.images_dir().join("bigmem");
     h.ok(&["checkpoint", "bigmem", "--out", image.to_str().unwrap()]);
     let v: serde_json::Value = serde_json::from_str(&h.ok(&["inspect", "--json", image.to_str().unwrap()])).unwrap();
-    let pages: u64 = v["manifest"]["files"].as_array().unwrap().iter().filter(|f| f["path"].as_str().unwrap().contains("pages-")).map(|f| f["size"].as_u64().unwrap()).sum();
+    let pages: u64 =
+        v["manifest"]["files"].as_array().unwrap().iter().filter(|f| f["path"].as_str().unwrap().contains("pages-")).map(|f| f["size"].as_u64().unwrap()).sum();
     assert!(pages >= 1 << 30, "the image holds the 1 GiB buffer: {pages} bytes of pages");
     let before = h.progress("bigmem");
     h.ok(&["restore", image.to_str().unwrap(), "--name", "bigmem-r"]);

@@ -126,11 +126,7 @@ impl Criu {
             dirs.extend(std::env::split_paths(&path));
         }
         dirs.extend(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from));
-        dirs.into_iter()
-            .map(|d| d.join("criu"))
-            .find(|p| p.is_file())
-            .map(|path| Criu { path })
-            .ok_or(CriuError::NotFound)
+        dirs.into_iter().map(|d| d.join("criu")).find(|p| p.is_file()).map(|path| Criu { path }).ok_or(CriuError::NotFound)
     }
 
     pub fn path(&self) -> &Path {
@@ -169,8 +165,7 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", work_dir, Some("check.log"))
-            .map(|_| ())
+        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", work_dir, Some("check.log")).map(|_| ())
     }
 
     /// Dumps the tree rooted at `opts.pid`. `on_notify` is called for each of CRIU's
@@ -195,19 +190,14 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", opts.work_dir, Some("dump.log"))
-            .map(|_| ())
+        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", opts.work_dir, Some("dump.log")).map(|_| ())
     }
 
     /// Restores an image as a child of the calling process and returns its root's PID.
     pub fn restore(&self, opts: &RestoreOptions<'_>, on_notify: &mut dyn FnMut(&str) -> Result<(), String>) -> Result<i32, CriuError> {
         let work = File::open(opts.work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
-        let inherit: Vec<rpc::InheritFd> = opts
-            .inherit
-            .iter()
-            .enumerate()
-            .map(|(i, (key, _))| rpc::InheritFd { key: key.clone(), fd: FIRST_INHERITED_FD + i as RawFd })
-            .collect();
+        let inherit: Vec<rpc::InheritFd> =
+            opts.inherit.iter().enumerate().map(|(i, (key, _))| rpc::InheritFd { key: key.clone(), fd: FIRST_INHERITED_FD + i as RawFd }).collect();
         let fds: Vec<RawFd> = opts.inherit.iter().map(|(_, fd)| *fd).collect();
         let images = File::open(opts.images_dir).map_err(|source| CriuError::Io { step: "open images dir", source })?;
         let o = rpc::CriuOpts {
@@ -228,9 +218,7 @@ impl Criu {
             ..Default::default()
         };
         let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, on_notify, "restore", opts.work_dir, Some("restore.log"))?;
-        resp.restore
-            .map(|r| r.pid)
-            .ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
+        resp.restore.map(|r| r.pid).ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
     }
 
     fn spawn(&self, inherit: &[RawFd], work_dir: &Path) -> Result<(Child, File), CriuError> {

@@ -53,13 +53,15 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let steps = args.steps.max(30);
     let gpu = !args.cpu && !ctx.engines.is_empty();
     let (kind, mem_mib) = if gpu { ("gpu", args.mem_mib.unwrap_or(1024)) } else { ("cpu", args.mem_mib.unwrap_or(256)) };
-    let command: Vec<String> = [exe.as_str(), "workload", kind, "--steps", &steps.to_string(), "--interval-ms", "20", "--mem-mib", &mem_mib.to_string()]
-        .map(String::from)
-        .to_vec();
+    let command: Vec<String> =
+        [exe.as_str(), "workload", kind, "--steps", &steps.to_string(), "--interval-ms", "20", "--mem-mib", &mem_mib.to_string()].map(String::from).to_vec();
     if gpu {
         println!("hiber demo: a GPU workload holding {mem_mib} MiB of device memory that checks its own state (kernels JIT-compiled from embedded PTX)");
     } else {
-        println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if ctx.engines.is_empty() { "no GPU here" } else { "--cpu" });
+        println!(
+            "hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})",
+            if ctx.engines.is_empty() { "no GPU here" } else { "--cpu" }
+        );
     }
 
     let job = start_job(&registry, Some(registry.free_name("demo")), command, true)?;
@@ -104,7 +106,12 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
 
     let restored = restore(
         ctx,
-        &RestoreRequest { image: report.image.clone(), name: Some(format!("{}-restored", job.name)), devices: DeviceRestoreOptions::default(), isolate_net: false },
+        &RestoreRequest {
+            image: report.image.clone(),
+            name: Some(format!("{}-restored", job.name)),
+            devices: DeviceRestoreOptions::default(),
+            isolate_net: false,
+        },
     )?;
     println!("  restored as job {} (pid {}) in {}", restored.job.name, restored.job.pid, secs(restored.total));
     wait_until("the restored workload to finish", Duration::from_secs(steps / 10 + 120), || registry.state(&restored.job) != JobState::Running)?;
@@ -126,9 +133,7 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
         println!("demo passed: checkpoint {}, restore {}, image {}", secs(report.total), secs(restored.total), human_bytes(report.image_bytes));
         Ok(())
     } else {
-        Err(CliError::new(FAILED, "demo failed: the restored workload did not continue with its state intact").hint(format!(
-            "see `hiber logs {}`",
-            restored.job.name
-        )))
+        Err(CliError::new(FAILED, "demo failed: the restored workload did not continue with its state intact")
+            .hint(format!("see `hiber logs {}`", restored.job.name)))
     }
 }

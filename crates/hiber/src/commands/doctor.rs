@@ -17,7 +17,13 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("{}", serde_json::to_string_pretty(&checks).expect("serializes"));
     } else {
         for c in &checks {
-            let mark = if c.ok { "ok  " } else if c.optional { "--  " } else { "FAIL" };
+            let mark = if c.ok {
+                "ok  "
+            } else if c.optional {
+                "--  "
+            } else {
+                "FAIL"
+            };
             println!("{mark} {:<14} {}", c.name, c.detail);
         }
     }

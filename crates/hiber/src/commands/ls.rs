@@ -19,7 +19,14 @@ pub struct Args {
 pub fn run(args: Args) -> Result<(), CliError> {
     let state = StateDir::from_env();
     let registry = Registry::new(&state);
-    let jobs: Vec<_> = registry.list().into_iter().map(|j| { let s = registry.state(&j); (j, s) }).collect();
+    let jobs: Vec<_> = registry
+        .list()
+        .into_iter()
+        .map(|j| {
+            let s = registry.state(&j);
+            (j, s)
+        })
+        .collect();
     let mut images = Vec::new();
     if let Ok(dir) = fs::read_dir(state.images()) {
         for e in dir.filter_map(Result::ok) {

@@ -34,7 +34,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
         Some(s) => parse_gpu_map(s).map_err(|e| CliError::new(FAILED, format!("--gpu-map: {e}")).hint("write it as OLD=NEW[,OLD=NEW...]"))?,
         None => Vec::new(),
     };
-    let req = RestoreRequest { image: image_path(&ctx.state, &args.image), name: args.name, devices: DeviceRestoreOptions { gpu_map, ..Default::default() }, isolate_net: args.isolate_net };
+    let req = RestoreRequest {
+        image: image_path(&ctx.state, &args.image),
+        name: args.name,
+        devices: DeviceRestoreOptions { gpu_map, ..Default::default() },
+        isolate_net: args.isolate_net,
+    };
     let report = restore(&ctx, &req);
     if let Some(p) = progress {
         p.finish_and_clear();

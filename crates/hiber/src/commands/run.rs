@@ -36,8 +36,8 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     let started = (|| {
         registry.open_logs(&name)?;
         let cwd = std::env::current_dir()?;
-        let mut cmd = launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name))
-            .map_err(|e| CliError::new(FAILED, e.to_string()))?;
+        let mut cmd =
+            launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         if agent {
             if let Some(env) = agent_env(&dir) {
                 for (k, v) in env {

@@ -34,7 +34,8 @@ struct Driver {
     mem_alloc: unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult,
     memcpy_dtoh: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize) -> CuResult,
     memset_d8: unsafe extern "C" fn(CuDevicePtr, u8, usize) -> CuResult,
-    launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void) -> CuResult,
+    launch:
+        unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void) -> CuResult,
     synchronize: unsafe extern "C" fn() -> CuResult,
     error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::cuda::ffi::{CudaLib, CuResult};
+use crate::engine::cuda::ffi::{CuResult, CudaLib};
 use crate::image::FileEntry;
 
 /// Bytes per chunk file: large enough for full-speed copies, small enough that a few
@@ -220,11 +220,7 @@ pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path) -> Result<Ve
     let tasks = tasks(mems);
     for t in &tasks {
         if let Some(parent) = dir.join(&t.rel).parent() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(parent)
-                .map_err(|e| format!("{}: {e}", parent.display()))?;
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
         }
     }
     parallel(gpus, &tasks, |t, buf, stream| {

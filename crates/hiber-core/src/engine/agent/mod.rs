@@ -84,7 +84,11 @@ pub struct Section {
 
 fn passthrough(s: &Status) -> Passthrough {
     let kinds = [("small", s.small), ("pitch", s.pitch), ("async", s.stream_ordered), ("managed", s.managed), ("vmm_not_exportable", s.vmm_not_exportable)];
-    Passthrough { calls: s.passthrough_calls, bytes: s.passthrough_bytes, kinds: kinds.into_iter().filter(|(_, n)| *n > 0).map(|(k, n)| (k.to_string(), n)).collect() }
+    Passthrough {
+        calls: s.passthrough_calls,
+        bytes: s.passthrough_bytes,
+        kinds: kinds.into_iter().filter(|(_, n)| *n > 0).map(|(k, n)| (k.to_string(), n)).collect(),
+    }
 }
 
 /// A process with an agent, found by `claim`.
@@ -379,7 +383,12 @@ impl DeviceEngine for AgentEngine {
                 bytes: held.iter().map(|h| h.mem.size).sum(),
                 allocations: held
                     .iter()
-                    .map(|h| Allocation { id: h.id, size: h.mem.size, gpu: h.gpu.clone(), files: device::chunk_files(&format!("{ENGINE}/{}/{}", t.ns_pid, h.id), h.mem.size) })
+                    .map(|h| Allocation {
+                        id: h.id,
+                        size: h.mem.size,
+                        gpu: h.gpu.clone(),
+                        files: device::chunk_files(&format!("{ENGINE}/{}/{}", t.ns_pid, h.id), h.mem.size),
+                    })
                     .collect(),
                 passthrough: passthrough(&t.status),
             });
@@ -492,7 +501,13 @@ impl DeviceEngine for AgentEngine {
             let Some(g) = here.iter().find(|g| g.uuid == uuid) else { continue };
             if g.memory_free < bytes {
                 return Err(fail(
-                    format!("GPU {} ({}) has {} MiB free; the agent's share of the image needs {} MiB there", g.index, g.uuid, g.memory_free >> 20, bytes >> 20),
+                    format!(
+                        "GPU {} ({}) has {} MiB free; the agent's share of the image needs {} MiB there",
+                        g.index,
+                        g.uuid,
+                        g.memory_free >> 20,
+                        bytes >> 20
+                    ),
                     Some("free GPU memory (stop other jobs) or map the GPUs elsewhere with --gpu-map OLD=NEW"),
                 ));
             }
@@ -519,7 +534,8 @@ impl DeviceEngine for AgentEngine {
             }
             let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, format!("{ENGINE}/{}/{id}", p.ns_pid))).collect();
             let t1 = Instant::now();
-            device::load(&self.gpus, &jobs, &opts.image_dir, Some(&opts.checksums)).map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+            device::load(&self.gpus, &jobs, &opts.image_dir, Some(&opts.checksums))
+                .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
             let t2 = Instant::now();
             let conn = Conn::open(now.pid, &name)?;
             for (id, m) in &mems {
@@ -567,7 +583,13 @@ pub fn describe(value: &serde_json::Value) -> Vec<String> {
     let Ok(s) = serde_json::from_value::<Section>(value.clone()) else { return vec!["(unreadable agent section)".into()] };
     let mut out = vec![format!("agent: {} mode, quiesce and handover {:.2}s", s.mode, s.quiesce_seconds)];
     for p in &s.processes {
-        out.push(format!("agent: process {} ({}): {} MiB of device memory in {} allocations moved by the agent", p.ns_pid, p.comm, p.bytes >> 20, p.allocations.len()));
+        out.push(format!(
+            "agent: process {} ({}): {} MiB of device memory in {} allocations moved by the agent",
+            p.ns_pid,
+            p.comm,
+            p.bytes >> 20,
+            p.allocations.len()
+        ));
         if p.passthrough.calls > 0 {
             let kinds: Vec<String> = p.passthrough.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
             out.push(format!(

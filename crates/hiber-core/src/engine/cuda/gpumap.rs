@@ -29,7 +29,9 @@ pub enum GpuMapError {
 impl GpuMapError {
     pub fn hint(&self) -> Option<&'static str> {
         match self {
-            GpuMapError::Missing { .. } => Some("map each one onto a GPU of the same type here: --gpu-map OLD=NEW[,...] (UUIDs or indices; `hiber doctor` lists this machine's GPUs)"),
+            GpuMapError::Missing { .. } => {
+                Some("map each one onto a GPU of the same type here: --gpu-map OLD=NEW[,...] (UUIDs or indices; `hiber doctor` lists this machine's GPUs)")
+            }
             GpuMapError::UnknownOld(_) => Some("`hiber inspect IMAGE` lists the image's GPUs"),
             GpuMapError::UnknownNew(_) => Some("`hiber doctor` lists this machine's GPUs"),
             _ => None,
@@ -64,20 +66,10 @@ fn find<'a>(gpus: &'a [Gpu], key: &str) -> Option<&'a Gpu> {
 /// Returns old UUID → new UUID for every GPU the image's processes `used`, or an empty
 /// map when none was given and every used GPU is present (the driver then restores onto
 /// the same GPUs).
-pub fn resolve_gpu_map(
-    map: &[(String, String)],
-    recorded: &[Gpu],
-    here: &[Gpu],
-    used: &[&str],
-) -> Result<BTreeMap<String, String>, GpuMapError> {
+pub fn resolve_gpu_map(map: &[(String, String)], recorded: &[Gpu], here: &[Gpu], used: &[&str]) -> Result<BTreeMap<String, String>, GpuMapError> {
     if map.is_empty() {
-        let missing: Vec<String> = used
-            .iter()
-            .filter(|u| !here.iter().any(|g| g.uuid == **u))
-            .map(|u| u.to_string())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
+        let missing: Vec<String> =
+            used.iter().filter(|u| !here.iter().any(|g| g.uuid == **u)).map(|u| u.to_string()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         if !missing.is_empty() {
             return Err(GpuMapError::Missing { missing, available: here.iter().map(|g| format!("{} {}", g.index, g.uuid)).collect() });
         }

@@ -137,10 +137,7 @@ impl CheckpointApi for RealApi {
 /// This machine's GPUs as NVML lists them (empty without NVML).
 pub fn nvml_gpus() -> Vec<Gpu> {
     let Some(nvml) = ffi::Nvml::load() else { return Vec::new() };
-    nvml.gpus()
-        .into_iter()
-        .map(|g| Gpu { index: g.index, uuid: g.uuid, name: g.name, memory_total: g.memory.total, memory_free: g.memory.free })
-        .collect()
+    nvml.gpus().into_iter().map(|g| Gpu { index: g.index, uuid: g.uuid, name: g.name, memory_total: g.memory.total, memory_free: g.memory.free }).collect()
 }
 
 /// What `hiber doctor` reports about the NVIDIA driver.
@@ -195,13 +192,7 @@ pub fn probe() -> Probe {
     let driver_release = nvml.as_ref().and_then(|n| n.driver_version());
     let checkpoint_api = cuda.has_checkpoint_api() && cuda.driver_version() >= MIN_DRIVER;
     let api = RealApi { cuda, nvml };
-    Probe {
-        driver: Some(api.driver_version()),
-        driver_release,
-        checkpoint_api,
-        gpus: api.gpus().into_iter().map(|(g, _)| g).collect(),
-        problem: None,
-    }
+    Probe { driver: Some(api.driver_version()), driver_release, checkpoint_api, gpus: api.gpus().into_iter().map(|(g, _)| g).collect(), problem: None }
 }
 
 /// One CUDA process as recorded in an image.
@@ -248,7 +239,6 @@ impl DriverEngine {
         DriverEngine { api, lock_timeout_ms }
     }
 
-
     fn fail(message: String, hint: Option<&str>) -> EngineError {
         EngineError::Failed { engine: ENGINE, message, hint: hint.map(String::from) }
     }
@@ -268,7 +258,13 @@ impl DriverEngine {
     /// Runs `f` for every pid on its own thread; all are attempted, the first error wins.
     fn parallel(&self, pids: &[i32], f: impl Fn(i32) -> Result<(), EngineError> + Sync) -> Result<(), EngineError> {
         let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = pids.iter().map(|&pid| { let f = &f; s.spawn(move || f(pid)) }).collect();
+            let handles: Vec<_> = pids
+                .iter()
+                .map(|&pid| {
+                    let f = &f;
+                    s.spawn(move || f(pid))
+                })
+                .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Self::fail("a driver call panicked".into(), None)))).collect()
         });
         results.into_iter().collect()
@@ -369,21 +365,10 @@ impl DeviceEngine for DriverEngine {
             .map(|&pid| {
                 let info = tree.iter().find(|p| p.pid == pid);
                 let (gpus, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
-                CudaProcess {
-                    ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid),
-                    pid,
-                    comm: info.map(|p| p.comm.clone()).unwrap_or_default(),
-                    gpus,
-                    memory_bytes,
-                }
+                CudaProcess { ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid), pid, comm: info.map(|p| p.comm.clone()).unwrap_or_default(), gpus, memory_bytes }
             })
             .collect();
-        let section = Section {
-            driver_version: self.api.driver_version(),
-            gpus: gpus.into_iter().map(|(g, _)| g).collect(),
-            processes,
-            checkpoint_seconds,
-        };
+        let section = Section { driver_version: self.api.driver_version(), gpus: gpus.into_iter().map(|(g, _)| g).collect(), processes, checkpoint_seconds };
         Ok(serde_json::to_value(section).expect("section serializes"))
     }
 
@@ -426,9 +411,10 @@ impl DeviceEngine for DriverEngine {
         let pairs = self.pairs(&self.resolve(&section, opts)?.1)?;
         let mut targets = Vec::new();
         for p in &section.processes {
-            let now = pids.iter().find(|r| r.ns_pid == p.ns_pid).ok_or_else(|| {
-                Self::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None)
-            })?;
+            let now = pids
+                .iter()
+                .find(|r| r.ns_pid == p.ns_pid)
+                .ok_or_else(|| Self::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
             targets.push(now.pid);
         }
         self.parallel(&targets, |pid| self.resume_one(pid, &pairs))
