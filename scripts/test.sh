@@ -5,6 +5,12 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 HIBER_SETUP_SKIP_BUILD=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
+# The lints the code claims: formatting, clippy with warnings as errors (the workspace's
+# lint table adds undocumented_unsafe_blocks and unsafe_op_in_unsafe_fn).
+command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null ||
+    rustup component add rustfmt clippy >/dev/null 2>&1 || true
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked --quiet -- -D warnings
 # The benchmark's parsing and statistics (the benchmark itself runs on the GPU machine).
 if ! out=$(python3 -m unittest discover -s bench -p 'test_*.py' 2>&1); then
     echo "$out"

@@ -5,72 +5,21 @@
 //! looked up in libcuda's own handle with the real `dlsym`. All of the agent's unsafe
 //! calls into libcuda are in this module, behind safe wrappers that return `CUresult`s.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-pub type CuResult = c_int;
-pub type DevPtr = u64;
-pub type Handle = u64;
-pub type Ctx = *mut c_void;
+use hiber_cuda_sys::fns;
+pub use hiber_cuda_sys::{
+    CUcontext as Ctx, CUdeviceptr as DevPtr, CUmemAccessDesc as AccessDesc, CUmemAllocationProp as AllocationProp, CUmemHandle as Handle,
+    CUresult as CuResult, CUuuid,
+};
 
-pub const SUCCESS: CuResult = 0;
-pub const ERROR_INVALID_VALUE: CuResult = 1;
-pub const ERROR_OUT_OF_MEMORY: CuResult = 2;
-pub const ERROR_NOT_FOUND: CuResult = 500;
-
-pub const HANDLE_TYPE_POSIX_FD: c_int = 1;
-const LOCATION_DEVICE: c_int = 1;
-const ALLOCATION_PINNED: c_int = 1;
-pub const ACCESS_READWRITE: c_int = 3;
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MemLocation {
-    pub kind: c_int,
-    pub id: c_int,
-}
-
-/// `CUmemAllocationProp` (32 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct AllocationProp {
-    pub kind: c_int,
-    pub requested_handle_types: c_int,
-    pub location: MemLocation,
-    pub win32_metadata: *mut c_void,
-    pub alloc_flags: [u8; 8],
-}
-
-impl AllocationProp {
-    pub fn device(dev: c_int, handle_types: c_int) -> AllocationProp {
-        AllocationProp {
-            kind: ALLOCATION_PINNED,
-            requested_handle_types: handle_types,
-            location: MemLocation { kind: LOCATION_DEVICE, id: dev },
-            win32_metadata: std::ptr::null_mut(),
-            alloc_flags: [0; 8],
-        }
-    }
-
-    pub fn is_device(&self) -> bool {
-        self.location.kind == LOCATION_DEVICE
-    }
-}
-
-/// `CUmemAccessDesc` (12 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct AccessDesc {
-    pub location: MemLocation,
-    pub flags: c_int,
-}
-
-impl AccessDesc {
-    pub fn read_write(dev: c_int) -> AccessDesc {
-        AccessDesc { location: MemLocation { kind: LOCATION_DEVICE, id: dev }, flags: ACCESS_READWRITE }
-    }
-}
+pub const SUCCESS: CuResult = hiber_cuda_sys::CUDA_SUCCESS;
+pub const ERROR_INVALID_VALUE: CuResult = hiber_cuda_sys::CUDA_ERROR_INVALID_VALUE;
+pub const ERROR_OUT_OF_MEMORY: CuResult = hiber_cuda_sys::CUDA_ERROR_OUT_OF_MEMORY;
+pub const ERROR_NOT_FOUND: CuResult = hiber_cuda_sys::CUDA_ERROR_NOT_FOUND;
+pub const HANDLE_TYPE_POSIX_FD: c_int = hiber_cuda_sys::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
 type RealDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
@@ -142,24 +91,23 @@ pub fn resolve(slot: &AtomicUsize, name: &CStr) -> usize {
 }
 
 macro_rules! driver_fns {
-    ($($field:ident = $sym:literal : fn($($arg:ty),*);)*) => {
+    ($($field:ident = $sym:ident;)*) => {
         /// The libcuda entry points the agent itself calls.
-        #[allow(non_snake_case)]
         pub struct Driver {
-            $(pub $field: unsafe extern "C" fn($($arg),*) -> CuResult,)*
+            $(pub $field: fns::$sym,)*
         }
 
         impl Driver {
             fn load() -> Option<Driver> {
                 Some(Driver {
                     $($field: {
-                        let p = real_symbol($sym);
+                        let p = real_symbol(CStr::from_bytes_with_nul(concat!(stringify!($sym), "\0").as_bytes()).ok()?);
                         if p == 0 {
                             return None;
                         }
-                        // SAFETY: `p` is libcuda's `$sym`, whose cuda.h signature the
-                        // field's type spells out.
-                        unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($arg),*) -> CuResult>(p) }
+                        // SAFETY: `p` is libcuda's `$sym`, whose cuda.h signature is
+                        // `fns::$sym`.
+                        unsafe { std::mem::transmute::<usize, fns::$sym>(p) }
                     },)*
                 })
             }
@@ -168,30 +116,30 @@ macro_rules! driver_fns {
 }
 
 driver_fns! {
-    ctx_get_current = c"cuCtxGetCurrent": fn(*mut Ctx);
-    ctx_get_device = c"cuCtxGetDevice": fn(*mut c_int);
-    ctx_synchronize = c"cuCtxSynchronize": fn();
-    ctx_push = c"cuCtxPushCurrent_v2": fn(Ctx);
-    ctx_pop = c"cuCtxPopCurrent_v2": fn(*mut Ctx);
-    primary_retain = c"cuDevicePrimaryCtxRetain": fn(*mut Ctx, c_int);
-    primary_release = c"cuDevicePrimaryCtxRelease_v2": fn(c_int);
-    address_reserve = c"cuMemAddressReserve": fn(*mut DevPtr, usize, usize, DevPtr, u64);
-    address_free = c"cuMemAddressFree": fn(DevPtr, usize);
-    create = c"cuMemCreate": fn(*mut Handle, usize, *const AllocationProp, u64);
-    release = c"cuMemRelease": fn(Handle);
-    map = c"cuMemMap": fn(DevPtr, usize, usize, Handle, u64);
-    unmap = c"cuMemUnmap": fn(DevPtr, usize);
-    set_access = c"cuMemSetAccess": fn(DevPtr, usize, *const AccessDesc, usize);
-    export = c"cuMemExportToShareableHandle": fn(*mut c_void, Handle, c_int, u64);
-    import = c"cuMemImportFromShareableHandle": fn(*mut Handle, *mut c_void, c_int);
-    granularity = c"cuMemGetAllocationGranularity": fn(*mut usize, *const AllocationProp, c_int);
-    properties = c"cuMemGetAllocationPropertiesFromHandle": fn(*mut AllocationProp, Handle);
-    device_uuid = c"cuDeviceGetUuid_v2": fn(*mut [u8; 16], c_int);
-    retain = c"cuMemRetainAllocationHandle": fn(*mut Handle, *mut c_void);
-    mem_alloc = c"cuMemAlloc_v2": fn(*mut DevPtr, usize);
-    mem_free = c"cuMemFree_v2": fn(DevPtr);
-    mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut DevPtr, *mut usize, usize, usize, c_uint);
-    mem_address_range = c"cuMemGetAddressRange_v2": fn(*mut DevPtr, *mut usize, DevPtr);
+    ctx_get_current = cuCtxGetCurrent;
+    ctx_get_device = cuCtxGetDevice;
+    ctx_synchronize = cuCtxSynchronize;
+    ctx_push = cuCtxPushCurrent_v2;
+    ctx_pop = cuCtxPopCurrent_v2;
+    primary_retain = cuDevicePrimaryCtxRetain;
+    primary_release = cuDevicePrimaryCtxRelease_v2;
+    address_reserve = cuMemAddressReserve;
+    address_free = cuMemAddressFree;
+    create = cuMemCreate;
+    release = cuMemRelease;
+    map = cuMemMap;
+    unmap = cuMemUnmap;
+    set_access = cuMemSetAccess;
+    export = cuMemExportToShareableHandle;
+    import = cuMemImportFromShareableHandle;
+    granularity = cuMemGetAllocationGranularity;
+    properties = cuMemGetAllocationPropertiesFromHandle;
+    device_uuid = cuDeviceGetUuid_v2;
+    retain = cuMemRetainAllocationHandle;
+    mem_alloc = cuMemAlloc_v2;
+    mem_free = cuMemFree_v2;
+    mem_alloc_pitch = cuMemAllocPitch_v2;
+    mem_address_range = cuMemGetAddressRange_v2;
 }
 
 static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
@@ -256,8 +204,8 @@ impl Driver {
     pub fn granularity(&self, dev: c_int) -> Result<usize, CuResult> {
         let prop = AllocationProp::device(dev, HANDLE_TYPE_POSIX_FD);
         let mut g = 0usize;
-        // SAFETY: valid prop and out-pointer; 0 = CU_MEM_ALLOC_GRANULARITY_MINIMUM.
-        check(unsafe { (self.granularity)(&mut g, &prop, 0) })?;
+        // SAFETY: valid prop and out-pointer.
+        check(unsafe { (self.granularity)(&mut g, &prop, hiber_cuda_sys::CU_MEM_ALLOC_GRANULARITY_MINIMUM) })?;
         Ok(g.max(1))
     }
 
@@ -316,10 +264,10 @@ impl Driver {
 
     /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as hiber and nvidia-smi name GPUs.
     pub fn device_uuid(&self, dev: c_int) -> Result<String, CuResult> {
-        let mut b = [0u8; 16];
-        // SAFETY: valid 16-byte out-buffer (CUuuid).
-        check(unsafe { (self.device_uuid)(&mut b, dev) })?;
-        Ok(hiber_wire::gpu_uuid(&b))
+        let mut u = CUuuid::default();
+        // SAFETY: valid out-pointer.
+        check(unsafe { (self.device_uuid)(&mut u, dev) })?;
+        Ok(hiber_wire::gpu_uuid(&u.bytes))
     }
 
     /// A new reference to the allocation mapped at `va`.
@@ -341,14 +289,6 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn struct_layouts_match_cuda_h() {
-        assert_eq!(std::mem::size_of::<AllocationProp>(), 32);
-        assert_eq!(std::mem::offset_of!(AllocationProp, location), 8);
-        assert_eq!(std::mem::offset_of!(AllocationProp, win32_metadata), 16);
-        assert_eq!(std::mem::size_of::<AccessDesc>(), 12);
-    }
 
     #[test]
     fn no_driver_without_libcuda() {

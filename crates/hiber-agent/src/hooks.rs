@@ -460,7 +460,7 @@ pub unsafe extern "C" fn cuMemCreate(handle: *mut Handle, size: usize, prop: *co
     let Some(real) = real!(c"cuMemCreate" => unsafe extern "C" fn(*mut Handle, usize, *const AllocationProp, u64) -> CuResult) else {
         return cuda::ERROR_NOT_FOUND;
     };
-    if !prop.is_null() && !handle.is_null() && (*prop).is_device() {
+    if !prop.is_null() && !handle.is_null() && (*prop).location.is_device() {
         // Exportable as a descriptor, so hiber can take a reference at checkpoint time.
         let mut p = *prop;
         p.requested_handle_types |= cuda::HANDLE_TYPE_POSIX_FD;

@@ -351,7 +351,7 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
 pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
     let h = d.import_fd(fd)?;
     let dev = match d.properties(h) {
-        Ok(p) if p.is_device() => p.location.id,
+        Ok(p) if p.location.is_device() => p.location.id,
         _ => {
             let _ = d.release(h);
             return Err(cuda::ERROR_INVALID_VALUE);
@@ -460,7 +460,7 @@ mod tests {
         track_access(0x5000_0000, 0x20_0000, &[AccessDesc { flags: 1, ..AccessDesc::read_write(1) }]);
         let access = with(|t| t.entries[&id].maps[0].access.clone());
         assert_eq!(access.len(), 2, "granting a peer keeps the owner's access");
-        assert_eq!((access[0].location.id, access[0].flags), (0, cuda::ACCESS_READWRITE));
+        assert_eq!((access[0].location.id, access[0].flags), (0, hiber_cuda_sys::CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
         assert_eq!((access[1].location.id, access[1].flags), (1, 1));
         with(|t| *t = Table::default());
     }
