@@ -5,7 +5,7 @@
 //! any machine with an NVIDIA driver and no CUDA toolkit. The driver API is loaded at run
 //! time like the CUDA engine does; all unsafe code of the workload is in this file.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 
 use libloading::Library;
 
@@ -15,29 +15,25 @@ const PTX: &str = include_str!("kernels.ptx");
 /// Words copied back each step for the running checksum.
 const SAMPLE_WORDS: usize = 8192;
 
-type CuResult = c_int;
-type CuDevice = c_int;
-type CuContext = *mut c_void;
-type CuModule = *mut c_void;
-type CuFunction = *mut c_void;
-type CuDevicePtr = u64;
+use hiber_cuda_sys::{
+    fns, CUcontext as CuContext, CUdevice as CuDevice, CUdeviceptr as CuDevicePtr, CUfunction as CuFunction, CUmodule as CuModule, CUresult as CuResult,
+};
 
 /// The driver entry points the workload uses.
 struct Driver {
     _lib: Library,
-    init: unsafe extern "C" fn(c_uint) -> CuResult,
-    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
-    primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
-    ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
-    module_load_data: unsafe extern "C" fn(*mut CuModule, *const c_void) -> CuResult,
-    module_get_function: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
-    mem_alloc: unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult,
-    memcpy_dtoh: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize) -> CuResult,
-    memset_d8: unsafe extern "C" fn(CuDevicePtr, u8, usize) -> CuResult,
-    launch:
-        unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void) -> CuResult,
-    synchronize: unsafe extern "C" fn() -> CuResult,
-    error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    init: fns::cuInit,
+    device_get: fns::cuDeviceGet,
+    primary_ctx_retain: fns::cuDevicePrimaryCtxRetain,
+    ctx_set_current: fns::cuCtxSetCurrent,
+    module_load_data: fns::cuModuleLoadData,
+    module_get_function: fns::cuModuleGetFunction,
+    mem_alloc: fns::cuMemAlloc_v2,
+    memcpy_dtoh: fns::cuMemcpyDtoH_v2,
+    memset_d8: fns::cuMemsetD8_v2,
+    launch: fns::cuLaunchKernel,
+    synchronize: fns::cuCtxSynchronize,
+    error_name: fns::cuGetErrorName,
 }
 
 fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {

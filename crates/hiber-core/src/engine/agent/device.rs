@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::cuda::ffi::{CuResult, CudaLib};
+use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Stream};
 use crate::image::FileEntry;
 
 /// Bytes per chunk file: large enough for full-speed copies, small enough that a few
@@ -22,7 +22,7 @@ const WORKERS: usize = 8;
 /// The CUDA library plus the primary context hiber uses on each device.
 pub struct Gpus {
     pub cuda: CudaLib,
-    contexts: Mutex<HashMap<i32, usize>>,
+    contexts: Mutex<HashMap<i32, PrimaryContext>>,
 }
 
 impl Gpus {
@@ -34,10 +34,10 @@ impl Gpus {
     pub fn enter(&self, dev: i32) -> Result<(), CuResult> {
         let mut c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
         match c.get(&dev) {
-            Some(&ctx) => self.cuda.set_current(ctx as *mut std::ffi::c_void),
+            Some(&ctx) => self.cuda.set_current(ctx),
             None => {
                 let ctx = self.cuda.use_device(dev)?;
-                c.insert(dev, ctx as usize);
+                c.insert(dev, ctx);
                 Ok(())
             }
         }
@@ -114,8 +114,8 @@ impl DeviceMem {
     pub fn snapshot(&self) -> Result<DeviceMem, CuResult> {
         let copy = DeviceMem::create(&self.gpus, self.size, self.dev, false)?;
         let s = self.gpus.cuda.stream()?;
-        let r = self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, s);
-        self.gpus.cuda.stream_destroy(s);
+        let r = self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, &s);
+        drop(s);
         r.map(|()| copy)
     }
 }
@@ -155,11 +155,7 @@ fn tasks(mems: &[(&DeviceMem, String)]) -> Vec<Task> {
 
 /// Runs `work` over `tasks` on up to [`WORKERS`] threads, each with its own pinned buffer
 /// and streams. The first error stops the others.
-fn parallel<T: Send>(
-    gpus: &Gpus,
-    tasks: &[Task],
-    work: impl Fn(&Task, &mut crate::engine::cuda::ffi::PinnedBuf<'_>, *mut std::ffi::c_void) -> Result<T, String> + Sync,
-) -> Result<Vec<T>, String> {
+fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut PinnedBuf<'_>, &Stream<'_>) -> Result<T, String> + Sync) -> Result<Vec<T>, String> {
     let next = AtomicUsize::new(0);
     let failed = std::sync::atomic::AtomicBool::new(false);
     let results: Mutex<Vec<(usize, T)>> = Mutex::new(Vec::new());
@@ -168,7 +164,7 @@ fn parallel<T: Send>(
         for _ in 0..WORKERS.min(tasks.len()) {
             s.spawn(|| {
                 let run = || -> Result<(), String> {
-                    let mut streams: HashMap<i32, usize> = HashMap::new();
+                    let mut streams: HashMap<i32, Stream<'_>> = HashMap::new();
                     let mut buf = None;
                     let out = loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
@@ -180,22 +176,20 @@ fn parallel<T: Send>(
                         if buf.is_none() {
                             buf = Some(gpus.cuda.pinned(CHUNK as usize).map_err(|e| format!("pinned buffer: {}", gpus.cuda.error_name(e)))?);
                         }
-                        let stream = match streams.get(&t.dev) {
-                            Some(&s) => s,
-                            None => {
-                                let s = gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))? as usize;
-                                streams.insert(t.dev, s);
-                                s
-                            }
-                        };
-                        match work(t, buf.as_mut().expect("allocated above"), stream as *mut std::ffi::c_void) {
+                        if !streams.contains_key(&t.dev) {
+                            let s = gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))?;
+                            streams.insert(t.dev, s);
+                        }
+                        let stream = &streams[&t.dev];
+                        match work(t, buf.as_mut().expect("allocated above"), stream) {
                             Ok(v) => results.lock().unwrap_or_else(|e| e.into_inner()).push((i, v)),
                             Err(e) => break Err(e),
                         }
                     };
                     for (dev, s) in streams {
+                        // A stream is destroyed with its own context current.
                         let _ = gpus.enter(dev);
-                        gpus.cuda.stream_destroy(s as *mut std::ffi::c_void);
+                        drop(s);
                     }
                     out
                 };

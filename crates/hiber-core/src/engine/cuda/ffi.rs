@@ -9,96 +9,28 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 
 use libloading::Library;
 
-pub type CuResult = c_int;
-pub const CUDA_SUCCESS: CuResult = 0;
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CuUuid {
-    pub bytes: [u8; 16],
-}
-
-#[repr(C)]
-#[derive(Debug, Default)]
-pub struct LockArgs {
-    pub timeout_ms: c_uint,
-    pub reserved0: c_uint,
-    pub reserved1: [u64; 7],
-}
-
-#[repr(C)]
-#[derive(Debug, Default)]
-pub struct CheckpointArgs {
-    pub reserved: [u64; 8],
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct GpuPair {
-    pub old_uuid: CuUuid,
-    pub new_uuid: CuUuid,
-}
-
-#[repr(C)]
-#[derive(Debug)]
-pub struct RestoreArgs {
-    pub gpu_pairs: *const GpuPair,
-    pub gpu_pairs_count: c_uint,
-    pub reserved: [c_char; 44],
-    pub reserved1: u64,
-}
-
-#[repr(C)]
-#[derive(Debug, Default)]
-pub struct UnlockArgs {
-    pub reserved: [u64; 8],
-}
-
-/// hiber's view of the argument structs, in the format the GPU suite's `abi.c` prints from
-/// cuda.h, so the two can be compared on a machine with the toolkit.
-pub fn abi_layout() -> Vec<(&'static str, usize)> {
-    use std::mem::{offset_of, size_of};
-    vec![
-        ("CUcheckpointLockArgs size", size_of::<LockArgs>()),
-        ("CUcheckpointLockArgs.timeoutMs", offset_of!(LockArgs, timeout_ms)),
-        ("CUcheckpointCheckpointArgs size", size_of::<CheckpointArgs>()),
-        ("CUcheckpointRestoreArgs size", size_of::<RestoreArgs>()),
-        ("CUcheckpointRestoreArgs.gpuPairs", offset_of!(RestoreArgs, gpu_pairs)),
-        ("CUcheckpointRestoreArgs.gpuPairsCount", offset_of!(RestoreArgs, gpu_pairs_count)),
-        ("CUcheckpointGpuPair size", size_of::<GpuPair>()),
-        ("CUcheckpointGpuPair.newUuid", offset_of!(GpuPair, new_uuid)),
-        ("CUcheckpointUnlockArgs size", size_of::<UnlockArgs>()),
-        ("CU_PROCESS_STATE_RUNNING", 0),
-        ("CU_PROCESS_STATE_LOCKED", 1),
-        ("CU_PROCESS_STATE_CHECKPOINTED", 2),
-        ("CU_PROCESS_STATE_FAILED", 3),
-    ]
-}
-
-type FnInit = unsafe extern "C" fn(c_uint) -> CuResult;
-type FnDriverVersion = unsafe extern "C" fn(*mut c_int) -> CuResult;
-type FnErrorString = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
-type FnGetState = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
-type FnLock = unsafe extern "C" fn(c_int, *mut LockArgs) -> CuResult;
-type FnCheckpoint = unsafe extern "C" fn(c_int, *mut CheckpointArgs) -> CuResult;
-type FnRestore = unsafe extern "C" fn(c_int, *mut RestoreArgs) -> CuResult;
-type FnUnlock = unsafe extern "C" fn(c_int, *mut UnlockArgs) -> CuResult;
+use hiber_cuda_sys::fns;
+pub use hiber_cuda_sys::{
+    CUcheckpointCheckpointArgs as CheckpointArgs, CUcheckpointGpuPair as GpuPair, CUcheckpointLockArgs as LockArgs, CUcheckpointRestoreArgs as RestoreArgs,
+    CUcheckpointUnlockArgs as UnlockArgs, CUresult as CuResult, CUuuid as CuUuid, CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS,
+};
+use hiber_cuda_sys::{CUcontext, CUmemAccessDesc, CUmemAllocationProp, CUstream, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as HANDLE_TYPE_POSIX_FD};
 
 /// The checkpoint entry points of a loaded libcuda.
 pub struct CheckpointFns {
-    get_state: FnGetState,
-    lock: FnLock,
-    checkpoint: FnCheckpoint,
-    restore: FnRestore,
-    unlock: FnUnlock,
+    get_state: fns::cuCheckpointProcessGetState,
+    lock: fns::cuCheckpointProcessLock,
+    checkpoint: fns::cuCheckpointProcessCheckpoint,
+    restore: fns::cuCheckpointProcessRestore,
+    unlock: fns::cuCheckpointProcessUnlock,
 }
 
 /// A loaded libcuda. The library handle is kept for as long as the function pointers.
 pub struct CudaLib {
     _lib: Library,
-    init: FnInit,
+    init: fns::cuInit,
     init_result: std::sync::OnceLock<CuResult>,
-    error_name: Option<FnErrorString>,
+    error_name: Option<fns::cuGetErrorName>,
     driver_version: c_int,
     checkpoint: Option<CheckpointFns>,
     vmm: Option<VmmFns>,
@@ -124,8 +56,8 @@ impl CudaLib {
         // SAFETY: loading libcuda runs its initializers, which are designed to be loaded
         // into arbitrary processes.
         let lib = unsafe { Library::new("libcuda.so.1") }.map_err(|e| LoadError::NoLibrary(e.to_string()))?;
-        let init: FnInit = sym(&lib, "cuInit")?;
-        let version: FnDriverVersion = sym(&lib, "cuDriverGetVersion")?;
+        let init: fns::cuInit = sym(&lib, "cuInit")?;
+        let version: fns::cuDriverGetVersion = sym(&lib, "cuDriverGetVersion")?;
         let mut v: c_int = 0;
         // SAFETY: `v` is a valid out-pointer.
         let r = unsafe { version(&mut v) };
@@ -199,12 +131,7 @@ impl CudaLib {
     }
 
     pub fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuResult> {
-        let mut args = RestoreArgs {
-            gpu_pairs: if pairs.is_empty() { std::ptr::null() } else { pairs.as_ptr() },
-            gpu_pairs_count: pairs.len() as c_uint,
-            reserved: [0; 44],
-            reserved1: 0,
-        };
+        let mut args = RestoreArgs::with_pairs(pairs);
         let fns = self.fns()?;
         // SAFETY: `args` is valid and zero-reserved; `gpu_pairs` points at `pairs.len()`
         // pairs that outlive the call (or is NULL with a count of 0).
@@ -229,67 +156,61 @@ fn check(r: CuResult) -> Result<(), CuResult> {
 
 // ---- VMM and copies: hiber's own device memory, for the agent engine ----
 
-/// `CUmemAllocationProp` (32 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct AllocationProp {
-    pub kind: c_int,
-    pub requested_handle_types: c_int,
-    pub location: [c_int; 2],
-    pub win32_metadata: *mut c_void,
-    pub alloc_flags: [u8; 8],
+fn device_prop(dev: c_int, exportable: bool) -> CUmemAllocationProp {
+    CUmemAllocationProp::device(dev, if exportable { HANDLE_TYPE_POSIX_FD } else { 0 })
 }
 
-/// `CUmemAccessDesc` (12 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct AccessDesc {
-    pub location: [c_int; 2],
-    pub flags: c_int,
+/// A device's primary context, retained by hiber for as long as it runs. Only
+/// [`CudaLib::use_device`] makes one, so a context passed back to the driver is always live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrimaryContext(CUcontext);
+
+// SAFETY: a CUDA context is a process-wide handle; the driver lets any thread make it
+// current, and hiber never releases a primary context it retained.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as above; the handle is never dereferenced by hiber.
+unsafe impl Sync for PrimaryContext {}
+
+/// A non-blocking stream of the context current when it was made; destroyed on drop (with
+/// that context current, which is the caller's to ensure, as for every stream call).
+pub struct Stream<'a> {
+    lib: &'a CudaLib,
+    raw: CUstream,
 }
 
-const LOCATION_DEVICE: c_int = 1;
-const ALLOCATION_PINNED: c_int = 1;
-const HANDLE_TYPE_POSIX_FD: c_int = 1;
-const ACCESS_READWRITE: c_int = 3;
-
-fn device_prop(dev: c_int, exportable: bool) -> AllocationProp {
-    AllocationProp {
-        kind: ALLOCATION_PINNED,
-        requested_handle_types: if exportable { HANDLE_TYPE_POSIX_FD } else { 0 },
-        location: [LOCATION_DEVICE, dev],
-        win32_metadata: std::ptr::null_mut(),
-        alloc_flags: [0; 8],
+impl Drop for Stream<'_> {
+    fn drop(&mut self) {
+        if let Ok(f) = self.lib.vmm_fns() {
+            // SAFETY: `raw` came from cuStreamCreate and is destroyed once, here.
+            unsafe { (f.stream_destroy)(self.raw) };
+        }
     }
 }
 
-pub type Ctx = *mut c_void;
-pub type Stream = *mut c_void;
-
 struct VmmFns {
-    device_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
-    device_uuid: unsafe extern "C" fn(*mut CuUuid, c_int) -> CuResult,
-    primary_retain: unsafe extern "C" fn(*mut Ctx, c_int) -> CuResult,
-    ctx_set_current: unsafe extern "C" fn(Ctx) -> CuResult,
-    mem_info: unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult,
-    address_reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> CuResult,
-    address_free: unsafe extern "C" fn(u64, usize) -> CuResult,
-    create: unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> CuResult,
-    release: unsafe extern "C" fn(u64) -> CuResult,
-    map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> CuResult,
-    unmap: unsafe extern "C" fn(u64, usize) -> CuResult,
-    set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> CuResult,
-    export: unsafe extern "C" fn(*mut c_void, u64, c_int, u64) -> CuResult,
-    import: unsafe extern "C" fn(*mut u64, *mut c_void, c_int) -> CuResult,
-    properties: unsafe extern "C" fn(*mut AllocationProp, u64) -> CuResult,
-    host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
-    free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
-    dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, Stream) -> CuResult,
-    htod_async: unsafe extern "C" fn(u64, *const c_void, usize, Stream) -> CuResult,
-    dtod_async: unsafe extern "C" fn(u64, u64, usize, Stream) -> CuResult,
-    stream_create: unsafe extern "C" fn(*mut Stream, c_uint) -> CuResult,
-    stream_sync: unsafe extern "C" fn(Stream) -> CuResult,
-    stream_destroy: unsafe extern "C" fn(Stream) -> CuResult,
+    device_count: fns::cuDeviceGetCount,
+    device_uuid: fns::cuDeviceGetUuid_v2,
+    primary_retain: fns::cuDevicePrimaryCtxRetain,
+    ctx_set_current: fns::cuCtxSetCurrent,
+    mem_info: fns::cuMemGetInfo_v2,
+    address_reserve: fns::cuMemAddressReserve,
+    address_free: fns::cuMemAddressFree,
+    create: fns::cuMemCreate,
+    release: fns::cuMemRelease,
+    map: fns::cuMemMap,
+    unmap: fns::cuMemUnmap,
+    set_access: fns::cuMemSetAccess,
+    export: fns::cuMemExportToShareableHandle,
+    import: fns::cuMemImportFromShareableHandle,
+    properties: fns::cuMemGetAllocationPropertiesFromHandle,
+    host_alloc: fns::cuMemHostAlloc,
+    free_host: fns::cuMemFreeHost,
+    dtoh_async: fns::cuMemcpyDtoHAsync_v2,
+    htod_async: fns::cuMemcpyHtoDAsync_v2,
+    dtod_async: fns::cuMemcpyDtoDAsync_v2,
+    stream_create: fns::cuStreamCreate,
+    stream_sync: fns::cuStreamSynchronize,
+    stream_destroy: fns::cuStreamDestroy_v2,
 }
 
 impl VmmFns {
@@ -375,21 +296,21 @@ impl CudaLib {
 
     /// Retains `dev`'s primary context (hiber keeps it for its lifetime) and makes it
     /// current on the calling thread.
-    pub fn use_device(&self, dev: i32) -> Result<Ctx, CuResult> {
+    /// Retains `dev`'s primary context (for the rest of hiber's life) and makes it current.
+    pub fn use_device(&self, dev: i32) -> Result<PrimaryContext, CuResult> {
         let f = self.vmm_fns()?;
-        let mut ctx: Ctx = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is retained, never released early.
-        unsafe {
-            check((f.primary_retain)(&mut ctx, dev))?;
-            check((f.ctx_set_current)(ctx))?;
-        }
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is retained, never released.
+        check(unsafe { (f.primary_retain)(&mut ctx, dev) })?;
+        let ctx = PrimaryContext(ctx);
+        self.set_current(ctx)?;
         Ok(ctx)
     }
 
-    pub fn set_current(&self, ctx: Ctx) -> Result<(), CuResult> {
+    pub fn set_current(&self, ctx: PrimaryContext) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
-        // SAFETY: `ctx` is a context retained by `use_device`.
-        check(unsafe { (f.ctx_set_current)(ctx) })
+        // SAFETY: a PrimaryContext is a retained, never released context (see use_device).
+        check(unsafe { (f.ctx_set_current)(ctx.0) })
     }
 
     /// Free and total memory of the current context's device.
@@ -433,7 +354,7 @@ impl CudaLib {
     /// Maps `h` at `va` and gives `dev` read/write access.
     pub fn map(&self, va: u64, size: usize, h: u64, dev: i32) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
-        let desc = AccessDesc { location: [LOCATION_DEVICE, dev], flags: ACCESS_READWRITE };
+        let desc = CUmemAccessDesc::read_write(dev);
         // SAFETY: plain values and one valid access descriptor.
         unsafe {
             check((f.map)(va, size, 0, h, 0))?;
@@ -475,11 +396,11 @@ impl CudaLib {
                 return Err(e);
             }
         }
-        if prop.location[0] != LOCATION_DEVICE {
+        if !prop.location.is_device() {
             let _ = self.release(h);
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
-        Ok((h, prop.location[1]))
+        Ok((h, prop.location.id))
     }
 
     pub fn pinned(&self, len: usize) -> Result<PinnedBuf<'_>, CuResult> {
@@ -490,55 +411,47 @@ impl CudaLib {
         Ok(PinnedBuf { lib: self, ptr: p.cast(), len })
     }
 
-    pub fn stream(&self) -> Result<Stream, CuResult> {
+    /// A new non-blocking stream in the current context.
+    pub fn stream(&self) -> Result<Stream<'_>, CuResult> {
         let f = self.vmm_fns()?;
-        let mut s: Stream = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; 1 = CU_STREAM_NON_BLOCKING.
-        check(unsafe { (f.stream_create)(&mut s, 1) })?;
-        Ok(s)
-    }
-
-    pub fn stream_destroy(&self, s: Stream) {
-        if let Ok(f) = self.vmm_fns() {
-            // SAFETY: `s` came from `stream` and is destroyed once.
-            unsafe { (f.stream_destroy)(s) };
-        }
+        let mut raw: CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check(unsafe { (f.stream_create)(&mut raw, hiber_cuda_sys::CU_STREAM_NON_BLOCKING) })?;
+        Ok(Stream { lib: self, raw })
     }
 
     /// Device → pinned host, waited for.
-    pub fn copy_to_host(&self, dst: &mut PinnedBuf<'_>, len: usize, src: u64, s: Stream) -> Result<(), CuResult> {
+    pub fn copy_to_host(&self, dst: &mut PinnedBuf<'_>, len: usize, src: u64, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
         assert!(len <= dst.len);
         // SAFETY: `dst` holds at least `len` pinned bytes; the copy completes before return.
         unsafe {
-            check((f.dtoh_async)(dst.ptr.cast(), src, len, s))?;
-            check((f.stream_sync)(s))
+            check((f.dtoh_async)(dst.ptr.cast(), src, len, s.raw))?;
+            check((f.stream_sync)(s.raw))
         }
     }
 
     /// Pinned host → device, waited for.
-    pub fn copy_to_device(&self, dst: u64, src: &PinnedBuf<'_>, len: usize, s: Stream) -> Result<(), CuResult> {
+    pub fn copy_to_device(&self, dst: u64, src: &PinnedBuf<'_>, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
         assert!(len <= src.len);
         // SAFETY: `src` holds at least `len` bytes; the copy completes before return.
         unsafe {
-            check((f.htod_async)(dst, src.ptr.cast(), len, s))?;
-            check((f.stream_sync)(s))
+            check((f.htod_async)(dst, src.ptr.cast(), len, s.raw))?;
+            check((f.stream_sync)(s.raw))
         }
     }
 
     /// Device → device, waited for.
-    pub fn copy_on_device(&self, dst: u64, src: u64, len: usize, s: Stream) -> Result<(), CuResult> {
+    pub fn copy_on_device(&self, dst: u64, src: u64, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
         // SAFETY: plain device addresses checked by the driver; waited for before return.
         unsafe {
-            check((f.dtod_async)(dst, src, len, s))?;
-            check((f.stream_sync)(s))
+            check((f.dtod_async)(dst, src, len, s.raw))?;
+            check((f.stream_sync)(s.raw))
         }
     }
 }
-
-pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 
 // ---- NVML: GPUs and per-process memory, without creating a CUDA context ----
 
@@ -674,28 +587,7 @@ impl Nvml {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::mem::{align_of, offset_of, size_of};
-
-    #[test]
-    fn checkpoint_args_are_64_bytes() {
-        assert_eq!(size_of::<LockArgs>(), 64);
-        assert_eq!(size_of::<CheckpointArgs>(), 64);
-        assert_eq!(size_of::<RestoreArgs>(), 64);
-        assert_eq!(size_of::<UnlockArgs>(), 64);
-        assert_eq!(offset_of!(LockArgs, timeout_ms), 0);
-        assert_eq!(offset_of!(RestoreArgs, gpu_pairs), 0);
-        assert_eq!(offset_of!(RestoreArgs, gpu_pairs_count), 8);
-        assert_eq!(size_of::<GpuPair>(), 32);
-        assert_eq!(size_of::<CuUuid>(), 16);
-        assert_eq!(align_of::<RestoreArgs>(), 8);
-    }
-
-    #[test]
-    fn vmm_structs() {
-        assert_eq!(size_of::<AllocationProp>(), 32);
-        assert_eq!(offset_of!(AllocationProp, location), 8);
-        assert_eq!(size_of::<AccessDesc>(), 12);
-    }
+    use std::mem::{offset_of, size_of};
 
     #[test]
     fn nvml_structs() {
@@ -705,12 +597,17 @@ mod tests {
     }
 
     #[test]
-    fn loading_without_a_driver_fails_cleanly() {
-        // On a machine with a driver this loads; without one it must be an error, never a
-        // crash.
+    fn loading_says_why_there_is_no_driver() {
         match CudaLib::load() {
-            Ok(lib) => assert!(lib.driver_version() > 0),
-            Err(LoadError::NoLibrary(_)) | Err(LoadError::Init(_)) | Err(LoadError::MissingSymbol(_)) => {}
+            Ok(lib) => assert!(lib.driver_version() >= 12000, "a loaded driver reports its version"),
+            // Without libcuda.so.1 (CI), the error says the library is missing, and doctor's
+            // probe turns that into a line, not a failure.
+            Err(e) => {
+                assert!(matches!(e, LoadError::NoLibrary(_)), "expected NoLibrary, got {e:?}");
+                let probe = super::super::probe();
+                assert!(probe.summary().starts_with("no NVIDIA driver"), "{}", probe.summary());
+                assert!(probe.driver.is_none() && !probe.checkpoint_api);
+            }
         }
     }
 }

@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{CaptureTarget, DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
 use crate::proctree::ProcessInfo;
-pub use ffi::{abi_layout, CuUuid, GpuPair};
+pub use ffi::{CuUuid, GpuPair};
 pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
+pub use hiber_cuda_sys::abi_layout;
 
 pub const ENGINE: &str = "cuda";
 /// cuDriverGetVersion of the first driver with the checkpoint API (CUDA 12.8).
