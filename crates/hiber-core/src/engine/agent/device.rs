@@ -176,11 +176,12 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
                         if buf.is_none() {
                             buf = Some(gpus.cuda.pinned(CHUNK as usize).map_err(|e| format!("pinned buffer: {}", gpus.cuda.error_name(e)))?);
                         }
-                        if !streams.contains_key(&t.dev) {
-                            let s = gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))?;
-                            streams.insert(t.dev, s);
-                        }
-                        let stream = &streams[&t.dev];
+                        let stream = match streams.entry(t.dev) {
+                            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                            std::collections::hash_map::Entry::Vacant(v) => {
+                                v.insert(gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))?)
+                            }
+                        };
                         match work(t, buf.as_mut().expect("allocated above"), stream) {
                             Ok(v) => results.lock().unwrap_or_else(|e| e.into_inner()).push((i, v)),
                             Err(e) => break Err(e),
