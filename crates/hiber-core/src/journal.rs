@@ -25,6 +25,8 @@ use crate::state::StateDir;
 pub enum Phase {
     Started,
     DevicesQuiesced,
+    /// Device state moved where the dump takes it.
+    Captured,
     Dumping,
     /// The image is complete and in place.
     Committed,

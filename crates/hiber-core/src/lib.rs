@@ -3,12 +3,14 @@
 //! - [`proctree`]: which processes make up a tree, and what they hold;
 //! - [`engine`]: device engines (GPU state), behind one trait;
 //! - [`criu`]: CRIU over its RPC interface;
-//! - [`image`]: the on-disk image format;
+//! - [`image`]: the on-disk image format, and the sink an image is written through;
 //! - [`jobs`] and [`launch`]: the job registry and how a job's tree is started;
 //! - [`journal`]: undoing an interrupted checkpoint;
-//! - [`checkpoint`] and [`restore`]: the pipelines.
+//! - [`checkpoint`] and [`restore`]: the pipelines, run as sessions of phases that a
+//!   [`coordinator`] may hold at barriers between them.
 
 pub mod checkpoint;
+pub mod coordinator;
 pub mod criu;
 pub mod doctor;
 pub mod engine;

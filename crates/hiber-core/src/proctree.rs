@@ -36,8 +36,17 @@ pub struct ProcessInfo {
     pub anon_bytes: u64,
     pub kernel_thread: bool,
     pub fds: Vec<OpenFd>,
-    /// Holds an NVIDIA device file open or mapped: a candidate for the CUDA engine.
-    pub uses_nvidia: bool,
+    /// Device files it holds open or mapped (not `/dev/null` and the like): what tells an
+    /// engine the process may have device state (1.0 images had `uses_nvidia` instead).
+    #[serde(default)]
+    pub device_files: Vec<String>,
+}
+
+impl ProcessInfo {
+    /// Whether it holds a device file whose path starts with `prefix`.
+    pub fn holds_device(&self, prefix: &str) -> bool {
+        self.device_files.iter().any(|f| f.starts_with(prefix))
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -128,7 +137,7 @@ pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
     let ns_pid = status_field(&status, "NSpid").and_then(|v| v.split_whitespace().last()).and_then(|v| v.parse().ok()).unwrap_or(pid);
     let uid = status_field(&status, "Uid").and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or(0);
     let fds = open_fds(pid);
-    let uses_nvidia = fds.iter().any(|f| f.target.starts_with("/dev/nvidia")) || maps_nvidia(pid);
+    let device_files = device_files(pid, &fds);
     Ok(ProcessInfo {
         pid,
         ppid: st.ppid,
@@ -143,7 +152,7 @@ pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
         anon_bytes: kib(status_field(&status, "RssAnon")),
         kernel_thread: st.flags & PF_KTHREAD != 0,
         fds,
-        uses_nvidia,
+        device_files,
     })
 }
 
@@ -162,8 +171,22 @@ fn open_fds(pid: i32) -> Vec<OpenFd> {
     fds
 }
 
-fn maps_nvidia(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/maps")).map(|m| m.contains("/dev/nvidia")).unwrap_or(false)
+/// Device files that carry device state: ordinary devices that every process may hold
+/// (`/dev/null`, terminals, `/dev/shm`, ...) are left out.
+fn is_device_file(path: &str) -> bool {
+    const ORDINARY: [&str; 6] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"];
+    path.starts_with("/dev/") && !ORDINARY.contains(&path) && !path.starts_with("/dev/pts/") && !path.starts_with("/dev/shm/")
+}
+
+/// The device files `pid` holds open or mapped, sorted, each once: how engines tell the
+/// processes whose device state they may have to take (`/dev/nvidia*` for the CUDA ones).
+fn device_files(pid: i32, fds: &[OpenFd]) -> Vec<String> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mapped = maps.lines().filter_map(|l| l.split_whitespace().nth(5));
+    let mut out: Vec<String> = fds.iter().map(|f| f.target.as_str()).chain(mapped).filter(|p| is_device_file(p)).map(String::from).collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// PID -> parent PID of every process on the system.
@@ -232,6 +255,16 @@ mod tests {
     fn stat_rejects_garbage() {
         assert!(parse_stat("garbage").is_none());
         assert!(parse_stat("1 (x) S").is_none());
+    }
+
+    #[test]
+    fn device_files_leave_ordinary_devices_out() {
+        assert!(is_device_file("/dev/nvidia0") && is_device_file("/dev/nvidiactl") && is_device_file("/dev/dri/renderD128"));
+        assert!(!is_device_file("/dev/null") && !is_device_file("/dev/pts/3") && !is_device_file("/dev/shm/x") && !is_device_file("/tmp/dev/x"));
+        let _null = std::fs::File::open("/dev/null").unwrap();
+        let me = read_process(std::process::id() as i32).unwrap();
+        assert!(!me.device_files.iter().any(|f| f == "/dev/null"), "{:?}", me.device_files);
+        assert!(!me.holds_device("/dev/nvidia"));
     }
 
     #[test]

@@ -1,11 +1,19 @@
 //! Device engines: how device (GPU) state gets in and out of an image.
 //!
-//! The pipeline drives every engine through [`DeviceEngine`] and never names one. An
-//! engine claims the processes whose device state it handles, quiesces and captures them
-//! before CRIU dumps the tree, and restores them after CRIU restores it. Every step that
-//! changes the application has an undo: [`DeviceEngine::resume`] brings claimed processes
-//! back to running from whatever state a failed or interrupted checkpoint left them in,
-//! which is also what `hiber recover` calls from a journal.
+//! The pipelines drive every engine through three traits and never name one:
+//! - [`EngineKind`]: what hiber knows of an engine without loading it: its name, the
+//!   version of its manifest section, how it describes a section (`hiber inspect`), how it
+//!   prepares a job at launch (`hiber run`), which image files it verifies itself;
+//! - [`DeviceEngine`]: the engine loaded on this machine; it opens one session per
+//!   checkpoint or restore, and undoes an interrupted checkpoint (`hiber recover`);
+//! - [`CheckpointSession`] and [`RestoreSession`]: the per-operation state, owned by the
+//!   pipeline and driven phase by phase.
+//!
+//! Every step that changes the application has an undo: [`CheckpointSession::resume`]
+//! brings the session's processes back to running from whatever state a failed
+//! checkpoint left them in.
+//!
+//! Adding an engine: its own folder here, and one line in [`KINDS`].
 
 pub mod agent;
 pub mod cuda;
@@ -13,22 +21,63 @@ pub mod cuda;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::image::FileEntry;
-
+use crate::image::{FileEntry, ImageSink};
 use crate::proctree::ProcessInfo;
 
+/// Every engine hiber knows, most specific first: this order is the order in which
+/// engines quiesce and capture; they resume and restore in reverse.
+pub static KINDS: &[&dyn EngineKind] = &[&agent::KIND, &cuda::KIND];
+
+/// Why a device engine step failed. The variants keep their causes: `-v` shows the chain.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// A driver call failed with a CUresult.
+    #[error("{engine}: {what}: {result}")]
+    Cuda {
+        engine: &'static str,
+        what: String,
+        #[source]
+        result: CuError,
+        hint: Option<String>,
+    },
+    /// Reading or writing device data failed.
+    #[error("{engine}: {what}: {source}")]
+    Io { engine: &'static str, what: String, source: std::io::Error, hint: Option<String> },
+    /// The image's section for this engine is newer than this hiber reads.
+    #[error("{engine}: the image's section is version {found}; this hiber reads up to {supported}")]
+    SectionVersion { engine: &'static str, found: u32, supported: u32 },
+    /// Anything else, said in words.
     #[error("{engine}: {message}")]
     Failed { engine: &'static str, message: String, hint: Option<String> },
 }
 
 impl EngineError {
+    pub fn failed(engine: &'static str, message: impl Into<String>, hint: Option<&str>) -> EngineError {
+        EngineError::Failed { engine, message: message.into(), hint: hint.map(String::from) }
+    }
+
     pub fn hint(&self) -> Option<&str> {
         match self {
-            EngineError::Failed { hint, .. } => hint.as_deref(),
+            EngineError::Cuda { hint, .. } | EngineError::Io { hint, .. } | EngineError::Failed { hint, .. } => hint.as_deref(),
+            EngineError::SectionVersion { .. } => Some("restore it with a newer hiber"),
         }
     }
+
+    /// The CUresult, when a driver call failed.
+    pub fn cuda_result(&self) -> Option<i32> {
+        match self {
+            EngineError::Cuda { result, .. } => Some(result.code),
+            _ => None,
+        }
+    }
+}
+
+/// A driver error: the CUresult and its name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name} ({code})")]
+pub struct CuError {
+    pub code: i32,
+    pub name: String,
 }
 
 /// Options that change how device state is restored.
@@ -42,11 +91,9 @@ pub struct DeviceRestoreOptions {
     pub checksums: HashMap<String, String>,
 }
 
-/// Where a checkpoint goes and how it ends.
-#[derive(Debug, Clone, Copy)]
-pub struct CaptureTarget<'a> {
-    /// The engine's own directory inside the (temporary) image.
-    pub dir: &'a Path,
+/// How a checkpoint ends, as the engines need to know it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CheckpointOptions {
     /// The application runs on after the checkpoint.
     pub leave_running: bool,
 }
@@ -59,65 +106,117 @@ pub struct RestoredPid {
     pub pid: i32,
 }
 
-pub trait DeviceEngine: Send + Sync {
+/// What hiber knows of an engine without loading it.
+pub trait EngineKind: Sync {
     fn name(&self) -> &'static str;
 
-    /// The PIDs of `tree` whose device state this engine captures; empty when it has
-    /// nothing to do for this tree.
-    fn claim(&self, tree: &[ProcessInfo]) -> Result<Vec<i32>, EngineError>;
+    /// The version of the manifest section this hiber writes, and the newest it reads.
+    /// Sections carry it, so an engine's state can change without the image format's.
+    fn section_version(&self) -> u32;
 
-    /// Stops new device work in `pids` and waits for work in flight, within a timeout.
-    /// Engines earlier in [`available`]'s order quiesce first and resume last.
-    fn quiesce(&self, pids: &[i32], target: &CaptureTarget<'_>) -> Result<(), EngineError>;
+    /// The engine on this machine; `None` when it cannot run here (no driver, say).
+    fn load(&self) -> Option<Box<dyn DeviceEngine>>;
 
-    /// Moves the device state of quiesced `pids` where the CRIU dump (or the engine's own
-    /// files under `dir`) will take it. Returns the engine's manifest section.
-    fn capture(&self, pids: &[i32], tree: &[ProcessInfo], dir: &Path) -> Result<serde_json::Value, EngineError>;
+    /// Lines for `hiber inspect` describing a section; works without a driver.
+    fn describe(&self, section: &serde_json::Value) -> Vec<String>;
 
-    /// Brings `pids` back to running from whatever state quiesce/capture left them in.
-    /// Idempotent: safe on processes that were never touched.
-    fn resume(&self, pids: &[i32]) -> Result<(), EngineError>;
-
-    /// `hiber recover` after a hiber that was checkpointing died: like [`resume`], with the
-    /// places (the partial image, the finished one) where that hiber may have left device
-    /// data the engine needs to bring back.
-    ///
-    /// [`resume`]: DeviceEngine::resume
-    fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
-        self.resume(pids)
+    /// Environment variables for a job that `hiber run` starts in `job_dir` (a preloaded
+    /// library, say); empty when the engine prepares nothing.
+    fn launch_env(&self, _job_dir: &Path) -> Vec<(String, String)> {
+        Vec::new()
     }
 
-    /// Once the image's other parts are written (with `--leave-running`, after the
-    /// application was resumed): writes what the engine still holds, and returns the
-    /// manifest entries of every file it wrote, so they are not hashed again.
-    fn finish(&self) -> Result<Vec<FileEntry>, EngineError> {
+    /// The image subdirectory whose files the engine checks itself as it streams them on
+    /// restore (so they are read once, not twice).
+    fn streamed_dir(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// What to do when an image needs this engine and this machine lacks it.
+    fn unavailable_hint(&self) -> &'static str;
+}
+
+/// An engine loaded on this machine.
+pub trait DeviceEngine: Send + Sync {
+    fn kind(&self) -> &'static dyn EngineKind;
+
+    fn name(&self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// Claims the processes of `tree` whose device state this engine captures and opens a
+    /// session over them; `None` when it has nothing to do for this tree. Touches nothing.
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError>;
+
+    /// `hiber recover` after a hiber that was checkpointing died: brings `pids` back to
+    /// running, with the places (the partial image, the finished one) where that hiber may
+    /// have left device data the engine needs to bring back.
+    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError>;
+
+    /// Opens a restore of `section`, after checking that this machine can take its state
+    /// (devices present, enough memory), so a restore never half-happens.
+    fn begin_restore(&self, section: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError>;
+}
+
+/// One engine's share of one checkpoint. The pipeline calls quiesce, capture, then either
+/// finish (the image is being committed) or resume (the undo, or `--leave-running`'s
+/// normal end), in the order of [`KINDS`] (resume in reverse).
+pub trait CheckpointSession: Send {
+    /// The host PIDs the session claimed (recorded in the journal before anything changes).
+    fn pids(&self) -> &[i32];
+
+    /// Stops new device work and waits for work in flight, within a timeout. Device data
+    /// that must be saved before the application's device state is released goes to `sink`.
+    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;
+
+    /// Moves the device state of the quiesced processes where the CRIU dump (or the
+    /// engine's own files) will take it. Returns the engine's manifest section.
+    fn capture(&mut self, tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError>;
+
+    /// Brings the processes back to running from whatever state quiesce/capture left them
+    /// in. Idempotent: safe on processes that were never touched. Device data that only
+    /// hiber still holds and cannot hand back goes to `sink`, for `hiber recover`.
+    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;
+
+    /// Once the image's other parts are written (with `--leave-running`, after resume):
+    /// writes what the session still holds to `sink`, and returns the manifest entries of
+    /// every file it wrote, so they are not hashed again.
+    fn finish(&mut self, _sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
         Ok(Vec::new())
     }
+}
 
-    /// Before a restore commits: checks that this machine can take `section`'s state
-    /// (devices present, enough memory), so a restore never half-happens.
-    fn check_restore(&self, section: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError>;
-
+/// One engine's share of one restore, opened once the checks passed.
+pub trait RestoreSession: Send {
     /// After CRIU restored the tree: restores device state into `pids` and resumes them.
-    fn restore(&self, section: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError>;
-
-    /// Lines for `hiber inspect` describing `section`.
-    fn describe(&self, section: &serde_json::Value) -> Vec<String>;
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError>;
 }
 
-/// The engines this machine can run, most specific first.
+/// The engines this machine can run, in [`KINDS`] order.
 pub fn available() -> Vec<Box<dyn DeviceEngine>> {
-    let mut out: Vec<Box<dyn DeviceEngine>> = Vec::new();
-    if let Some(e) = agent::AgentEngine::load() {
-        out.push(Box::new(e));
-    }
-    if let Some(e) = cuda::DriverEngine::load() {
-        out.push(Box::new(e));
-    }
-    out
+    KINDS.iter().filter_map(|k| k.load()).collect()
 }
 
-/// Finds the engine that wrote a manifest section. `None` when this machine lacks it.
+/// The engine kind of a manifest section's name, loaded or not.
+pub fn kind(name: &str) -> Option<&'static dyn EngineKind> {
+    KINDS.iter().copied().find(|k| k.name() == name)
+}
+
+/// Finds the loaded engine that wrote a manifest section. `None` when this machine lacks it.
 pub fn for_section<'a>(engines: &'a [Box<dyn DeviceEngine>], name: &str) -> Option<&'a dyn DeviceEngine> {
     engines.iter().find(|e| e.name() == name).map(|e| e.as_ref())
+}
+
+/// The environment every engine wants for a job `hiber run` starts in `job_dir`, but
+/// those named in `skip` (`hiber run --no-agent` skips "agent").
+pub fn launch_env(job_dir: &Path, skip: &[&str]) -> Vec<(String, String)> {
+    KINDS.iter().filter(|k| !skip.contains(&k.name())).flat_map(|k| k.launch_env(job_dir)).collect()
+}
+
+/// Checks a section's version against what its engine reads.
+pub fn check_section_version(kind: &dyn EngineKind, found: u32) -> Result<(), EngineError> {
+    if found > kind.section_version() {
+        return Err(EngineError::SectionVersion { engine: kind.name(), found, supported: kind.section_version() });
+    }
+    Ok(())
 }

@@ -40,7 +40,14 @@ pub struct Source {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct DeviceSection {
     pub engine: String,
+    /// The version of `state`'s shape, the engine's own (1.0 images: 1).
+    #[serde(default = "first_section_version")]
+    pub version: u32,
     pub state: serde_json::Value,
+}
+
+fn first_section_version() -> u32 {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -7,7 +7,7 @@
 //!                   kernel, CRIU and hiber versions, the process tree, one section per
 //!                   device engine, and every other file with its size and blake3 hash
 //!   criu/           CRIU's image files
-//!   <engine>/       files a device engine wrote (none yet for the driver engine)
+//!   <engine>/       files a device engine wrote (the agent's device memory chunks)
 //! ```
 //! The format version is independent of hiber's version. A reader rejects a different
 //! major or a newer minor version. Every file is listed in the manifest: a missing, extra,
@@ -19,9 +19,11 @@
 //! memory, secrets included.
 
 mod manifest;
+mod sink;
 mod writer;
 
 pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, Source};
+pub use sink::ImageSink;
 pub use writer::{is_temp_name, ImageWriter};
 
 use std::collections::BTreeMap;
@@ -30,7 +32,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &str = "HIBER-IMAGE";
-pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 0 };
+/// 1.1: engine sections carry their own version; processes list the device files they
+/// hold instead of a flag for NVIDIA's. A 1.1 reader takes 1.0 images.
+pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 1 };
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The hex blake3 of `manifest.json`, on one line.
 pub const MANIFEST_SUM_FILE: &str = "manifest.blake3";
@@ -124,13 +128,13 @@ impl Image {
     /// Checks that the directory holds exactly the files the manifest lists, with their
     /// sizes and checksums. Returns the total bytes verified.
     pub fn verify(&self) -> Result<u64, ImageError> {
-        self.verify_except(None)
+        self.verify_except(&[])
     }
 
     /// Like [`Image::verify`], but files under `deferred/` are checked for presence and
     /// size only: their engine checks each one's checksum as it streams it (device memory
     /// chunks, read once on the way to the GPU instead of twice).
-    pub fn verify_except(&self, deferred: Option<&str>) -> Result<u64, ImageError> {
+    pub fn verify_except(&self, deferred: &[&str]) -> Result<u64, ImageError> {
         let listed: BTreeMap<&str, &FileEntry> = self.manifest.files.iter().map(|f| (f.path.as_str(), f)).collect();
         let present = list_files(&self.dir)?;
         for rel in &present {
@@ -148,7 +152,7 @@ impl Image {
             if len != entry.size {
                 return Err(ImageError::SizeMismatch { path, expected: entry.size, found: len });
             }
-            let later = deferred.is_some_and(|d| rel.strip_prefix(d).is_some_and(|r| r.starts_with('/')));
+            let later = deferred.iter().any(|d| rel.strip_prefix(d).is_some_and(|r| r.starts_with('/')));
             if !later && hash_file(&path)? != entry.blake3 {
                 return Err(ImageError::ChecksumMismatch(path));
             }

@@ -139,8 +139,8 @@ fn other_versions_and_foreign_directories_are_rejected() {
     let dest = write_image(&t.0);
     let mpath = dest.join(MANIFEST_FILE);
     let text = fs::read_to_string(&mpath).unwrap();
-    for (major, minor) in [(2, 0), (1, 1), (0, 9)] {
-        let bumped = text.replacen("\"major\": 1", &format!("\"major\": {major}"), 1).replacen("\"minor\": 0", &format!("\"minor\": {minor}"), 1);
+    for (major, minor) in [(2, 0), (1, 2), (0, 9)] {
+        let bumped = text.replacen("\"major\": 1", &format!("\"major\": {major}"), 1).replacen("\"minor\": 1", &format!("\"minor\": {minor}"), 1);
         fs::write(&mpath, bumped).unwrap();
         match Image::open(&dest) {
             Err(ImageError::UnsupportedFormat { found, .. }) => assert_eq!(found, FormatVersion { major, minor }),
@@ -178,13 +178,13 @@ fn device_chunks_hashed_by_their_writer_are_trusted_for_commit_and_checked_on_re
     // it to the engine that streams it (which checks each chunk), but still checks the rest.
     fs::write(dest.join("agent/1/1.00000"), vec![4u8; 4096]).unwrap();
     assert!(matches!(img.verify(), Err(ImageError::ChecksumMismatch(_))));
-    img.verify_except(Some("agent")).unwrap();
+    img.verify_except(&["agent"]).unwrap();
     fs::write(dest.join("criu/core-1.img"), b"corf").unwrap();
-    assert!(matches!(img.verify_except(Some("agent")), Err(ImageError::ChecksumMismatch(_))));
+    assert!(matches!(img.verify_except(&["agent"]), Err(ImageError::ChecksumMismatch(_))));
     // A deferred chunk is still checked for size.
     fs::write(dest.join("criu/core-1.img"), b"core").unwrap();
     fs::write(dest.join("agent/1/1.00000"), vec![3u8; 100]).unwrap();
-    assert!(matches!(img.verify_except(Some("agent")), Err(ImageError::SizeMismatch { .. })));
+    assert!(matches!(img.verify_except(&["agent"]), Err(ImageError::SizeMismatch { .. })));
 }
 
 #[test]
@@ -196,4 +196,22 @@ fn a_known_entry_whose_file_changed_size_is_refused() {
     let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into() };
     assert!(matches!(w.commit(sample_manifest(), &[known]), Err(ImageError::SizeMismatch { .. })));
     assert!(!dest.exists());
+}
+
+#[test]
+fn format_1_0_images_still_open() {
+    let t = TempDir::new("v1-0");
+    let dest = write_image(&t.0);
+    let mpath = dest.join(MANIFEST_FILE);
+    let text = fs::read_to_string(&mpath).unwrap();
+    // A 1.0 manifest: no section versions, and `uses_nvidia` where 1.1 lists device files.
+    let old = text.replacen("\"minor\": 1", "\"minor\": 0", 1).replace("\"device_files\": []", "\"uses_nvidia\": false");
+    assert_ne!(old, text);
+    fs::write(&mpath, &old).unwrap();
+    fs::write(dest.join(MANIFEST_SUM_FILE), format!("{}\n", blake3::hash(old.as_bytes()).to_hex())).unwrap();
+    let img = Image::open(&dest).unwrap();
+    assert_eq!(img.manifest.format, FormatVersion { major: 1, minor: 0 });
+    assert!(img.manifest.processes[0].device_files.is_empty());
+    let section: DeviceSection = serde_json::from_str(r#"{"engine":"cuda","state":{}}"#).unwrap();
+    assert_eq!(section.version, 1, "a 1.0 section is version 1 of its engine's state");
 }

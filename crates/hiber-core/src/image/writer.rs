@@ -1,11 +1,12 @@
-//! Writing an image: into a hidden temporary directory, renamed into place when complete.
+//! The local image directory, the sink every checkpoint writes to today: a hidden
+//! temporary directory, renamed into place when complete.
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::{hash_file, list_files, FileEntry, ImageError, Manifest, CRIU_DIR, MANIFEST_FILE, MANIFEST_SUM_FILE};
+use super::{hash_file, list_files, FileEntry, ImageError, ImageSink, Manifest, CRIU_DIR, MANIFEST_FILE, MANIFEST_SUM_FILE};
 
 /// An image being written. Dropping it without [`ImageWriter::commit`] removes the
 /// temporary directory, so a failed checkpoint leaves nothing behind.
@@ -55,10 +56,6 @@ impl ImageWriter {
 
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
-    }
-
-    pub fn criu_dir(&self) -> PathBuf {
-        self.tmp.join(CRIU_DIR)
     }
 
     /// Lists and hashes every file, writes the manifest, makes it all durable and renames
@@ -115,6 +112,28 @@ impl ImageWriter {
             tracing::warn!(error = %e, "could not fsync the image's parent directory");
         }
         Ok(())
+    }
+}
+
+impl ImageSink for ImageWriter {
+    fn criu_dir(&self) -> PathBuf {
+        self.tmp.join(CRIU_DIR)
+    }
+
+    fn create_file(&self, rel: &str) -> std::io::Result<File> {
+        let path = self.tmp.join(rel);
+        if let Some(parent) = path.parent() {
+            DirBuilder::new().recursive(true).mode(0o700).create(parent)?;
+        }
+        OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)
+    }
+
+    fn has_file(&self, rel: &str) -> bool {
+        self.tmp.join(rel).exists()
+    }
+
+    fn location(&self) -> &Path {
+        &self.tmp
     }
 }
 

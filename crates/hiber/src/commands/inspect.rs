@@ -55,11 +55,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("devices     none (CPU only)");
     }
     for d in &m.devices {
-        println!("devices     {}", d.engine);
-        let lines = match d.engine.as_str() {
-            engine::cuda::ENGINE => engine::cuda::describe(&d.state),
-            engine::agent::ENGINE => engine::agent::describe(&d.state),
-            _ => vec![d.state.to_string()],
+        println!("devices     {} (section version {})", d.engine, d.version);
+        let lines = match engine::kind(&d.engine) {
+            Some(kind) => kind.describe(&d.state),
+            None => vec![format!("(an engine this hiber does not know: {})", d.state)],
         };
         for l in lines {
             println!("  {l}");

@@ -83,19 +83,9 @@ pub fn image_path(state: &StateDir, given: &str) -> PathBuf {
     }
 }
 
+/// Bytes as a person reads them ("256.70 MiB").
 pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
+    indicatif::HumanBytes(b).to_string()
 }
 
 pub fn secs(d: Duration) -> String {
@@ -109,7 +99,7 @@ mod tests {
     #[test]
     fn bytes() {
         assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(1536), "1.5 KiB");
-        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
     }
 }

@@ -38,12 +38,10 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         let cwd = std::env::current_dir()?;
         let mut cmd =
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
-        if agent {
-            if let Some(env) = agent_env(&dir) {
-                for (k, v) in env {
-                    cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
-                }
-            }
+        // What the device engines prepare for a job: the agent's preload, say.
+        let skip: &[&str] = if agent { &[] } else { &[hiber_core::engine::agent::ENGINE] };
+        for (k, v) in hiber_core::engine::launch_env(&dir, skip) {
+            cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
         match launch::spawn_shim(&dir, &[], move || launch::start_in_namespace(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
@@ -75,34 +73,6 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     };
     registry.save(&job)?;
     Ok(job)
-}
-
-/// The environment that preloads hiber's agent, on a machine with an NVIDIA GPU and with
-/// the agent library beside the hiber binary (`HIBER_AGENT_LIB` overrides where).
-fn agent_env(job_dir: &std::path::Path) -> Option<Vec<(String, String)>> {
-    if !std::path::Path::new("/dev/nvidiactl").exists() {
-        return None;
-    }
-    let lib = match std::env::var_os("HIBER_AGENT_LIB") {
-        Some(p) => std::path::PathBuf::from(p),
-        None => std::env::current_exe().ok()?.parent()?.join("libhiber_agent.so"),
-    };
-    if !lib.exists() {
-        eprintln!("hiber: note: {} is missing; the job runs without the agent (GPU memory goes the driver's slower way)", lib.display());
-        return None;
-    }
-    let mut token = [0u8; 8];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut token)).ok()?;
-    let token: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    let preload = match std::env::var("LD_PRELOAD") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
-        _ => lib.display().to_string(),
-    };
-    Some(vec![
-        ("LD_PRELOAD".into(), preload),
-        (hiber_wire::TOKEN_ENV.into(), token),
-        (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
-    ])
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {

@@ -3,16 +3,15 @@
 //! the GPU and the image's chunk files through small pinned buffers, in parallel.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::BorrowedFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Stream};
-use crate::image::FileEntry;
+use crate::image::{FileEntry, ImageSink};
 
 /// Bytes per chunk file: large enough for full-speed copies, small enough that a few
 /// pinned buffers of this size are cheap to allocate.
@@ -209,21 +208,15 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
     Ok(r.into_iter().map(|(_, v)| v).collect())
 }
 
-/// Streams each memory into chunk files `PREFIX.NNNNN` under `dir` (created 0600, made
-/// durable), hashing as it goes. Returns the files' manifest entries.
-pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path) -> Result<Vec<FileEntry>, String> {
+/// Streams each memory into chunk files `PREFIX.NNNNN` of the image (created 0600 by the
+/// sink, made durable), hashing as it goes. Returns the files' manifest entries.
+pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
     let tasks = tasks(mems);
-    for t in &tasks {
-        if let Some(parent) = dir.join(&t.rel).parent() {
-            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-        }
-    }
     parallel(gpus, &tasks, |t, buf, stream| {
         gpus.cuda.copy_to_host(buf, t.len, t.va, stream).map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
         let data = &buf.as_mut_slice()[..t.len];
-        let path = dir.join(&t.rel);
-        let io = |e: std::io::Error| format!("{}: {e}", path.display());
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(io)?;
+        let io = |e: std::io::Error| format!("{}: {e}", t.rel);
+        let mut f = sink.create_file(&t.rel).map_err(io)?;
         f.write_all(data).map_err(io)?;
         f.sync_all().map_err(io)?;
         Ok(FileEntry { path: t.rel.clone(), size: t.len as u64, blake3: blake3::hash(data).to_hex().to_string() })
@@ -255,8 +248,6 @@ pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option
     })
     .map(|_| ())
 }
-
-use std::os::unix::fs::DirBuilderExt;
 
 #[cfg(test)]
 mod tests {

@@ -24,22 +24,106 @@ mod device;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use hiber_wire::{socket, Reply, Request, Status};
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{self, ffi, Gpu};
-use super::{CaptureTarget, DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
-use crate::image::FileEntry;
+use super::{CheckpointOptions, CheckpointSession, CuError, DeviceEngine, DeviceRestoreOptions, EngineError, EngineKind, RestoreSession, RestoredPid};
+use crate::image::{FileEntry, ImageSink};
 use crate::proctree::ProcessInfo;
 use device::{DeviceMem, Gpus};
 
 pub const ENGINE: &str = "agent";
+/// The shape of [`Section`]; 1 since the first agent images.
+const SECTION_VERSION: u32 = 1;
 const DEFAULT_QUIESCE_TIMEOUT_MS: u64 = 10_000;
 /// Room left on a GPU beside a snapshot, for the driver's own needs.
 const SNAPSHOT_MARGIN: u64 = 1 << 30;
+
+/// The agent as hiber knows it without loading libcuda.
+pub struct Kind;
+pub static KIND: Kind = Kind;
+
+impl EngineKind for Kind {
+    fn name(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn section_version(&self) -> u32 {
+        SECTION_VERSION
+    }
+
+    fn load(&self) -> Option<Box<dyn DeviceEngine>> {
+        AgentEngine::load().map(|e| Box::new(e) as Box<dyn DeviceEngine>)
+    }
+
+    fn describe(&self, section: &serde_json::Value) -> Vec<String> {
+        describe(section)
+    }
+
+    /// Preloads the agent into jobs on a machine with an NVIDIA GPU, when the library is
+    /// beside the hiber binary (`HIBER_AGENT_LIB` overrides where).
+    fn launch_env(&self, job_dir: &Path) -> Vec<(String, String)> {
+        agent_env(job_dir).unwrap_or_default()
+    }
+
+    fn streamed_dir(&self) -> Option<&'static str> {
+        Some(ENGINE)
+    }
+
+    fn unavailable_hint(&self) -> &'static str {
+        "restore on a machine with an NVIDIA GPU and a driver with the VMM API (`hiber doctor` says what this one has)"
+    }
+}
+
+/// The environment that preloads the agent, with a fresh token naming its socket.
+fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
+    if !Path::new("/dev/nvidiactl").exists() {
+        return None;
+    }
+    let lib = match std::env::var_os("HIBER_AGENT_LIB") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe().ok()?.parent()?.join("libhiber_agent.so"),
+    };
+    if !lib.exists() {
+        tracing::warn!(lib = %lib.display(), "the agent library is missing; the job runs without the agent (GPU memory goes the driver's slower way)");
+        return None;
+    }
+    let mut token = [0u8; 8];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut token)).ok()?;
+    let token: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
+        _ => lib.display().to_string(),
+    };
+    Some(vec![
+        ("LD_PRELOAD".into(), preload),
+        (hiber_wire::TOKEN_ENV.into(), token),
+        (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
+    ])
+}
+
+/// How the device memory reached the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Copied on the GPU and written after the application resumed.
+    DeviceSnapshot,
+    /// Written before the agent released the memory.
+    Direct,
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::DeviceSnapshot => "device-snapshot",
+            Mode::Direct => "direct",
+        })
+    }
+}
 
 /// What the agent of one process tracked and left to the driver.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -70,9 +154,7 @@ pub struct AgentProcess {
 /// The engine's manifest section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Section {
-    /// "device-snapshot": copied on the GPU and written after the application resumed;
-    /// "direct": written before the agent released the memory.
-    pub mode: String,
+    pub mode: Mode,
     pub chunk_bytes: u64,
     pub gpus: Vec<Gpu>,
     pub processes: Vec<AgentProcess>,
@@ -80,6 +162,12 @@ pub struct Section {
     pub quiesce_seconds: f64,
     /// Device copy (snapshot mode) or writing the chunks (direct mode) before release.
     pub copy_seconds: f64,
+}
+
+/// Where allocation `id` of the process with namespace PID `ns_pid` lives in an image: its
+/// chunk files are this prefix plus `.NNNNN`.
+pub fn chunk_prefix(ns_pid: i32, id: u64) -> String {
+    format!("{ENGINE}/{ns_pid}/{id}")
 }
 
 fn passthrough(s: &Status) -> Passthrough {
@@ -91,14 +179,18 @@ fn passthrough(s: &Status) -> Passthrough {
     }
 }
 
-/// A process with an agent, found by `claim`.
+/// A process with an agent, found when a checkpoint opens.
 #[derive(Debug, Clone)]
 struct Target {
+    pid: i32,
     name: String,
     ns_pid: i32,
     comm: String,
     status: Status,
 }
+
+/// What hiber took from one process: the memory it holds, and the chunks it wrote.
+type Taken = (Vec<Held>, Vec<FileEntry>);
 
 /// One allocation hiber holds during a checkpoint.
 struct Held {
@@ -110,25 +202,17 @@ struct Held {
     gpu: String,
 }
 
-#[derive(Default)]
-struct State {
-    targets: HashMap<i32, Target>,
-    held: HashMap<i32, Vec<Held>>,
-    /// Snapshots whose processes run again, waiting for `finish`.
-    pending: Vec<(DeviceMem, String)>,
-    written: Vec<FileEntry>,
-    section: Option<Section>,
-    dir: Option<PathBuf>,
-}
-
 pub struct AgentEngine {
     gpus: Arc<Gpus>,
-    state: Mutex<State>,
     timeout_ms: u64,
 }
 
-fn fail(message: String, hint: Option<&str>) -> EngineError {
-    EngineError::Failed { engine: ENGINE, message, hint: hint.map(String::from) }
+fn fail(message: impl Into<String>, hint: Option<&str>) -> EngineError {
+    EngineError::failed(ENGINE, message, hint)
+}
+
+fn cuda_fail(gpus: &Gpus, what: &str, code: ffi::CuResult) -> EngineError {
+    EngineError::Cuda { engine: ENGINE, what: what.into(), result: CuError { code, name: gpus.cuda.error_name(code) }, hint: None }
 }
 
 /// The agent token in a process's environment, as `hiber run` set it.
@@ -147,14 +231,22 @@ struct Conn {
 impl Conn {
     fn open(pid: i32, name: &str) -> Result<Conn, EngineError> {
         let name = name.to_string();
-        let sock = crate::sys::in_network_namespace_of(pid, move || socket::connect(&name))
-            .and_then(|r| r)
-            .map_err(|e| fail(format!("cannot reach the agent of process {pid}: {e}"), None))?;
+        let sock = crate::sys::in_network_namespace_of(pid, move || socket::connect(&name)).and_then(|r| r).map_err(|source| EngineError::Io {
+            engine: ENGINE,
+            what: format!("cannot reach the agent of process {pid}"),
+            source,
+            hint: None,
+        })?;
         Ok(Conn { sock, pid })
     }
 
     fn send(&self, r: &Request, fd: Option<&OwnedFd>) -> Result<(), EngineError> {
-        socket::send(&self.sock, &r.encode(), fd.map(|f| f.as_raw_fd())).map_err(|e| fail(format!("agent of process {}: {e}", self.pid), None))
+        socket::send(&self.sock, &r.encode(), fd.map(|f| f.as_raw_fd())).map_err(|source| EngineError::Io {
+            engine: ENGINE,
+            what: format!("agent of process {}", self.pid),
+            source,
+            hint: None,
+        })
     }
 
     fn recv(&self) -> Result<(Reply, Option<OwnedFd>), EngineError> {
@@ -165,7 +257,7 @@ impl Conn {
                 format!("the agent of process {} could not quiesce it: device work still running after the timeout; the application keeps running", self.pid),
                 Some("retry later, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
             )),
-            Err(e) => Err(fail(format!("agent of process {}: {e}", self.pid), None)),
+            Err(source) => Err(EngineError::Io { engine: ENGINE, what: format!("agent of process {}", self.pid), source, hint: None }),
         }
     }
 
@@ -184,6 +276,19 @@ impl Conn {
     }
 }
 
+/// Hands `held` back over `conn` and opens the agent's gate.
+fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
+    for h in held {
+        conn.call(&Request::Load { id: h.id }, Some(&h.fd))?;
+    }
+    conn.call(&Request::Resume, None).map(|_| ())
+}
+
+/// Hands `held` back to the agent of `pid` and opens its gate.
+fn give_back(pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
+    give_back_on(&Conn::open(pid, name)?, held)
+}
+
 impl AgentEngine {
     /// The engine, when libcuda with the VMM API is here.
     pub fn load() -> Option<AgentEngine> {
@@ -191,72 +296,7 @@ impl AgentEngine {
         // One timeout for "work in flight must finish": the agent's own, else the driver lock's.
         let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse().ok());
         let timeout_ms = env("HIBER_AGENT_QUIESCE_TIMEOUT_MS").or_else(|| env("HIBER_CUDA_LOCK_TIMEOUT_MS")).unwrap_or(DEFAULT_QUIESCE_TIMEOUT_MS);
-        Some(AgentEngine { gpus: Arc::new(Gpus::new(lib)), state: Mutex::new(State::default()), timeout_ms })
-    }
-
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn cuda_fail(&self, what: &str, e: ffi::CuResult) -> EngineError {
-        fail(format!("{what}: {}", self.gpus.cuda.error_name(e)), None)
-    }
-
-    /// Quiesces one process and takes its memory; on error the process is as before.
-    fn take(&self, pid: i32, t: &Target, target: &CaptureTarget<'_>, snapshot: bool) -> Result<(Vec<Held>, Vec<FileEntry>), EngineError> {
-        let conn = Conn::open(pid, &t.name)?;
-        // The agent bounds its wait for calls in flight; a kernel still running when it
-        // synchronizes is bounded here. Timing out closes the connection, and the agent,
-        // finding no one to hand its memory to, opens its gate again.
-        let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
-        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None)?;
-        let mut held = Vec::new();
-        let mut timed_out = false;
-        let taken = (|| {
-            loop {
-                let msg = conn.recv().inspect_err(|_| timed_out = true)?;
-                match msg {
-                    (Reply::Alloc { id, size, .. }, Some(fd)) => {
-                        let mem = DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| self.cuda_fail("importing device memory from the agent", e))?;
-                        let gpu = self.gpus.uuid(mem.dev).map_err(|e| self.cuda_fail("device UUID", e))?;
-                        held.push(Held { id, fd, mem, snapshot: None, gpu });
-                    }
-                    (Reply::Done { count }, _) if count == held.len() as u64 => break,
-                    (Reply::Err(m), _) => {
-                        return Err(fail(
-                            format!("agent of process {pid} could not quiesce: {m}"),
-                            Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
-                        ))
-                    }
-                    (other, _) => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
-                }
-            }
-            let _ = socket::set_recv_timeout(&conn.sock, None);
-            let written = if snapshot {
-                for h in held.iter_mut() {
-                    h.snapshot = Some(h.mem.snapshot().map_err(|e| self.cuda_fail("copying device memory", e))?);
-                }
-                Vec::new()
-            } else {
-                let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, format!("{ENGINE}/{}/{}", t.ns_pid, h.id))).collect();
-                device::save(&self.gpus, &mems, target.dir.parent().unwrap_or(target.dir)).map_err(|e| fail(format!("writing device memory: {e}"), None))?
-            };
-            conn.call(&Request::Release, None)?;
-            conn.wait_closed();
-            Ok(written)
-        })();
-        match taken {
-            Ok(written) => Ok((held, written)),
-            Err(e) => {
-                // The agent gets back whatever it released and opens its gate. After a
-                // timeout it is still busy; it opens the gate itself once it finds the
-                // connection closed.
-                if !timed_out {
-                    let _ = Self::give_back_on(&conn, &held);
-                }
-                Err(e)
-            }
-        }
+        Some(AgentEngine { gpus: Arc::new(Gpus::new(lib)), timeout_ms })
     }
 
     /// After a hiber died mid-checkpoint: whatever the agent of `pid` released is loaded
@@ -277,7 +317,7 @@ impl AgentEngine {
             }
         }
         for (id, size, gpu) in released {
-            let prefix = format!("{ENGINE}/{ns_pid}/{id}");
+            let prefix = chunk_prefix(ns_pid, id);
             let dir = dirs.iter().find(|d| d.join(format!("{prefix}.00000")).exists()).ok_or_else(|| {
                 fail(
                     format!("the device memory of process {pid} (allocation {id}, {} MiB) was only in the hiber that died; it is lost", size >> 20),
@@ -287,38 +327,24 @@ impl AgentEngine {
             // A finished image has checksums for the chunks; a partial one does not yet.
             let image = crate::image::Image::open(dir).ok();
             let sums: Option<HashMap<String, String>> = image.map(|i| i.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect());
-            let dev = self.gpus.ordinal(&gpu).map_err(|e| self.cuda_fail("listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {gpu} here"), None))?;
-            let mem = DeviceMem::create(&self.gpus, size, dev, true).map_err(|e| self.cuda_fail("allocating device memory", e))?;
+            let dev = self.gpus.ordinal(&gpu).map_err(|e| cuda_fail(&self.gpus, "listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {gpu} here"), None))?;
+            let mem = DeviceMem::create(&self.gpus, size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
             device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref()).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
-            let fd = mem.export_fd().map_err(|e| self.cuda_fail("exporting device memory", e))?;
+            let fd = mem.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
             conn.call(&Request::Load { id }, Some(&fd))?;
         }
         conn.call(&Request::Resume, None).map(|_| ())
     }
-
-    /// Hands `held` back over `conn` and opens the agent's gate.
-    fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
-        for h in held {
-            conn.call(&Request::Load { id: h.id }, Some(&h.fd))?;
-        }
-        conn.call(&Request::Resume, None).map(|_| ())
-    }
-
-    /// Hands `held` back to the agent of `pid` and opens its gate.
-    fn give_back(&self, pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
-        Self::give_back_on(&Conn::open(pid, name)?, held)
-    }
 }
 
 impl DeviceEngine for AgentEngine {
-    fn name(&self) -> &'static str {
-        ENGINE
+    fn kind(&self) -> &'static dyn EngineKind {
+        &KIND
     }
 
-    fn claim(&self, tree: &[ProcessInfo]) -> Result<Vec<i32>, EngineError> {
-        let mut pids = Vec::new();
-        let mut st = self.state();
-        for p in tree.iter().filter(|p| p.uses_nvidia) {
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
+        let mut targets = Vec::new();
+        for p in tree.iter().filter(|p| p.holds_device("/dev/nvidia")) {
             let Some(token) = agent_token(p.pid) else { continue };
             let name = hiber_wire::socket_name(&token, p.ns_pid);
             let status = match Conn::open(p.pid, &name).and_then(|c| c.call(&Request::Status, None)) {
@@ -334,136 +360,23 @@ impl DeviceEngine for AgentEngine {
                     Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
                 ));
             }
-            st.targets.insert(p.pid, Target { name, ns_pid: p.ns_pid, comm: p.comm.clone(), status });
-            pids.push(p.pid);
+            targets.push(Target { pid: p.pid, name, ns_pid: p.ns_pid, comm: p.comm.clone(), status });
         }
-        Ok(pids)
-    }
-
-    fn quiesce(&self, pids: &[i32], target: &CaptureTarget<'_>) -> Result<(), EngineError> {
-        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
-        // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
-        crate::sys::raise_open_files_limit();
-        let start = Instant::now();
-        let targets: Vec<(i32, Target)> = {
-            let st = self.state();
-            pids.iter().filter_map(|p| st.targets.get(p).map(|t| (*p, t.clone()))).filter(|(_, t)| t.status.tracked > 0).collect()
-        };
-        // A device snapshot lets the application run again before the data reaches the
-        // disk; it needs room on the GPU beside the memory it copies.
-        let snapshot = target.leave_running && {
-            let total: u64 = targets.iter().map(|(_, t)| t.status.tracked_bytes).sum();
-            (0..self.gpus.cuda.device_count().unwrap_or(0)).all(|d| self.gpus.free_bytes(d).map(|f| f >= total + SNAPSHOT_MARGIN).unwrap_or(false))
-        };
-        let mut done: Vec<(i32, Target, Vec<Held>)> = Vec::new();
-        let mut written = Vec::new();
-        for (pid, t) in targets {
-            match self.take(pid, &t, target, snapshot) {
-                Ok((held, w)) => {
-                    written.extend(w);
-                    done.push((pid, t, held));
-                }
-                Err(e) => {
-                    for (pid, t, held) in &done {
-                        let _ = self.give_back(*pid, &t.name, held);
-                    }
-                    return Err(e);
-                }
-            }
+        if targets.is_empty() {
+            return Ok(None);
         }
-        let copy_seconds = start.elapsed().as_secs_f64();
-        let mut st = self.state();
-        st.dir = Some(target.dir.to_path_buf());
-        st.written = written;
-        let mut processes = Vec::new();
-        for (pid, t, held) in done {
-            processes.push(AgentProcess {
-                ns_pid: t.ns_pid,
-                comm: t.comm.clone(),
-                bytes: held.iter().map(|h| h.mem.size).sum(),
-                allocations: held
-                    .iter()
-                    .map(|h| Allocation {
-                        id: h.id,
-                        size: h.mem.size,
-                        gpu: h.gpu.clone(),
-                        files: device::chunk_files(&format!("{ENGINE}/{}/{}", t.ns_pid, h.id), h.mem.size),
-                    })
-                    .collect(),
-                passthrough: passthrough(&t.status),
-            });
-            st.held.insert(pid, held);
-        }
-        // Processes with an agent that tracked nothing: recorded for what they left to the driver.
-        for t in st.targets.iter().filter(|(p, t)| pids.contains(p) && t.status.tracked == 0).map(|(_, t)| t) {
-            processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
-        }
-        st.section = Some(Section {
-            mode: if snapshot { "device-snapshot" } else { "direct" }.into(),
-            chunk_bytes: device::CHUNK,
-            gpus: cuda::nvml_gpus(),
-            processes,
-            quiesce_seconds: start.elapsed().as_secs_f64(),
-            copy_seconds,
-        });
-        Ok(())
-    }
-
-    fn capture(&self, _pids: &[i32], _tree: &[ProcessInfo], _dir: &Path) -> Result<serde_json::Value, EngineError> {
-        let st = self.state();
-        let section = st.section.as_ref().ok_or_else(|| fail("capture before quiesce".into(), None))?;
-        Ok(serde_json::to_value(section).expect("section serializes"))
-    }
-
-    fn resume(&self, pids: &[i32]) -> Result<(), EngineError> {
-        let mut first = None;
-        for &pid in pids {
-            let (held, name) = {
-                let mut st = self.state();
-                (st.held.remove(&pid), st.targets.get(&pid).map(|t| t.name.clone()))
-            };
-            let name = match name.or_else(|| recovered_name(pid)) {
-                Some(n) => n,
-                None => continue,
-            };
-            let r = match held {
-                Some(held) => {
-                    let mut r = self.give_back(pid, &name, &held);
-                    let mut st = self.state();
-                    let ns_pid = st.targets.get(&pid).map(|t| t.ns_pid).unwrap_or(pid);
-                    if r.is_err() {
-                        // hiber holds the only reference and is about to fail: put the memory
-                        // where `hiber recover` looks for it (in direct mode it is there already).
-                        if let Some(dir) = st.dir.clone() {
-                            let image = dir.parent().unwrap_or(&dir).to_path_buf();
-                            let mems: Vec<(&DeviceMem, String)> = held
-                                .iter()
-                                .map(|h| (&h.mem, format!("{ENGINE}/{ns_pid}/{}", h.id)))
-                                .filter(|(_, p)| !image.join(format!("{p}.00000")).exists())
-                                .collect();
-                            if let Err(e) = device::save(&self.gpus, &mems, &image) {
-                                r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
-                            }
-                        }
-                    }
-                    for h in held {
-                        if let Some(s) = h.snapshot {
-                            st.pending.push((s, format!("{ENGINE}/{ns_pid}/{}", h.id)));
-                        }
-                    }
-                    r
-                }
-                // Nothing held (an undo before the handover, or `hiber recover`): open the gate.
-                None => match Conn::open(pid, &name) {
-                    Ok(c) => c.call(&Request::Resume, None).map(|_| ()),
-                    Err(_) => Ok(()),
-                },
-            };
-            if let Err(e) = r {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        let pids = targets.iter().map(|t| t.pid).collect();
+        Ok(Some(Box::new(AgentCheckpoint {
+            gpus: self.gpus.clone(),
+            timeout_ms: self.timeout_ms,
+            opts,
+            pids,
+            targets,
+            held: HashMap::new(),
+            pending: Vec::new(),
+            written: Vec::new(),
+            section: None,
+        })))
     }
 
     fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
@@ -476,20 +389,7 @@ impl DeviceEngine for AgentEngine {
         first.map_or(Ok(()), Err)
     }
 
-    fn finish(&self) -> Result<Vec<FileEntry>, EngineError> {
-        let (pending, dir, mut written) = {
-            let mut st = self.state();
-            (std::mem::take(&mut st.pending), st.dir.clone(), std::mem::take(&mut st.written))
-        };
-        if !pending.is_empty() {
-            let dir = dir.ok_or_else(|| fail("finish before quiesce".into(), None))?;
-            let mems: Vec<(&DeviceMem, String)> = pending.iter().map(|(m, p)| (m, p.clone())).collect();
-            written.extend(device::save(&self.gpus, &mems, dir.parent().unwrap_or(&dir)).map_err(|e| fail(format!("writing device memory: {e}"), None))?);
-        }
-        Ok(written)
-    }
-
-    fn check_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
+    fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
         let section = section(value)?;
         let here = cuda::nvml_gpus();
         let map = gpu_map(&section, &here, opts)?;
@@ -512,13 +412,226 @@ impl DeviceEngine for AgentEngine {
                 ));
             }
         }
+        Ok(Box::new(AgentRestore { gpus: self.gpus.clone(), section, map, image_dir: opts.image_dir.clone(), checksums: opts.checksums.clone() }))
+    }
+}
+
+/// The agent's share of one checkpoint: the processes it claimed and the memory hiber
+/// holds for them until it hands it back.
+struct AgentCheckpoint {
+    gpus: Arc<Gpus>,
+    timeout_ms: u64,
+    opts: CheckpointOptions,
+    pids: Vec<i32>,
+    targets: Vec<Target>,
+    held: HashMap<i32, Vec<Held>>,
+    /// Snapshots whose processes run again, waiting for `finish`.
+    pending: Vec<(DeviceMem, String)>,
+    written: Vec<FileEntry>,
+    section: Option<Section>,
+}
+
+impl AgentCheckpoint {
+    /// Quiesces one process and takes its memory; on error the process is as before.
+    fn take(&self, t: &Target, sink: &dyn ImageSink, snapshot: bool) -> Result<Taken, EngineError> {
+        let pid = t.pid;
+        let conn = Conn::open(pid, &t.name)?;
+        // The agent bounds its wait for calls in flight; a kernel still running when it
+        // synchronizes is bounded here. Timing out closes the connection, and the agent,
+        // finding no one to hand its memory to, opens its gate again.
+        let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
+        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None)?;
+        let mut held = Vec::new();
+        let mut timed_out = false;
+        let taken = (|| {
+            loop {
+                let msg = conn.recv().inspect_err(|_| timed_out = true)?;
+                match msg {
+                    (Reply::Alloc { id, size, .. }, Some(fd)) => {
+                        let mem =
+                            DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| cuda_fail(&self.gpus, "importing device memory from the agent", e))?;
+                        let gpu = self.gpus.uuid(mem.dev).map_err(|e| cuda_fail(&self.gpus, "device UUID", e))?;
+                        held.push(Held { id, fd, mem, snapshot: None, gpu });
+                    }
+                    (Reply::Done { count }, _) if count == held.len() as u64 => break,
+                    (Reply::Err(m), _) => {
+                        return Err(fail(
+                            format!("agent of process {pid} could not quiesce: {m}"),
+                            Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
+                        ))
+                    }
+                    (other, _) => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
+                }
+            }
+            let _ = socket::set_recv_timeout(&conn.sock, None);
+            let written = if snapshot {
+                for h in held.iter_mut() {
+                    h.snapshot = Some(h.mem.snapshot().map_err(|e| cuda_fail(&self.gpus, "copying device memory", e))?);
+                }
+                Vec::new()
+            } else {
+                let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+                device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
+            };
+            conn.call(&Request::Release, None)?;
+            conn.wait_closed();
+            Ok(written)
+        })();
+        match taken {
+            Ok(written) => Ok((held, written)),
+            Err(e) => {
+                // The agent gets back whatever it released and opens its gate. After a
+                // timeout it is still busy; it opens the gate itself once it finds the
+                // connection closed.
+                if !timed_out {
+                    let _ = give_back_on(&conn, &held);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl CheckpointSession for AgentCheckpoint {
+    fn pids(&self) -> &[i32] {
+        &self.pids
+    }
+
+    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
+        // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
+        crate::sys::raise_open_files_limit();
+        let start = Instant::now();
+        let busy: Vec<&Target> = self.targets.iter().filter(|t| t.status.tracked > 0).collect();
+        // A device snapshot lets the application run again before the data reaches the
+        // disk; it needs room on the GPU beside the memory it copies.
+        let snapshot = self.opts.leave_running && {
+            let total: u64 = busy.iter().map(|t| t.status.tracked_bytes).sum();
+            (0..self.gpus.cuda.device_count().unwrap_or(0)).all(|d| self.gpus.free_bytes(d).map(|f| f >= total + SNAPSHOT_MARGIN).unwrap_or(false))
+        };
+        // The processes of a job are quiesced together: ranks that wait on each other
+        // must all stop at once, and the copies overlap.
+        let results: Vec<Result<Taken, EngineError>> = std::thread::scope(|s| {
+            let this = &*self;
+            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink, snapshot))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("a quiesce thread panicked", None)))).collect()
+        });
+        let mut done = Vec::new();
+        let mut first_error = None;
+        for (t, r) in busy.iter().zip(results) {
+            match r {
+                Ok((held, written)) => done.push((t.pid, t.name.clone(), held, written)),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            for (pid, name, held, _) in &done {
+                let _ = give_back(*pid, name, held);
+            }
+            return Err(e);
+        }
+        let copy_seconds = start.elapsed().as_secs_f64();
+        let mut processes = Vec::new();
+        for t in &self.targets {
+            let Some((_, _, held, written)) = done.iter_mut().find(|(pid, ..)| *pid == t.pid) else {
+                // An agent that tracked nothing: recorded for what it left to the driver.
+                processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
+                continue;
+            };
+            self.written.append(written);
+            processes.push(AgentProcess {
+                ns_pid: t.ns_pid,
+                comm: t.comm.clone(),
+                bytes: held.iter().map(|h| h.mem.size).sum(),
+                allocations: held
+                    .iter()
+                    .map(|h| Allocation {
+                        id: h.id,
+                        size: h.mem.size,
+                        gpu: h.gpu.clone(),
+                        files: device::chunk_files(&chunk_prefix(t.ns_pid, h.id), h.mem.size),
+                    })
+                    .collect(),
+                passthrough: passthrough(&t.status),
+            });
+            self.held.insert(t.pid, std::mem::take(held));
+        }
+        self.section = Some(Section {
+            mode: if snapshot { Mode::DeviceSnapshot } else { Mode::Direct },
+            chunk_bytes: device::CHUNK,
+            gpus: cuda::nvml_gpus(),
+            processes,
+            quiesce_seconds: start.elapsed().as_secs_f64(),
+            copy_seconds,
+        });
         Ok(())
     }
 
-    fn restore(&self, value: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
-        let section = section(value)?;
-        let map = gpu_map(&section, &cuda::nvml_gpus(), opts)?;
-        for p in section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+    fn capture(&mut self, _tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError> {
+        let section = self.section.as_ref().ok_or_else(|| fail("capture before quiesce", None))?;
+        Ok(serde_json::to_value(section).expect("section serializes"))
+    }
+
+    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let mut first = None;
+        for t in &self.targets {
+            let r = match self.held.remove(&t.pid) {
+                Some(held) => {
+                    let mut r = give_back(t.pid, &t.name, &held);
+                    if r.is_err() {
+                        // hiber holds the only reference and is about to fail: put the memory
+                        // where `hiber recover` looks for it (in direct mode it is there already).
+                        let mems: Vec<(&DeviceMem, String)> =
+                            held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).filter(|(_, p)| !sink.has_file(&format!("{p}.00000"))).collect();
+                        if let Err(e) = device::save(&self.gpus, &mems, sink) {
+                            r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
+                        }
+                    }
+                    for h in held {
+                        if let Some(s) = h.snapshot {
+                            self.pending.push((s, chunk_prefix(t.ns_pid, h.id)));
+                        }
+                    }
+                    r
+                }
+                // Nothing held (an undo before the handover): open the gate.
+                None => match Conn::open(t.pid, &t.name) {
+                    Ok(c) => c.call(&Request::Resume, None).map(|_| ()),
+                    Err(_) => Ok(()),
+                },
+            };
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut written = std::mem::take(&mut self.written);
+        if !pending.is_empty() {
+            let mems: Vec<(&DeviceMem, String)> = pending.iter().map(|(m, p)| (m, p.clone())).collect();
+            written.extend(device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?);
+        }
+        Ok(written)
+    }
+}
+
+/// The agent's share of one restore, checked against this machine's GPUs.
+struct AgentRestore {
+    gpus: Arc<Gpus>,
+    section: Section,
+    map: BTreeMap<String, String>,
+    image_dir: PathBuf,
+    checksums: HashMap<String, String>,
+}
+
+impl RestoreSession for AgentRestore {
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
             let now = pids
                 .iter()
                 .find(|r| r.ns_pid == p.ns_pid)
@@ -527,19 +640,20 @@ impl DeviceEngine for AgentEngine {
             let t0 = Instant::now();
             let mut mems = Vec::new();
             for a in &p.allocations {
-                let uuid = map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
-                let dev = self.gpus.ordinal(&uuid).map_err(|e| self.cuda_fail("listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {uuid} here"), None))?;
-                let mem = DeviceMem::create(&self.gpus, a.size, dev, true).map_err(|e| self.cuda_fail("allocating device memory", e))?;
+                let uuid = self.map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
+                let dev =
+                    self.gpus.ordinal(&uuid).map_err(|e| cuda_fail(&self.gpus, "listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {uuid} here"), None))?;
+                let mem = DeviceMem::create(&self.gpus, a.size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
                 mems.push((a.id, mem));
             }
-            let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, format!("{ENGINE}/{}/{id}", p.ns_pid))).collect();
+            let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, chunk_prefix(p.ns_pid, *id))).collect();
             let t1 = Instant::now();
-            device::load(&self.gpus, &jobs, &opts.image_dir, Some(&opts.checksums))
+            device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums))
                 .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
             let t2 = Instant::now();
             let conn = Conn::open(now.pid, &name)?;
             for (id, m) in &mems {
-                let fd = m.export_fd().map_err(|e| self.cuda_fail("exporting device memory", e))?;
+                let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
                 conn.call(&Request::Load { id: *id }, Some(&fd))?;
             }
             conn.call(&Request::Resume, None)?;
@@ -553,10 +667,6 @@ impl DeviceEngine for AgentEngine {
             );
         }
         Ok(())
-    }
-
-    fn describe(&self, value: &serde_json::Value) -> Vec<String> {
-        describe(value)
     }
 }
 
@@ -602,4 +712,23 @@ pub fn describe(value: &serde_json::Value) -> Vec<String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_keeps_its_manifest_spelling() {
+        assert_eq!(serde_json::to_value(Mode::DeviceSnapshot).unwrap(), "device-snapshot");
+        assert_eq!(serde_json::from_value::<Mode>("direct".into()).unwrap(), Mode::Direct);
+        assert!(serde_json::from_value::<Mode>("sideways".into()).is_err());
+        assert_eq!(Mode::DeviceSnapshot.to_string(), "device-snapshot");
+    }
+
+    #[test]
+    fn chunk_prefix_names_process_and_allocation() {
+        assert_eq!(chunk_prefix(7, 3), "agent/7/3");
+        assert_eq!(device::chunk_files(&chunk_prefix(7, 3), 1), vec!["agent/7/3.00000"]);
+    }
 }

@@ -17,13 +17,17 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{CaptureTarget, DeviceEngine, DeviceRestoreOptions, EngineError, RestoredPid};
+pub use super::CuError;
+use super::{CheckpointOptions, CheckpointSession, DeviceEngine, DeviceRestoreOptions, EngineError, EngineKind, RestoreSession, RestoredPid};
+use crate::image::ImageSink;
 use crate::proctree::ProcessInfo;
 pub use ffi::{CuUuid, GpuPair};
 pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
 pub use hiber_cuda_sys::abi_layout;
 
 pub const ENGINE: &str = "cuda";
+/// The shape of [`Section`]; 1 since the first images.
+const SECTION_VERSION: u32 = 1;
 /// cuDriverGetVersion of the first driver with the checkpoint API (CUDA 12.8).
 pub const MIN_DRIVER: i32 = 12080;
 /// First driver whose restore takes GPU pairs (CUDA 13.0).
@@ -52,19 +56,6 @@ impl From<i32> for ProcessState {
             3 => ProcessState::Failed,
             o => ProcessState::Unknown(o),
         }
-    }
-}
-
-/// A driver error: the CUresult and its name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CuError {
-    pub code: i32,
-    pub name: String,
-}
-
-impl std::fmt::Display for CuError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({})", self.name, self.code)
     }
 }
 
@@ -196,6 +187,32 @@ pub fn probe() -> Probe {
     Probe { driver: Some(api.driver_version()), driver_release, checkpoint_api, gpus: api.gpus().into_iter().map(|(g, _)| g).collect(), problem: None }
 }
 
+/// The driver engine as hiber knows it without loading libcuda.
+pub struct Kind;
+pub static KIND: Kind = Kind;
+
+impl EngineKind for Kind {
+    fn name(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn section_version(&self) -> u32 {
+        SECTION_VERSION
+    }
+
+    fn load(&self) -> Option<Box<dyn DeviceEngine>> {
+        DriverEngine::load().map(|e| Box::new(e) as Box<dyn DeviceEngine>)
+    }
+
+    fn describe(&self, section: &serde_json::Value) -> Vec<String> {
+        describe(section)
+    }
+
+    fn unavailable_hint(&self) -> &'static str {
+        "restore on a machine with an NVIDIA GPU and driver 570 or newer (`hiber doctor` says what this one has)"
+    }
+}
+
 /// One CUDA process as recorded in an image.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CudaProcess {
@@ -220,6 +237,7 @@ pub struct Section {
     pub checkpoint_seconds: f64,
 }
 
+#[derive(Clone)]
 pub struct DriverEngine {
     api: Arc<dyn CheckpointApi>,
     lock_timeout_ms: u32,
@@ -241,7 +259,7 @@ impl DriverEngine {
     }
 
     fn fail(message: String, hint: Option<&str>) -> EngineError {
-        EngineError::Failed { engine: ENGINE, message, hint: hint.map(String::from) }
+        EngineError::failed(ENGINE, message, hint)
     }
 
     fn driver_fail(what: &str, pid: i32, e: &CuError) -> EngineError {
@@ -253,7 +271,12 @@ impl DriverEngine {
             2 => "not enough GPU memory",
             _ => "",
         };
-        Self::fail(format!("{what} of process {pid} failed: {e}"), (!hint.is_empty()).then_some(hint))
+        EngineError::Cuda {
+            engine: ENGINE,
+            what: format!("{what} of process {pid} failed"),
+            result: e.clone(),
+            hint: (!hint.is_empty()).then(|| hint.to_string()),
+        }
     }
 
     /// Runs `f` for every pid on its own thread; all are attempted, the first error wins.
@@ -318,15 +341,15 @@ impl DriverEngine {
 }
 
 impl DeviceEngine for DriverEngine {
-    fn name(&self) -> &'static str {
-        ENGINE
+    fn kind(&self) -> &'static dyn EngineKind {
+        &KIND
     }
 
-    fn claim(&self, tree: &[ProcessInfo]) -> Result<Vec<i32>, EngineError> {
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], _opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
         let mut pids = Vec::new();
         // Only processes that hold the NVIDIA device files can have CUDA state; asking the
         // driver about others costs time and answers nothing useful.
-        for p in tree.iter().filter(|p| p.uses_nvidia) {
+        for p in tree.iter().filter(|p| p.holds_device("/dev/nvidia")) {
             match self.api.state(p.pid) {
                 Ok(ProcessState::Running) => pids.push(p.pid),
                 Ok(state) => {
@@ -339,48 +362,20 @@ impl DeviceEngine for DriverEngine {
                 Err(e) => tracing::debug!(pid = p.pid, error = %e, "not a CUDA process"),
             }
         }
-        Ok(pids)
-    }
-
-    fn quiesce(&self, pids: &[i32], _target: &CaptureTarget<'_>) -> Result<(), EngineError> {
-        let timeout = self.lock_timeout_ms;
-        self.parallel(pids, |pid| self.api.lock(pid, timeout).map_err(|e| Self::driver_fail("lock", pid, &e)))
-    }
-
-    fn capture(&self, pids: &[i32], tree: &[ProcessInfo], _dir: &Path) -> Result<serde_json::Value, EngineError> {
-        // Ask NVML before the checkpoint releases the memory.
-        let gpus = self.api.gpus();
-        let mut per_pid: BTreeMap<i32, (Vec<String>, u64)> = BTreeMap::new();
-        for (gpu, procs) in &gpus {
-            for &(pid, bytes) in procs {
-                let e = per_pid.entry(pid).or_default();
-                e.0.push(gpu.uuid.clone());
-                e.1 += bytes;
-            }
+        if pids.is_empty() {
+            return Ok(None);
         }
-        let start = std::time::Instant::now();
-        self.parallel(pids, |pid| self.api.checkpoint(pid).map_err(|e| Self::driver_fail("checkpoint", pid, &e)))?;
-        let checkpoint_seconds = start.elapsed().as_secs_f64();
-        let processes = pids
-            .iter()
-            .map(|&pid| {
-                let info = tree.iter().find(|p| p.pid == pid);
-                let (gpus, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
-                CudaProcess { ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid), pid, comm: info.map(|p| p.comm.clone()).unwrap_or_default(), gpus, memory_bytes }
-            })
-            .collect();
-        let section = Section { driver_version: self.api.driver_version(), gpus: gpus.into_iter().map(|(g, _)| g).collect(), processes, checkpoint_seconds };
-        Ok(serde_json::to_value(section).expect("section serializes"))
+        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids })))
     }
 
-    fn resume(&self, pids: &[i32]) -> Result<(), EngineError> {
+    fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
         self.parallel(pids, |pid| self.resume_one(pid, &[]))
     }
 
-    fn check_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
+    fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
         let section = Self::section(value)?;
         let (here, map) = self.resolve(&section, opts)?;
-        self.pairs(&map)?;
+        let pairs = self.pairs(&map)?;
         // Memory each target GPU must take.
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for p in &section.processes {
@@ -404,25 +399,81 @@ impl DeviceEngine for DriverEngine {
                 ));
             }
         }
-        Ok(())
+        Ok(Box::new(DriverRestore { engine: self.clone(), section, pairs }))
+    }
+}
+
+/// The driver's share of one checkpoint: the CUDA processes it claimed.
+struct DriverCheckpoint {
+    engine: DriverEngine,
+    pids: Vec<i32>,
+}
+
+impl CheckpointSession for DriverCheckpoint {
+    fn pids(&self) -> &[i32] {
+        &self.pids
     }
 
-    fn restore(&self, value: &serde_json::Value, pids: &[RestoredPid], opts: &DeviceRestoreOptions) -> Result<(), EngineError> {
-        let section = Self::section(value)?;
-        let pairs = self.pairs(&self.resolve(&section, opts)?.1)?;
+    /// Locks every process in parallel: ranks that wait on each other must all be locked
+    /// within one timeout.
+    fn quiesce(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let (e, timeout) = (&self.engine, self.engine.lock_timeout_ms);
+        e.parallel(&self.pids, |pid| e.api.lock(pid, timeout).map_err(|err| DriverEngine::driver_fail("lock", pid, &err)))
+    }
+
+    fn capture(&mut self, tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError> {
+        let e = &self.engine;
+        // Ask NVML before the checkpoint releases the memory.
+        let gpus = e.api.gpus();
+        let mut per_pid: BTreeMap<i32, (Vec<String>, u64)> = BTreeMap::new();
+        for (gpu, procs) in &gpus {
+            for &(pid, bytes) in procs {
+                let entry = per_pid.entry(pid).or_default();
+                entry.0.push(gpu.uuid.clone());
+                entry.1 += bytes;
+            }
+        }
+        let start = std::time::Instant::now();
+        e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| DriverEngine::driver_fail("checkpoint", pid, &err)))?;
+        let checkpoint_seconds = start.elapsed().as_secs_f64();
+        let processes = self
+            .pids
+            .iter()
+            .map(|&pid| {
+                let info = tree.iter().find(|p| p.pid == pid);
+                let (gpus, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
+                CudaProcess { ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid), pid, comm: info.map(|p| p.comm.clone()).unwrap_or_default(), gpus, memory_bytes }
+            })
+            .collect();
+        let section = Section { driver_version: e.api.driver_version(), gpus: gpus.into_iter().map(|(g, _)| g).collect(), processes, checkpoint_seconds };
+        Ok(serde_json::to_value(section).expect("section serializes"))
+    }
+
+    fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let e = &self.engine;
+        e.parallel(&self.pids, |pid| e.resume_one(pid, &[]))
+    }
+}
+
+/// The driver's share of one restore: the section, and the GPU pairs it was checked with.
+struct DriverRestore {
+    engine: DriverEngine,
+    section: Section,
+    pairs: Vec<GpuPair>,
+}
+
+impl RestoreSession for DriverRestore {
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
         let mut targets = Vec::new();
-        for p in &section.processes {
+        for p in &self.section.processes {
             let now = pids
                 .iter()
                 .find(|r| r.ns_pid == p.ns_pid)
-                .ok_or_else(|| Self::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
+                .ok_or_else(|| DriverEngine::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
             targets.push(now.pid);
         }
-        self.parallel(&targets, |pid| self.resume_one(pid, &pairs))
-    }
-
-    fn describe(&self, value: &serde_json::Value) -> Vec<String> {
-        describe(value)
+        let (e, pairs) = (&self.engine, &self.pairs);
+        e.parallel(&targets, |pid| e.resume_one(pid, pairs))
     }
 }
 

@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use super::*;
+use crate::engine::CheckpointSession;
 
 const H100: &str = "NVIDIA H100 80GB HBM3";
 const UUID_A: &str = "GPU-11111111-2222-3333-4444-555555555555";
@@ -94,7 +95,7 @@ fn proc_info(pid: i32, ns_pid: i32, nvidia: bool) -> ProcessInfo {
         anon_bytes: 0,
         kernel_thread: false,
         fds: vec![],
-        uses_nvidia: nvidia,
+        device_files: if nvidia { vec!["/dev/nvidia0".into(), "/dev/nvidiactl".into()] } else { vec!["/dev/dri/card0".into()] },
     }
 }
 
@@ -102,32 +103,68 @@ fn engine(d: &Arc<FakeDriver>) -> DriverEngine {
     DriverEngine::with_api(d.clone() as Arc<dyn CheckpointApi>)
 }
 
+/// The driver engine writes no files: a sink that refuses any shows it.
+struct NoFiles;
+
+impl ImageSink for NoFiles {
+    fn criu_dir(&self) -> std::path::PathBuf {
+        "/nonexistent".into()
+    }
+    fn create_file(&self, rel: &str) -> std::io::Result<std::fs::File> {
+        panic!("the driver engine wrote {rel}")
+    }
+    fn has_file(&self, _rel: &str) -> bool {
+        false
+    }
+    fn location(&self) -> &Path {
+        Path::new("/nonexistent")
+    }
+}
+
+fn session(e: &DriverEngine, tree: &[ProcessInfo]) -> Box<dyn CheckpointSession> {
+    e.begin_checkpoint(tree, CheckpointOptions::default()).unwrap().expect("the engine claims a process")
+}
+
+/// A section captured from one CUDA process (pid 10, namespace pid 1).
+fn captured(e: &DriverEngine) -> serde_json::Value {
+    let tree = [proc_info(10, 1, true)];
+    let mut s = session(e, &tree);
+    s.quiesce(&NoFiles).unwrap();
+    s.capture(&tree).unwrap()
+}
+
 #[test]
 fn checkpoint_then_resume_round_trip() {
     let d = Arc::new(FakeDriver::new(&[10, 11]));
     let e = engine(&d);
     let tree = vec![proc_info(10, 1, true), proc_info(11, 2, true), proc_info(12, 3, false)];
-    let pids = e.claim(&tree).unwrap();
-    assert_eq!(pids, vec![10, 11], "only processes holding NVIDIA files are claimed");
-    e.quiesce(&pids, &target()).unwrap();
-    let v = e.capture(&pids, &tree, Path::new("/nonexistent")).unwrap();
+    let mut s = session(&e, &tree);
+    assert_eq!(s.pids(), &[10, 11], "only processes holding NVIDIA files are claimed");
+    s.quiesce(&NoFiles).unwrap();
+    let v = s.capture(&tree).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Checkpointed);
     let section: Section = serde_json::from_value(v.clone()).unwrap();
     assert_eq!(section.processes.len(), 2);
     assert_eq!(section.processes[1].ns_pid, 2);
     assert_eq!(section.processes[0].gpus, vec![UUID_A.to_string()]);
     assert_eq!(section.processes[0].memory_bytes, 1 << 30);
-    e.resume(&pids).unwrap();
+    s.resume(&NoFiles).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
     // Restore maps namespace PIDs onto the new host PIDs.
     let d2 = Arc::new(FakeDriver::new(&[20, 21]));
     d2.states.lock().unwrap().values_mut().for_each(|s| *s = ProcessState::Checkpointed);
     let e2 = engine(&d2);
-    e2.check_restore(&v, &DeviceRestoreOptions::default()).unwrap();
-    e2.restore(&v, &[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }], &DeviceRestoreOptions::default()).unwrap();
+    let mut r = e2.begin_restore(&v, &DeviceRestoreOptions::default()).unwrap();
+    r.restore(&[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }]).unwrap();
     assert_eq!(d2.state_of(20), ProcessState::Running);
     assert_eq!(d2.state_of(21), ProcessState::Running);
+}
+
+#[test]
+fn a_tree_without_cuda_opens_no_session() {
+    let d = Arc::new(FakeDriver::new(&[10]));
+    assert!(engine(&d).begin_checkpoint(&[proc_info(10, 1, false)], CheckpointOptions::default()).unwrap().is_none());
 }
 
 #[test]
@@ -136,11 +173,13 @@ fn failed_lock_is_rolled_back_by_resume() {
     d.fail_lock = Some(11);
     let d = Arc::new(d);
     let e = engine(&d);
-    let err = e.quiesce(&[10, 11], &target()).unwrap_err();
+    let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
+    let err = s.quiesce(&NoFiles).unwrap_err();
     assert!(err.to_string().contains("lock of process 11"), "{err}");
+    assert_eq!(err.cuda_result(), Some(600), "the CUresult is kept, not only its text");
     assert!(err.hint().unwrap().contains("keeps running"));
     assert_eq!(d.state_of(10), ProcessState::Locked, "the other lock went through");
-    e.resume(&[10, 11]).unwrap();
+    s.resume(&NoFiles).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
 }
@@ -151,10 +190,12 @@ fn failed_checkpoint_is_rolled_back_by_resume() {
     d.fail_checkpoint = Some(10);
     let d = Arc::new(d);
     let e = engine(&d);
-    e.quiesce(&[10, 11], &target()).unwrap();
-    let err = e.capture(&[10, 11], &[], Path::new("/x")).unwrap_err();
+    let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
+    s.quiesce(&NoFiles).unwrap();
+    let err = s.capture(&[]).unwrap_err();
     assert!(err.hint().unwrap().contains("managed/UVM"), "{err}");
-    e.resume(&[10, 11]).unwrap();
+    assert!(std::error::Error::source(&err).is_some_and(|c| c.to_string().contains("CUDA_ERROR_NOT_SUPPORTED")), "the chain keeps the cause");
+    s.resume(&NoFiles).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
     let log = d.log.lock().unwrap().join(";");
@@ -165,7 +206,7 @@ fn failed_checkpoint_is_rolled_back_by_resume() {
 fn process_not_running_is_refused() {
     let d = Arc::new(FakeDriver::new(&[10]));
     d.states.lock().unwrap().insert(10, ProcessState::Locked);
-    let err = engine(&d).claim(&[proc_info(10, 1, true)]).unwrap_err();
+    let err = engine(&d).begin_checkpoint(&[proc_info(10, 1, true)], CheckpointOptions::default()).err().expect("refused");
     assert!(err.to_string().contains("Locked"), "{err}");
 }
 
@@ -173,28 +214,24 @@ fn process_not_running_is_refused() {
 fn restore_checks_gpu_memory_before_committing() {
     let d = Arc::new(FakeDriver::new(&[10]));
     let e = engine(&d);
-    let tree = vec![proc_info(10, 1, true)];
-    e.quiesce(&[10], &target()).unwrap();
-    let mut v = e.capture(&[10], &tree, Path::new("/x")).unwrap();
+    let mut v = captured(&e);
     v["processes"][0]["memory_bytes"] = serde_json::json!(75u64 << 30);
-    let err = e.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
+    let err = e.begin_restore(&v, &DeviceRestoreOptions::default()).err().expect("refused");
     assert!(err.to_string().contains("MiB free"), "{err}");
 }
 
 #[test]
 fn missing_gpu_names_it_and_suggests_a_map() {
     let d = Arc::new(FakeDriver::new(&[10]));
-    let e = engine(&d);
-    e.quiesce(&[10], &target()).unwrap();
-    let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
+    let v = captured(&engine(&d));
     let mut other = FakeDriver::new(&[]);
     other.gpus = vec![(gpu(0, UUID_B, H100, 70), vec![])];
     let e2 = engine(&Arc::new(other));
-    let err = e2.check_restore(&v, &DeviceRestoreOptions::default()).unwrap_err();
+    let err = e2.begin_restore(&v, &DeviceRestoreOptions::default()).err().expect("refused");
     assert!(err.to_string().contains(UUID_A), "{err}");
     assert!(err.hint().unwrap().contains("--gpu-map"));
     let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())], ..Default::default() };
-    e2.check_restore(&v, &opts).unwrap();
+    e2.begin_restore(&v, &opts).unwrap();
     let (_, map) = e2.resolve(&DriverEngine::section(&v).unwrap(), &opts).unwrap();
     assert_eq!(e2.pairs(&map).unwrap().len(), 1);
 }
@@ -205,10 +242,9 @@ fn remapping_needs_cuda_13() {
     d.version = 12080;
     let d = Arc::new(d);
     let e = engine(&d);
-    e.quiesce(&[10], &target()).unwrap();
-    let v = e.capture(&[10], &[proc_info(10, 1, true)], Path::new("/x")).unwrap();
+    let v = captured(&e);
     let opts = DeviceRestoreOptions { gpu_map: vec![("0".into(), "0".into())], ..Default::default() };
-    assert!(e.check_restore(&v, &opts).unwrap_err().to_string().contains("CUDA 13.0"));
+    assert!(e.begin_restore(&v, &opts).err().expect("refused").to_string().contains("CUDA 13.0"));
 }
 
 #[test]
@@ -237,8 +273,4 @@ fn uuid_parsing() {
     assert!(gpumap::uuid_bytes("GPU-123").is_err());
     assert!(gpumap::uuid_bytes("GPU-zz111111-2222-3333-4444-555555555555").is_err());
     assert!(gpumap::uuid_bytes("GPU-ééééééééééééééé11111111111111").is_err(), "multi-byte characters, no panic");
-}
-
-fn target() -> crate::engine::CaptureTarget<'static> {
-    crate::engine::CaptureTarget { dir: std::path::Path::new("/nonexistent"), leave_running: false }
 }

@@ -1,5 +1,7 @@
-//! The restore pipeline: verify the image → check what it needs here (files, devices) →
-//! CRIU restore under a job shim → restore device state → record the job.
+//! The restore pipeline, in phases: prepare (verify the image, check what it needs here:
+//! files, and each engine opens a restore session that checks devices and memory) →
+//! CRIU restore under a job shim → restore device state (engines in reverse order) →
+//! record the job. A [`Coordinator`] may hold it at a barrier after each phase.
 //!
 //! Everything that can be checked is checked before CRIU starts, because a half-restored
 //! GPU process cannot always be saved.
@@ -9,8 +11,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::coordinator::{self, BarrierError, Coordinator, Phase};
 use crate::criu::RestoreOptions;
-use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoredPid};
+use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoreSession, RestoredPid};
 use crate::image::{Image, ImageError};
 use crate::jobs::{Job, JobError, Registry};
 use crate::launch::{self, LaunchError, Started};
@@ -26,7 +29,11 @@ pub enum RestoreError {
     #[error("{path} is missing (process {pid} had it open when checkpointed)")]
     MissingFile { path: String, pid: i32 },
     #[error("the image holds {engine} device state, and this machine has no {engine} engine")]
-    EngineUnavailable { engine: String },
+    EngineUnavailable { engine: String, hint: &'static str },
+    #[error("the image holds device state of engine '{engine}', which this hiber does not know")]
+    UnknownEngine { engine: String },
+    #[error(transparent)]
+    Barrier(#[from] BarrierError),
     #[error("{0}")]
     Engine(#[from] EngineError),
     #[error(transparent)]
@@ -48,9 +55,8 @@ impl RestoreError {
             RestoreError::Image(e) if e.is_invalid_image() => "the image cannot be trusted; checkpoint again".into(),
             RestoreError::Job(JobError::Exists(_)) => "pick another --name, or `hiber rm` the old job".into(),
             RestoreError::MissingFile { .. } => "put the file back where it was (same path), then restore again".into(),
-            RestoreError::EngineUnavailable { engine } if engine == "cuda" => {
-                "restore on a machine with an NVIDIA GPU and driver 570 or newer (`hiber doctor` says what this one has)".into()
-            }
+            RestoreError::EngineUnavailable { hint, .. } => hint.to_string(),
+            RestoreError::UnknownEngine { .. } => "restore it with the hiber that wrote it, or a newer one".into(),
             RestoreError::Engine(e) => return e.hint().map(String::from),
             RestoreError::Criu { hint, log, .. } => match (hint, log) {
                 (Some(h), _) => h.clone(),
@@ -98,53 +104,90 @@ fn required_files(image: &Image) -> Vec<(String, i32)> {
     out
 }
 
+/// Restores with every phase run back to back (`HIBER_FAIL_AT` may name a phase whose
+/// barrier fails, for fault-injection tests).
 pub fn restore(ctx: &Context, req: &RestoreRequest) -> Result<RestoreReport, RestoreError> {
+    restore_with(ctx, req, &coordinator::from_env())
+}
+
+/// An engine's restore session.
+type Engaged = Box<dyn RestoreSession>;
+
+/// Restores, holding at `coord`'s barrier after each phase.
+pub fn restore_with(ctx: &Context, req: &RestoreRequest, coord: &dyn Coordinator) -> Result<RestoreReport, RestoreError> {
     let started = Instant::now();
-    if sys::geteuid() != 0 {
-        return Err(RestoreError::NotRoot);
-    }
-    let image = Image::open(&req.image)?;
-    ctx.phase("verifying every file of the image");
-    // Device memory chunks are checked as they stream to the GPU.
-    image.verify_except(Some(engine::agent::ENGINE))?;
+    let (image, mut sessions) = prepare(ctx, req)?;
     let verify = started.elapsed();
-
-    for (path, pid) in required_files(&image) {
-        if !Path::new(&path).exists() {
-            return Err(RestoreError::MissingFile { path, pid });
-        }
-    }
-    for section in &image.manifest.devices {
-        let engine = engine::for_section(&ctx.engines, &section.engine).ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone() })?;
-        engine.check_restore(&section.state, &req.devices)?;
-    }
-
+    coord.barrier(Phase::RestorePrepared)?;
     let registry = Registry::new(&ctx.state);
     let base = image.manifest.source.job.clone().unwrap_or_else(|| image.manifest.processes[0].comm.clone());
     let name = match &req.name {
         Some(n) => n.clone(),
         None => registry.free_name(&base),
     };
-    let job_dir = registry.create_dir(&name)?;
-    let result = restore_into_job(ctx, &image, &registry, &name, &job_dir, req, started, verify);
+    let dir = registry.create_dir(&name)?;
+    let job = JobTarget { registry: &registry, name: &name, dir: &dir };
+    let result = restore_into_job(ctx, &image, &mut sessions, &job, req, coord).map(|(job, criu, devices)| RestoreReport {
+        job,
+        verify,
+        criu,
+        devices,
+        total: started.elapsed(),
+    });
     if result.is_err() {
         let _ = registry.remove(&name);
     }
     result
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Prepare: the image verified, this machine checked, and every engine's session open.
+/// Nothing is started yet.
+fn prepare(ctx: &Context, req: &RestoreRequest) -> Result<(Image, Vec<Engaged>), RestoreError> {
+    if sys::geteuid() != 0 {
+        return Err(RestoreError::NotRoot);
+    }
+    let image = Image::open(&req.image)?;
+    ctx.phase("verifying every file of the image");
+    // Files an engine streams (device memory chunks) are checked on their way, once.
+    let streamed: Vec<&str> = image.manifest.devices.iter().filter_map(|d| engine::kind(&d.engine)?.streamed_dir()).collect();
+    image.verify_except(&streamed)?;
+    for (path, pid) in required_files(&image) {
+        if !Path::new(&path).exists() {
+            return Err(RestoreError::MissingFile { path, pid });
+        }
+    }
+    let mut opts = req.devices.clone();
+    opts.image_dir = image.dir.clone();
+    opts.checksums = image.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect();
+    let mut sessions = Vec::new();
+    for section in &image.manifest.devices {
+        let kind = engine::kind(&section.engine).ok_or_else(|| RestoreError::UnknownEngine { engine: section.engine.clone() })?;
+        engine::check_section_version(kind, section.version)?;
+        let engine = engine::for_section(&ctx.engines, &section.engine)
+            .ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone(), hint: kind.unavailable_hint() })?;
+        sessions.push(engine.begin_restore(&section.state, &opts)?);
+    }
+    Ok((image, sessions))
+}
+
+/// The job a restore creates.
+struct JobTarget<'a> {
+    registry: &'a Registry,
+    name: &'a str,
+    dir: &'a Path,
+}
+
+/// CRIU restores the tree under the job's shim, then the devices are restored. Returns the
+/// job and the time CRIU and the devices took.
 fn restore_into_job(
     ctx: &Context,
     image: &Image,
-    registry: &Registry,
-    name: &str,
-    job_dir: &Path,
+    sessions: &mut [Engaged],
+    job: &JobTarget<'_>,
     req: &RestoreRequest,
-    started: Instant,
-    verify: Duration,
-) -> Result<RestoreReport, RestoreError> {
-    let (stdout, stderr) = registry.open_logs(name)?;
+    coord: &dyn Coordinator,
+) -> Result<(Job, Duration, Duration), RestoreError> {
+    let (stdout, stderr) = job.registry.open_logs(job.name)?;
     let src = &image.manifest.source;
     let mut inherit: Vec<(String, i32)> = Vec::new();
     for (path, file) in [(&src.stdout, &stdout), (&src.stderr, &stderr)] {
@@ -161,7 +204,7 @@ fn restore_into_job(
     ctx.phase("restoring process state (CRIU)");
     let isolate_net = req.isolate_net;
     let keep: Vec<i32> = inherit.iter().map(|(_, fd)| *fd).collect();
-    let started_report = launch::spawn_shim(job_dir, &keep, || {
+    let started_report = launch::spawn_shim(job.dir, &keep, || {
         // CRIU, and so the restored tree, inherit the shim's network namespace.
         if isolate_net {
             if let Err(e) = sys::unshare_network_namespace() {
@@ -180,14 +223,21 @@ fn restore_into_job(
     };
     let criu = criu_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);
-    match finish_restored_tree(ctx, image, registry, name, req, root) {
-        Ok((job, devices)) => Ok(RestoreReport { job, verify, criu, devices, total: started.elapsed() }),
+    let devices_start = Instant::now();
+    let finished = coord
+        .barrier(Phase::ProcessesRestored)
+        .map_err(RestoreError::from)
+        .and_then(|()| restore_devices(ctx, image, sessions, root))
+        .and_then(|()| coord.barrier(Phase::DevicesRestored).map_err(RestoreError::from))
+        .and_then(|()| record_job(image, job, root));
+    match finished {
+        Ok(j) => Ok((j, criu, devices_start.elapsed())),
         Err(e) => {
             // The tree cannot run without its device state or its record: stop all of it,
             // and let its shim record the exit before the job directory goes.
             stop_tree(root, image.manifest.source.pid_namespace);
             let start = Instant::now();
-            while !registry.has_exit(name) && start.elapsed() < Duration::from_secs(10) {
+            while !job.registry.has_exit(job.name) && start.elapsed() < Duration::from_secs(10) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e)
@@ -195,33 +245,27 @@ fn restore_into_job(
     }
 }
 
-/// After CRIU restored the tree: device state, then the job record.
-fn finish_restored_tree(
-    ctx: &Context,
-    image: &Image,
-    registry: &Registry,
-    name: &str,
-    req: &RestoreRequest,
-    root: i32,
-) -> Result<(Job, Duration), RestoreError> {
-    let devices_start = Instant::now();
-    if !image.manifest.devices.is_empty() {
-        ctx.phase("restoring GPU state");
-        let tree = proctree::discover_tree(root)?;
-        let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
-        let mut opts = req.devices.clone();
-        opts.image_dir = image.dir.clone();
-        opts.checksums = image.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect();
-        // Engines that quiesced first (the agent, before the driver) resume last.
-        for section in image.manifest.devices.iter().rev() {
-            let engine = engine::for_section(&ctx.engines, &section.engine).expect("checked before restore");
-            engine.restore(&section.state, &pids, &opts)?;
-        }
+/// After CRIU restored the tree: each engine restores its device state, in reverse order
+/// (engines that quiesced first, the agent before the driver, resume last).
+fn restore_devices(ctx: &Context, image: &Image, sessions: &mut [Engaged], root: i32) -> Result<(), RestoreError> {
+    if sessions.is_empty() {
+        return Ok(());
     }
-    let devices = devices_start.elapsed();
+    ctx.phase("restoring GPU state");
+    let tree = proctree::discover_tree(root)?;
+    let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
+    debug_assert_eq!(sessions.len(), image.manifest.devices.len());
+    for s in sessions.iter_mut().rev() {
+        s.restore(&pids)?;
+    }
+    Ok(())
+}
+
+/// The restored tree becomes a job of the registry.
+fn record_job(image: &Image, job: &JobTarget<'_>, root: i32) -> Result<Job, RestoreError> {
     let st = proctree::stat(root)?;
-    let job = Job {
-        name: name.to_string(),
+    let record = Job {
+        name: job.name.to_string(),
         pid: root,
         start_time: st.start_time,
         command: image.manifest.processes[0].cmdline.clone(),
@@ -229,8 +273,8 @@ fn finish_restored_tree(
         restored_from: Some(image.dir.display().to_string()),
         checkpointed_to: None,
     };
-    registry.save(&job)?;
-    Ok((job, devices))
+    job.registry.save(&record)?;
+    Ok(record)
 }
 
 /// SIGKILLs a restored tree: its root, which takes a PID namespace down with it, or else
@@ -242,15 +286,18 @@ fn stop_tree(root: i32, pid_namespace: bool) {
     }
 }
 
+/// A hint for a failed CRIU restore: from the errno CRIU reported where it did, else from
+/// its message (CRIU reports a taken socket address or PID only in words).
 fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
     let src = &image.manifest.source;
-    if e.to_string().contains("Address already in use") {
+    let text = e.to_string();
+    if e.errno() == Some(libc::EADDRINUSE) || text.contains("Address already in use") {
         return Some(
             "a socket address of the image is taken, most likely by the original, which still runs; stop it first, or restore the copy with --isolate-net (its own network namespace, loopback only)"
                 .into(),
         );
     }
-    if !src.pid_namespace && e.to_string().contains("already") {
+    if !src.pid_namespace && (e.errno() == Some(libc::EEXIST) || text.contains("already")) {
         return Some(format!("the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first", src.pid));
     }
     e.log().map(|l| format!("CRIU's log: {}", l.display()))

@@ -1,0 +1,178 @@
+//! The checkpoint pipeline, as a session of phases ([`session::Checkpoint`]):
+//! prepare → quiesce → capture → dump → commit → resume (or abort, the undo).
+//!
+//! - **prepare** finds the tree, refuses what cannot be checkpointed, opens the image sink
+//!   and the journal, and opens each engine's session: nothing of the application is
+//!   touched yet;
+//! - **quiesce** stops device work; **capture** moves device state where the dump takes
+//!   it; **dump** has CRIU dump (and, when the checkpoint stops the application, freeze)
+//!   the tree;
+//! - **commit** finishes the image: when the application is being stopped, inside CRIU's
+//!   post-dump notification, while the tree is still frozen, so that a failure resumes the
+//!   tree instead of stopping it; with `--leave-running`, after the application resumed;
+//! - **resume** brings devices back to running (the normal end of `--leave-running`), and
+//!   **abort** is the same undo after a failure.
+//!
+//! The journal is advanced at every phase, and a [`Coordinator`] may hold the session at a
+//! barrier after each (a job of several hosts, later). Every step that changes the
+//! application is undone on failure, so a failed checkpoint leaves the application running
+//! as it was and no partial image behind.
+
+mod session;
+
+pub use session::Checkpoint;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::coordinator::{self, BarrierError, Coordinator, Phase};
+use crate::criu::CriuError;
+use crate::engine::EngineError;
+use crate::image::ImageError;
+use crate::jobs::Job;
+use crate::proctree::{self, ProcessInfo, TreeError};
+use crate::{sys, Context};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+    #[error("process {pid} is a kernel thread; only user processes can be checkpointed")]
+    KernelThread { pid: i32 },
+    #[error("process {pid} is hiber itself or one of its ancestors")]
+    OwnLineage { pid: i32 },
+    #[error("hiber may not trace process {pid}: {reason}")]
+    NotPermitted { pid: i32, reason: String },
+    #[error("process {pid} ({comm}) has a controlling terminal")]
+    Terminal { pid: i32, comm: String },
+    #[error("not enough space for the image in {dir}: about {needed} MiB needed, {available} MiB available", needed = .needed >> 20, available = .available >> 20)]
+    NoSpace { dir: PathBuf, needed: u64, available: u64 },
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Criu(#[from] CriuError),
+    #[error(transparent)]
+    Barrier(#[from] BarrierError),
+    #[error("journal: {0}")]
+    Journal(std::io::Error),
+    /// Undoing failed: device state may still be locked or checkpointed.
+    #[error("could not bring the application's devices back to running: {0}")]
+    Resume(EngineError),
+}
+
+impl CheckpointError {
+    pub fn hint(&self) -> Option<String> {
+        Some(match self {
+            CheckpointError::Tree(TreeError::NoSuchProcess(_)) => "check the PID, or use a job name from `hiber ls`".into(),
+            CheckpointError::NotPermitted { .. } => "run hiber as root (CRIU must ptrace every process of the tree)".into(),
+            CheckpointError::Terminal { .. } => "CRIU can restore a terminal only into the same terminal session; start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
+            CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
+            CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
+            CheckpointError::Engine(e) => return e.hint().map(String::from),
+            CheckpointError::Resume(_) => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
+            CheckpointError::Criu(e) => match e.errno() {
+                Some(libc::ENOSPC) => "the disk filled up during the dump; free some space or choose another --out".into(),
+                _ => match e.log() {
+                    Some(log) => format!("CRIU's log: {}", log.display()),
+                    None => return None,
+                },
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// What to checkpoint and how.
+#[derive(Debug, Clone)]
+pub struct CheckpointRequest {
+    pub pid: i32,
+    pub job: Option<Job>,
+    pub dest: PathBuf,
+    pub leave_running: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct CheckpointReport {
+    pub image: PathBuf,
+    pub processes: usize,
+    /// Time device engines took to quiesce and capture.
+    pub devices: Duration,
+    /// Time from the start of the CRIU dump until the image was durable and in place.
+    pub dump: Duration,
+    pub total: Duration,
+    pub image_bytes: u64,
+}
+
+/// Refuses targets that cannot or must not be checkpointed, before anything is touched.
+pub fn preflight(pid: i32) -> Result<Vec<ProcessInfo>, CheckpointError> {
+    let root = proctree::read_process(pid)?;
+    if root.kernel_thread {
+        return Err(CheckpointError::KernelThread { pid });
+    }
+    if proctree::ancestors_of(sys::getpid()).contains(&pid) {
+        return Err(CheckpointError::OwnLineage { pid });
+    }
+    if sys::geteuid() != 0 {
+        return Err(CheckpointError::NotPermitted { pid, reason: "hiber is not running as root".into() });
+    }
+    let tree = proctree::discover_tree(pid)?;
+    if let Some(p) = tree.iter().find(|p| p.tty_nr != 0) {
+        return Err(CheckpointError::Terminal { pid: p.pid, comm: p.comm.clone() });
+    }
+    Ok(tree)
+}
+
+/// Refuses early when the image cannot fit. `HIBER_NO_SPACE_CHECK=1` skips this (the dump
+/// then fails, safely, when the disk fills).
+fn check_space(dest: &Path, tree: &[ProcessInfo]) -> Result<(), CheckpointError> {
+    if std::env::var_os("HIBER_NO_SPACE_CHECK").is_some_and(|v| v == "1") {
+        return Ok(());
+    }
+    let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // The nearest existing ancestor tells which filesystem the image lands on.
+    let probe = dir.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/"));
+    let needed: u64 = tree.iter().map(|p| p.anon_bytes).sum::<u64>() + (16 << 20);
+    match sys::available_bytes(probe) {
+        Ok(available) if available < needed => Err(CheckpointError::NoSpace { dir: dir.to_path_buf(), needed, available }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `pid` lives in a mount namespace other than hiber's.
+fn own_mount_namespace(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();
+    matches!((ns(&pid.to_string()), ns("self")), (Some(a), Some(b)) if a != b)
+}
+
+/// Checkpoints with every phase run back to back (`HIBER_FAIL_AT` may name a phase whose
+/// barrier fails, for fault-injection tests).
+pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointReport, CheckpointError> {
+    checkpoint_with(ctx, req, &coordinator::from_env())
+}
+
+/// Checkpoints, holding at `coord`'s barrier after each phase.
+pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coordinator) -> Result<CheckpointReport, CheckpointError> {
+    let mut c = Checkpoint::prepare(ctx, req)?;
+    let steps = (|| {
+        coord.barrier(Phase::Prepared)?;
+        c.quiesce()?;
+        coord.barrier(Phase::Quiesced)?;
+        c.capture()?;
+        coord.barrier(Phase::Captured)?;
+        c.dump(coord)
+    })();
+    if let Err(e) = steps {
+        c.abort()?;
+        return Err(e);
+    }
+    if req.leave_running {
+        // The application runs again first; the image is finished off its critical path.
+        // A failure from here on costs the image, not the application.
+        c.resume()?;
+        c.commit()?;
+        coord.barrier(Phase::Committed)?;
+    }
+    Ok(c.finish())
+}

@@ -1,0 +1,283 @@
+//! One checkpoint, phase by phase. See the module above for the order and what each
+//! phase may touch.
+
+use std::time::{Duration, Instant};
+
+use super::{check_space, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
+use crate::coordinator::{Coordinator, Phase};
+use crate::criu::DumpOptions;
+use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
+use crate::image::{DeviceSection, FileEntry, ImageError, ImageSink, ImageWriter, Manifest, Source, FORMAT, MAGIC};
+use crate::journal::{self, Claim, Entry, Journal};
+use crate::proctree::{self, ProcessInfo};
+use crate::{sys, Context};
+
+/// An engine's session, with the kind that opened it.
+type Engaged = (&'static dyn EngineKind, Box<dyn CheckpointSession>);
+
+/// A checkpoint under way. Made by [`Checkpoint::prepare`]; each phase is a method, and
+/// after a failed one [`Checkpoint::abort`] undoes what the others did.
+pub struct Checkpoint<'a> {
+    ctx: &'a Context,
+    req: &'a CheckpointRequest,
+    tree: Vec<ProcessInfo>,
+    sink: ImageWriter,
+    /// `None` once finished: removed on success or after a clean undo, kept on disk (for
+    /// `hiber recover`) when the undo itself failed.
+    journal: Option<Journal>,
+    sessions: Vec<Engaged>,
+    sections: Vec<DeviceSection>,
+    /// With `--leave-running`: the manifest, waiting for the commit after resume.
+    manifest: Option<Manifest>,
+    started: Instant,
+    devices: Duration,
+    dump_start: Option<Instant>,
+}
+
+impl<'a> Checkpoint<'a> {
+    /// Finds the tree and refuses what cannot be checkpointed, opens the image and the
+    /// journal, and lets each engine claim its processes. Nothing of the application is
+    /// touched; an error here leaves nothing behind.
+    pub fn prepare(ctx: &'a Context, req: &'a CheckpointRequest) -> Result<Checkpoint<'a>, CheckpointError> {
+        let started = Instant::now();
+        let tree = preflight(req.pid)?;
+        check_space(&req.dest, &tree)?;
+        let sink = ImageWriter::create(&req.dest)?;
+        let me = proctree::stat(sys::getpid())?;
+        let entry = Entry {
+            hiber_pid: sys::getpid(),
+            hiber_start_time: me.start_time,
+            root_pid: req.pid,
+            tmp_dir: sink.location().to_path_buf(),
+            dest: req.dest.clone(),
+            leave_running: req.leave_running,
+            claims: Vec::new(),
+            phase: journal::Phase::Started,
+        };
+        let mut journal = Journal::begin(&ctx.state, entry).map_err(CheckpointError::Journal)?;
+        let opts = CheckpointOptions { leave_running: req.leave_running };
+        let mut sessions: Vec<Engaged> = Vec::new();
+        for engine in &ctx.engines {
+            match engine.begin_checkpoint(&tree, opts) {
+                Ok(Some(s)) => sessions.push((engine.kind(), s)),
+                Ok(None) => {}
+                Err(e) => {
+                    journal.finish();
+                    return Err(e.into());
+                }
+            }
+        }
+        let claims = sessions.iter().map(|(k, s)| Claim { engine: k.name().into(), pids: s.pids().to_vec() }).collect();
+        if let Err(e) = journal.update(|e| e.claims = claims) {
+            journal.finish();
+            return Err(CheckpointError::Journal(e));
+        }
+        Ok(Checkpoint {
+            ctx,
+            req,
+            tree,
+            sink,
+            journal: Some(journal),
+            sessions,
+            sections: Vec::new(),
+            manifest: None,
+            started,
+            devices: Duration::ZERO,
+            dump_start: None,
+        })
+    }
+
+    /// The processes of the tree, as prepare found them.
+    pub fn tree(&self) -> &[ProcessInfo] {
+        &self.tree
+    }
+
+    fn advance(&mut self, phase: journal::Phase) -> Result<(), CheckpointError> {
+        match &mut self.journal {
+            Some(j) => j.update(|e| e.phase = phase).map_err(CheckpointError::Journal),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops device work in every claimed process, engine after engine.
+    pub fn quiesce(&mut self) -> Result<(), CheckpointError> {
+        let start = Instant::now();
+        if !self.sessions.is_empty() {
+            self.ctx.phase("quiescing GPU processes");
+        }
+        for (_, s) in &mut self.sessions {
+            s.quiesce(&self.sink)?;
+        }
+        self.devices += start.elapsed();
+        self.advance(journal::Phase::DevicesQuiesced)
+    }
+
+    /// Moves device state where the dump takes it, and collects the engines' sections.
+    pub fn capture(&mut self) -> Result<(), CheckpointError> {
+        let start = Instant::now();
+        if !self.sessions.is_empty() {
+            self.ctx.phase("checkpointing GPU state");
+        }
+        for (kind, s) in &mut self.sessions {
+            let state = s.capture(&self.tree)?;
+            self.sections.push(DeviceSection { engine: kind.name().into(), version: kind.section_version(), state });
+        }
+        self.devices += start.elapsed();
+        self.advance(journal::Phase::Captured)
+    }
+
+    fn manifest(&self) -> Manifest {
+        let (kernel, host) = sys::uname();
+        let root = &self.tree[0];
+        let std_path = |fd: i32| root.fds.iter().find(|f| f.fd == fd && f.is_regular_file()).map(|f| f.target.clone());
+        Manifest {
+            magic: MAGIC.into(),
+            format: FORMAT,
+            created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            host,
+            kernel,
+            criu_version: self.ctx.criu_version.to_string(),
+            hiber_version: env!("CARGO_PKG_VERSION").into(),
+            source: Source {
+                job: self.req.job.as_ref().map(|j| j.name.clone()),
+                pid: self.req.pid,
+                leave_running: self.req.leave_running,
+                pid_namespace: root.ns_pid == 1 && root.pid != 1,
+                mount_namespace: own_mount_namespace(self.req.pid),
+                stdout: std_path(1),
+                stderr: std_path(2),
+            },
+            processes: self.tree.clone(),
+            devices: self.sections.clone(),
+            frozen_seconds: 0.0,
+            files: Vec::new(),
+        }
+    }
+
+    /// Has CRIU dump the tree. When the checkpoint stops the application, the image is
+    /// committed inside CRIU's post-dump notification, while the tree is still frozen
+    /// (after `coord`'s `Dumped` barrier): if that fails, CRIU resumes the tree rather than
+    /// stop it. With `--leave-running` the commit waits for [`Checkpoint::commit`].
+    pub fn dump(&mut self, coord: &dyn Coordinator) -> Result<(), CheckpointError> {
+        self.advance(journal::Phase::Dumping)?;
+        let work = self.ctx.criu_work_dir("dump").map_err(CheckpointError::Journal)?;
+        let mut manifest = self.manifest();
+        let dump_start = Instant::now();
+        self.dump_start = Some(dump_start);
+        let criu_dir = self.sink.criu_dir();
+        let opts = DumpOptions {
+            pid: self.req.pid,
+            images_dir: &criu_dir,
+            work_dir: &work,
+            leave_running: self.req.leave_running,
+            external_mounts: manifest.source.mount_namespace,
+        };
+        let (ctx, leave_running) = (self.ctx, self.req.leave_running);
+        let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
+        let mut commit_error: Option<CheckpointError> = None;
+        ctx.phase("dumping process state (CRIU)");
+        let dumped = ctx.criu.dump(&opts, &mut |script| {
+            if script != "post-dump" || leave_running {
+                return Ok(());
+            }
+            ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
+            manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
+            let committed = coord.barrier(Phase::Dumped).map_err(CheckpointError::from).and_then(|()| commit(sink, journal, sessions, manifest.clone()));
+            committed.map_err(|e| {
+                let msg = e.to_string();
+                commit_error = Some(e);
+                msg
+            })
+        });
+        if let Some(e) = commit_error {
+            return Err(e);
+        }
+        if let Err(e) = dumped {
+            // CRIU failed after accepting the finished image (or hiber lost it): the tree runs
+            // on, so an image in place would be a checkpoint that did not happen.
+            if self.sink.is_committed() {
+                let _ = std::fs::remove_dir_all(&self.req.dest);
+            }
+            return Err(e.into());
+        }
+        let _ = std::fs::remove_dir_all(&work);
+        if leave_running {
+            manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
+            self.manifest = Some(manifest);
+            coord.barrier(Phase::Dumped)?;
+        }
+        Ok(())
+    }
+
+    /// With `--leave-running`, once the application runs again: the engines write what
+    /// they still hold, and the image is committed. A failure costs the image only.
+    pub fn commit(&mut self) -> Result<(), CheckpointError> {
+        let Some(manifest) = self.manifest.take() else { return Ok(()) };
+        self.ctx.phase("finishing the image (device memory, checksums, fsync)");
+        commit(&mut self.sink, &mut self.journal, &mut self.sessions, manifest)
+    }
+
+    /// Brings every engine's processes back to running, in reverse order. If any cannot
+    /// be, the journal and the partial image stay for `hiber recover`.
+    pub fn resume(&mut self) -> Result<(), CheckpointError> {
+        if !self.sessions.is_empty() {
+            self.ctx.phase("resuming GPU processes");
+        }
+        let mut failed = None;
+        for (kind, s) in self.sessions.iter_mut().rev() {
+            if let Err(e) = s.resume(&self.sink) {
+                tracing::error!(engine = kind.name(), error = %e, "could not resume device state");
+                failed.get_or_insert(e);
+            }
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                // Device memory an engine could not hand back may be in the partial image.
+                self.sink.keep_partial();
+                self.journal = None;
+                Err(CheckpointError::Resume(e))
+            }
+        }
+    }
+
+    /// After a failed phase: undoes what the others did. The application runs as before,
+    /// and the partial image and the journal go, unless the undo itself failed.
+    pub fn abort(mut self) -> Result<(), CheckpointError> {
+        self.resume()?;
+        if let Some(j) = self.journal.take() {
+            j.finish();
+        }
+        Ok(())
+    }
+
+    /// Ends a successful checkpoint: the journal goes, and the report says what was done.
+    pub fn finish(mut self) -> CheckpointReport {
+        if let Some(j) = self.journal.take() {
+            j.finish();
+        }
+        let image_bytes = crate::image::Image::open(&self.req.dest).map(|i| i.total_bytes()).unwrap_or(0);
+        CheckpointReport {
+            image: self.req.dest.clone(),
+            processes: self.tree.len(),
+            devices: self.devices,
+            dump: self.dump_start.map(|d| d.elapsed()).unwrap_or_default(),
+            total: self.started.elapsed(),
+            image_bytes,
+        }
+    }
+}
+
+/// Lets every engine write what it still holds, then commits the image and advances the
+/// journal.
+fn commit(sink: &mut ImageWriter, journal: &mut Option<Journal>, sessions: &mut [Engaged], manifest: Manifest) -> Result<(), CheckpointError> {
+    let mut known: Vec<FileEntry> = Vec::new();
+    for (_, s) in sessions.iter_mut() {
+        known.extend(s.finish(sink)?);
+    }
+    sink.commit(manifest, &known).map_err(|e: ImageError| CheckpointError::Image(e))?;
+    if let Some(j) = journal {
+        let _ = j.update(|e| e.phase = journal::Phase::Committed);
+    }
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! Coordinators: what holds a checkpoint or restore between its phases.
+//!
+//! A checkpoint of one job on one host runs its phases back to back ([`Local`]). A job of
+//! several hosts (or several hibers) needs every participant to reach a phase before any
+//! goes on: every rank quiesced before any is captured, every image committed before any
+//! application resumes. The pipelines call [`Coordinator::barrier`] after each phase; a
+//! coordinator that spans hosts answers once all participants reached it, or fails the
+//! barrier, which aborts the operation everywhere (each participant undoes its own steps).
+
+use serde::{Deserialize, Serialize};
+
+/// The phases of a checkpoint and of a restore, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Checkpoint: tree found, checks passed, engines' sessions opened; nothing touched.
+    Prepared,
+    /// Checkpoint: device work stopped in every claimed process.
+    Quiesced,
+    /// Checkpoint: device state moved where the dump takes it.
+    Captured,
+    /// Checkpoint: the process tree is dumped and frozen; the image is about to be committed.
+    Dumped,
+    /// Checkpoint: the image is complete and in place.
+    Committed,
+    /// Restore: image verified, this machine checked, engines' sessions opened.
+    RestorePrepared,
+    /// Restore: the process tree is back (CRIU), devices not yet.
+    ProcessesRestored,
+    /// Restore: device state is back; the application runs.
+    DevicesRestored,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("coordinator: {0}")]
+pub struct BarrierError(pub String);
+
+pub trait Coordinator: Sync {
+    /// Returns once every participant has reached `phase`; an error aborts the operation.
+    fn barrier(&self, phase: Phase) -> Result<(), BarrierError>;
+}
+
+/// What a [`Local`] coordinator runs at each barrier.
+type Hook = Box<dyn Fn(Phase) -> Result<(), BarrierError> + Sync>;
+
+/// One participant: every barrier passes at once. An optional hook sees each phase (tests
+/// use it to fail a checkpoint at a chosen point).
+#[derive(Default)]
+pub struct Local {
+    hook: Option<Hook>,
+}
+
+impl Local {
+    pub fn with_hook(hook: impl Fn(Phase) -> Result<(), BarrierError> + Sync + 'static) -> Local {
+        Local { hook: Some(Box::new(hook)) }
+    }
+}
+
+impl Coordinator for Local {
+    fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
+        tracing::debug!(?phase, "barrier");
+        match &self.hook {
+            Some(h) => h(phase),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A coordinator that fails the barrier of the phase named in `$HIBER_FAIL_AT` (for
+/// fault-injection tests of whole hiber commands), else passes every barrier.
+pub fn from_env() -> Local {
+    match std::env::var("HIBER_FAIL_AT").ok().and_then(|v| serde_json::from_value::<Phase>(serde_json::Value::String(v)).ok()) {
+        Some(at) => Local::with_hook(move |p| if p == at { Err(BarrierError(format!("injected failure at {p:?} (HIBER_FAIL_AT)"))) } else { Ok(()) }),
+        None => Local::default(),
+    }
+}

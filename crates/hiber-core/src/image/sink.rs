@@ -1,0 +1,31 @@
+//! Where an image's bytes go.
+//!
+//! A checkpoint writes through an [`ImageSink`]: CRIU's files and the engines' chunks
+//! alike. Today the one sink is the local image directory ([`super::ImageWriter`]: a
+//! hidden temporary directory, renamed into place when complete). The same seam takes a
+//! content-addressed chunk store (incremental images: a chunk already stored is referenced,
+//! not written) and a stream to another host (migration: files are sent as they are
+//! written, and the manifest last).
+//!
+//! CRIU writes its own files into a directory it is given (`images_dir`); a sink that is
+//! not a local directory gives CRIU a local staging directory and takes the files from
+//! there, or CRIU's page server, as the stream sink will.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub trait ImageSink: Send + Sync {
+    /// The directory CRIU writes its image files into.
+    fn criu_dir(&self) -> PathBuf;
+
+    /// Creates file `rel` of the image (relative to its root, `/`-separated), private
+    /// (0600, directories 0700), failing rather than replacing an existing one.
+    fn create_file(&self, rel: &str) -> io::Result<File>;
+
+    /// Whether file `rel` is already in the image (written by an earlier step).
+    fn has_file(&self, rel: &str) -> bool;
+
+    /// Where the sink keeps what it was given, for messages and for `hiber recover`.
+    fn location(&self) -> &Path;
+}
