@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 
 use hiber_cuda_sys::fns;
 pub use hiber_cuda_sys::{
-    CUcontext as Ctx, CUdeviceptr as DevPtr, CUmemAccessDesc as AccessDesc, CUmemAllocationProp as AllocationProp, CUmemHandle as Handle,
-    CUresult as CuResult, CUuuid,
+    CUcontext as Ctx, CUdeviceptr as DevPtr, CUmemAccessDesc as AccessDesc, CUmemAllocationProp as AllocationProp, CUmemHandle as Handle, CUresult as CuResult,
+    CUuuid,
 };
 
 pub const SUCCESS: CuResult = hiber_cuda_sys::CUDA_SUCCESS;

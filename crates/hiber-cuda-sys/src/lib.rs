@@ -229,19 +229,8 @@ pub mod fns {
     pub type cuStreamDestroy_v2 = unsafe extern "C" fn(CUstream) -> CUresult;
     pub type cuModuleLoadData = unsafe extern "C" fn(*mut CUmodule, *const c_void) -> CUresult;
     pub type cuModuleGetFunction = unsafe extern "C" fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
-    pub type cuLaunchKernel = unsafe extern "C" fn(
-        CUfunction,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        CUstream,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> CUresult;
+    pub type cuLaunchKernel =
+        unsafe extern "C" fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, *mut *mut c_void, *mut *mut c_void) -> CUresult;
 
     // The checkpoint API (driver 570+).
     pub type cuCheckpointProcessGetState = unsafe extern "C" fn(c_int, *mut c_int) -> CUresult;
