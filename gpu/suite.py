@@ -23,6 +23,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchlib import parse_progress  # noqa: E402 - the one parser of the workloads' progress line
+
 CARRY = REPO / ".carry"
 HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
@@ -65,13 +68,8 @@ def log(job):
 
 
 def progress(job, prefix=""):
-    out = []
-    for line in log(job).splitlines():
-        f = line.split()
-        if line.startswith(prefix + "step ") and len(f) >= 4:
-            g = line[len(prefix):].split()
-            out.append((int(g[1]), g[3]))
-    return out
+    """(step, checksum) of every progress line of the job's log (lines `PREFIX step ...`)."""
+    return [(p.step, p.checksum) for p in parse_progress(log(job), prefix)]
 
 
 def wait(what, limit, cond):
@@ -106,7 +104,7 @@ def assert_continues(original, copy, start):
     orig = dict(original)
     for step, s in copy:
         if step in orig:
-            assert orig[step] == s, f"checksum differs at step {step}: {orig[step]} vs {s}"
+            assert orig[step] == s, f"checksum differs at step {step}: {orig[step]:x} vs {s:x}"
     for a, b in zip(copy, copy[1:]):
         assert b[0] == a[0] + 1, f"steps not consecutive: {a[0]} then {b[0]}"
 
@@ -231,7 +229,7 @@ def training_identical(m, job, flags=(), agent=None, at=50, steps="160", limit=6
     ref = sh("python3", TRAIN, "--steps", steps, *flags, check=not ref_may_skip, timeout=ref_timeout)
     if ref.returncode != 0:
         raise Skip(f"train.py {' '.join(flags)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
-    ref_traj = [(int(l.split()[1]), l.split()[3]) for l in ref.stdout.splitlines() if l.startswith("step ")]
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps), "reference run completed"
     run_job(job, "python3", TRAIN, "--steps", steps, *flags, agent=agent, limit=limit)
     img = stop_and_restore(job, at, m, wait_limit=limit)
