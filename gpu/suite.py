@@ -187,7 +187,7 @@ def agent_moved(image, metrics, at_least=1):
     assert sec and sec["processes"], "the image has an agent section with the processes"
     most = max(p["bytes"] for p in sec["processes"])
     assert most >= at_least, f"the agent moved {most >> 20} MiB of a process, expected at least {at_least >> 20} MiB"
-    metrics.update(agent_mode=sec.get("mode"), agent_passthrough=[p.get("passthrough") for p in sec["processes"]])
+    metrics.update(agent_mode=sec["mode"], agent_passthrough=[p["passthrough"] for p in sec["processes"]])
     inspect_agent(image, metrics)
     return sec
 
@@ -206,10 +206,13 @@ def stop_and_restore(job, at, metrics, restore_args=(), wait_limit=60):
     assert_verified(job + "-r")
     assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
     metrics["checkpoint_s"] = round(ck["total_seconds"], 2)
+    # Each figure from the section that records it (engine/cuda Section, engine/agent Section);
+    # a field missing from a section that is there fails the scenario.
     if sec:
         metrics["driver_checkpoint_s"] = round(sec["checkpoint_seconds"], 2)
-    if agent and "checkpoint_seconds" in agent:
-        metrics["agent_checkpoint_s"] = round(agent["checkpoint_seconds"], 2)
+    if agent:
+        metrics["agent_quiesce_s"] = round(agent["quiesce_seconds"], 2)
+        metrics["agent_copy_s"] = round(agent["copy_seconds"], 2)
     metrics.update(
         dump_s=round(ck["dump_seconds"], 2),
         restore_s=round(rs["total_seconds"], 2),
@@ -408,8 +411,9 @@ def agent_mallocasync_falls_back(m):
     assert "left to the driver path" in out, "inspect says what the agent left to the driver:\n" + out[-1500:]
     sec = agent_section(img)
     assert sec and sec["processes"], "the image has an agent section with the process"
-    m["agent_passthrough"] = [p.get("passthrough") for p in sec["processes"]]
-    stream_ordered = sum(((p.get("passthrough") or {}).get("kinds") or {}).get("async", 0) for p in sec["processes"])
+    m["agent_passthrough"] = [p["passthrough"] for p in sec["processes"]]
+    # kinds lists only the kinds with a count: an absent "async" is a count of 0.
+    stream_ordered = sum(p["passthrough"]["kinds"].get("async", 0) for p in sec["processes"])
     assert stream_ordered > 0, f"the agent counted no stream-ordered allocation: {m['agent_passthrough']}"
     drv = cuda_section(img)
     assert drv and drv["processes"], "the driver took the stream-ordered memory: the image has a cuda section"
