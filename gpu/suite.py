@@ -26,6 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from benchlib import parse_progress  # noqa: E402 - the one parser of the workloads' progress line
 
+if not __debug__:
+    # Every check below is an assert; under -O they would all be gone and every scenario pass.
+    sys.exit("gpu/suite.py checks with assert: run it without -O or PYTHONOPTIMIZE")
+
 CARRY = REPO / ".carry"
 HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
@@ -336,7 +340,7 @@ def doctor_sees_the_driver(m):
 
 @scenario
 def cuda_cpp_static_cudart_1gib(m):
-    ldd = sh("ldd", program("counter"), check=False).stdout
+    ldd = sh("ldd", program("counter")).stdout
     assert "libcudart" not in ldd, "built with static cudart"
     hiber("run", "--name", "counter", "--", program("counter"), "--mib", "1024", "--steps", "300")
     stop_and_restore("counter", 40, m)
@@ -354,8 +358,12 @@ def two_gpu_processes_in_one_job(m):
     img = stop_and_restore("pair", 40, m)
     assert len(cuda_section(img)["processes"]) == 2, "both processes were checkpointed by the driver"
     assert "verify ok both processes" in log("pair-r")
+    # The child resumes where it was checkpointed too, not from the start (its own final
+    # check would pass either way).
+    child_before = progress("pair", "child ")
     child = progress("pair-r", "child ")
-    assert child and child[-1][0] == 299, "the child ran to the end too"
+    assert_continues(child_before, child, child_before[-1][0] + 1)
+    assert child[-1][0] == 299, "the child ran to the end too"
 
 
 @scenario
@@ -363,6 +371,7 @@ def leave_running_gpu_job(m):
     hiber("run", "--name", "live", "--", program("counter"), "--mib", "1024", "--steps", "300")
     wait_step("live", 40)
     img = image_of("live")
+    before = progress("live")[-1][0]
     ck = hiber_json("checkpoint", "live", "--leave-running", "--out", img)
     at = progress("live")[-1][0]
     wait_step("live", at + 10)
@@ -377,7 +386,9 @@ def leave_running_gpu_job(m):
     assert_verified("live")
     assert_verified("live-copy")
     copy = progress("live-copy")
-    assert copy[0][0] <= at + 1
+    # The image holds a step between the last one logged before the checkpoint began and
+    # the last one logged after it returned: the copy resumes just after it (not from scratch).
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
     assert_continues(progress("live"), copy, copy[0][0])
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20)
 
@@ -486,6 +497,7 @@ def agent_leave_running(m):
     run_job("alive", program("counter"), "--mib", "1024", "--steps", "300", agent=True)
     wait_step("alive", 40)
     img = image_of("alive")
+    before = progress("alive")[-1][0]
     ck = hiber_json("checkpoint", "alive", "--leave-running", "--out", img)
     at = progress("alive")[-1][0]
     wait_step("alive", at + 10)
@@ -494,7 +506,9 @@ def agent_leave_running(m):
     assert_verified("alive")
     assert_verified("alive-copy")
     copy = progress("alive-copy")
-    assert copy[0][0] <= at + 1
+    # The image holds a step between the last one logged before the checkpoint began and
+    # the last one logged after it returned: the copy resumes just after it (not from scratch).
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
     assert_continues(progress("alive"), copy, copy[0][0])
     sec = agent_moved(img, m, at_least=1 << 30)
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
@@ -557,6 +571,10 @@ def machine():
 
 
 def main():
+    unknown = ONLY - {fn.__name__ for fn in SCENARIOS}
+    if unknown:
+        # A misspelt name would otherwise run nothing and report 0 failed.
+        sys.exit("SUITE_ONLY names no scenario: " + ", ".join(sorted(unknown)))
     OUT.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(STATE, ignore_errors=True)
     BUILD.mkdir(parents=True, exist_ok=True)
