@@ -234,7 +234,7 @@ def one_sample(contender, w, rep):
         # The step the checkpoint caught: the last one logged before it began. A restored
         # copy resumes just after it (not where the original is now, which with a long
         # image write after --leave-running can be hundreds of steps later).
-        at_step = max((s for s, t in prog if t <= t0), default=prog[-1][0])
+        at_step = max((p.step for p in prog if p.t_ms <= t0), default=prog[-1].step)
         sample = {
             "downtime_s": downtime_ms(prog, t0, t1) / 1000,
             "typical_step_s": typical_gap_ms(prog, t0) / 1000,

@@ -1,23 +1,45 @@
 """The benchmark's logic that needs no GPU: reading a workload's progress, measuring gaps
 in it, statistics, the agent's overhead, the issue's targets, and the report. Unit-tested
 in CI (test_benchlib.py)."""
+import re
 import statistics
+from typing import NamedTuple
 
 
-def parse_progress(text):
-    """(step, t_ms) of every `step N checksum X t MS ...` line; other lines are skipped.
+class Progress(NamedTuple):
+    """A progress line of any workload; the fields of hiber's `workload::progress::Progress`."""
+
+    step: int
+    checksum: int
+    t_ms: int
+
+
+_DEC = re.compile(r"[0-9]+")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+def parse_progress(text, prefix=""):
+    """Every `PREFIX step N checksum X t MS ...` line, in order, as Progress (X in hex, MS the
+    workload's wall clock in milliseconds, anything after MS ignored); other lines are skipped.
+
+    The one parser of the line in Python (the GPU suite uses it too; in Rust it is
+    crates/hiber/src/workload/progress.rs, which reads it the same way). Every workload
+    prints it: hiber's built-in ones, gpu/programs/ and bench/programs/. The one variation
+    is PREFIX: counter.cu --fork prints its child's lines as `child step ...`, which only
+    a call with prefix="child " returns; with the default they are foreign lines.
 
     A line cut short (the process was frozen mid-write, or the log was read while being
     written) is skipped rather than misread."""
     out = []
     for line in text.splitlines():
-        f = line.split()
+        if not line.startswith(prefix):
+            continue
+        f = line[len(prefix):].split()
         if len(f) < 6 or f[0] != "step" or f[2] != "checksum" or f[4] != "t":
             continue
-        try:
-            out.append((int(f[1]), int(f[5])))
-        except ValueError:
+        if not (_DEC.fullmatch(f[1]) and _HEX.fullmatch(f[3]) and _DEC.fullmatch(f[5])):
             continue
+        out.append(Progress(int(f[1]), int(f[3], 16), int(f[5])))
     return out
 
 
@@ -25,9 +47,9 @@ def downtime_ms(progress, start_ms, end_ms):
     """The longest gap between consecutive progress lines that overlaps [start, end]: how
     long the application made no progress around a checkpoint, by its own clock."""
     worst = None
-    for (_, a), (_, b) in zip(progress, progress[1:]):
-        if b >= start_ms and a <= end_ms:
-            gap = b - a
+    for a, b in zip(progress, progress[1:]):
+        if b.t_ms >= start_ms and a.t_ms <= end_ms:
+            gap = b.t_ms - a.t_ms
             worst = gap if worst is None else max(worst, gap)
     return worst
 
@@ -35,15 +57,15 @@ def downtime_ms(progress, start_ms, end_ms):
 def typical_gap_ms(progress, before_ms):
     """Median gap between progress lines before `before_ms`: the workload's own step time,
     against which a downtime is read."""
-    gaps = [b - a for (_, a), (_, b) in zip(progress, progress[1:]) if b < before_ms]
+    gaps = [b.t_ms - a.t_ms for a, b in zip(progress, progress[1:]) if b.t_ms < before_ms]
     return statistics.median(gaps) if gaps else None
 
 
 def first_progress_after(progress, after_ms, min_step=None):
     """Timestamp of the first progress line after `after_ms` (and at or past `min_step`)."""
-    for step, t in progress:
-        if t > after_ms and (min_step is None or step >= min_step):
-            return t
+    for p in progress:
+        if p.t_ms > after_ms and (min_step is None or p.step >= min_step):
+            return p.t_ms
     return None
 
 

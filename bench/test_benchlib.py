@@ -14,6 +14,7 @@ from benchlib import (
     overhead_of,
     overhead_pct,
     overhead_table,
+    Progress,
     parse_progress,
     parse_timings,
     ratios,
@@ -40,11 +41,24 @@ step 6 checksum 00f9 t 4080
 """
 
 
-class Progress(unittest.TestCase):
+class ProgressLines(unittest.TestCase):
     def test_parse_skips_noise_and_torn_lines(self):
         p = parse_progress(LOG)
-        self.assertEqual([s for s, _ in p], [0, 1, 2, 3, 4, 6])
-        self.assertEqual(p[3], (3, 4040))
+        self.assertEqual([x.step for x in p], [0, 1, 2, 3, 4, 6])
+        self.assertEqual(p[3], Progress(step=3, checksum=0xFC, t_ms=4040))
+
+    def test_parse_reads_the_line_as_the_rust_parser_does(self):
+        # The cases of crates/hiber/src/workload/progress.rs.
+        log = "start cpu\nstep 0 checksum 00000000000000ff t 1000\nstep 1 checksum 0a t 1020 counts [1, 2]\nstep x checksum 1 t 2\ngarbage\nstep 2 checksum 0b t\nverify ok steps 2\n"
+        self.assertEqual(parse_progress(log), [Progress(0, 255, 1000), Progress(1, 10, 1020)])
+        for line in ["step 3", "step 3 checksum 0f", "step 3 checksum 0f t", "step 3 checksum zz t 5", "step 3 checksum 0x0f t 5", "step 3 checksum 0f t 5.5", "step 3 sum 0f t 5"]:
+            self.assertEqual(parse_progress(line), [], line)
+        self.assertEqual(parse_progress("step 3 checksum 0f t 5 loss 2.5"), [Progress(3, 15, 5)])
+
+    def test_prefixed_lines_are_read_only_with_their_prefix(self):
+        log = "step 0 checksum 01 t 10\nchild step 0 checksum 02 t 11\nchild step 1 checksum 03 t\nchild step 1 checksum 04 t 31\n"
+        self.assertEqual(parse_progress(log), [Progress(0, 1, 10)])
+        self.assertEqual(parse_progress(log, "child "), [Progress(0, 2, 11), Progress(1, 4, 31)])
 
     def test_downtime_is_the_gap_overlapping_the_window(self):
         p = parse_progress(LOG)

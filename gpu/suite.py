@@ -23,6 +23,13 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchlib import parse_progress  # noqa: E402 - the one parser of the workloads' progress line
+
+if not __debug__:
+    # Every check below is an assert; under -O they would all be gone and every scenario pass.
+    sys.exit("gpu/suite.py checks with assert: run it without -O or PYTHONOPTIMIZE")
+
 CARRY = REPO / ".carry"
 HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
@@ -65,13 +72,8 @@ def log(job):
 
 
 def progress(job, prefix=""):
-    out = []
-    for line in log(job).splitlines():
-        f = line.split()
-        if line.startswith(prefix + "step ") and len(f) >= 4:
-            g = line[len(prefix):].split()
-            out.append((int(g[1]), g[3]))
-    return out
+    """(step, checksum) of every progress line of the job's log (lines `PREFIX step ...`)."""
+    return [(p.step, p.checksum) for p in parse_progress(log(job), prefix)]
 
 
 def wait(what, limit, cond):
@@ -106,7 +108,7 @@ def assert_continues(original, copy, start):
     orig = dict(original)
     for step, s in copy:
         if step in orig:
-            assert orig[step] == s, f"checksum differs at step {step}: {orig[step]} vs {s}"
+            assert orig[step] == s, f"checksum differs at step {step}: {orig[step]:x} vs {s:x}"
     for a, b in zip(copy, copy[1:]):
         assert b[0] == a[0] + 1, f"steps not consecutive: {a[0]} then {b[0]}"
 
@@ -133,7 +135,8 @@ def image_of(name):
 
 
 def program(name):
-    """A CUDA test program built by main(); the scenario is skipped if nvcc could not build it."""
+    """A CUDA test program built by main(); the scenario is skipped if nvcc could not build it.
+    Every scenario that runs one asks for it here, so that none is skipped that does not need it."""
     b = BUILT.get(name)
     if b is None or b.returncode != 0:
         raise Skip(f"nvcc could not build {name}.cu: " + (b.stderr[-300:] if b else "not built"))
@@ -189,7 +192,7 @@ def agent_moved(image, metrics, at_least=1):
     assert sec and sec["processes"], "the image has an agent section with the processes"
     most = max(p["bytes"] for p in sec["processes"])
     assert most >= at_least, f"the agent moved {most >> 20} MiB of a process, expected at least {at_least >> 20} MiB"
-    metrics.update(agent_mode=sec.get("mode"), agent_passthrough=[p.get("passthrough") for p in sec["processes"]])
+    metrics.update(agent_mode=sec["mode"], agent_passthrough=[p["passthrough"] for p in sec["processes"]])
     inspect_agent(image, metrics)
     return sec
 
@@ -208,10 +211,13 @@ def stop_and_restore(job, at, metrics, restore_args=(), wait_limit=60):
     assert_verified(job + "-r")
     assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
     metrics["checkpoint_s"] = round(ck["total_seconds"], 2)
+    # Each figure from the section that records it (engine/cuda Section, engine/agent Section);
+    # a field missing from a section that is there fails the scenario.
     if sec:
         metrics["driver_checkpoint_s"] = round(sec["checkpoint_seconds"], 2)
-    if agent and "checkpoint_seconds" in agent:
-        metrics["agent_checkpoint_s"] = round(agent["checkpoint_seconds"], 2)
+    if agent:
+        metrics["agent_quiesce_s"] = round(agent["quiesce_seconds"], 2)
+        metrics["agent_copy_s"] = round(agent["copy_seconds"], 2)
     metrics.update(
         dump_s=round(ck["dump_seconds"], 2),
         restore_s=round(rs["total_seconds"], 2),
@@ -231,7 +237,7 @@ def training_identical(m, job, flags=(), agent=None, at=50, steps="160", limit=6
     ref = sh("python3", TRAIN, "--steps", steps, *flags, check=not ref_may_skip, timeout=ref_timeout)
     if ref.returncode != 0:
         raise Skip(f"train.py {' '.join(flags)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
-    ref_traj = [(int(l.split()[1]), l.split()[3]) for l in ref.stdout.splitlines() if l.startswith("step ")]
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps), "reference run completed"
     run_job(job, "python3", TRAIN, "--steps", steps, *flags, agent=agent, limit=limit)
     img = stop_and_restore(job, at, m, wait_limit=limit)
@@ -268,16 +274,61 @@ def scenario(fn):
     return fn
 
 
+def abi_layout(text):
+    """{name: value} of the `NAME VALUE` lines abi.c and `hiber workload cuda-abi` print
+    (NAME may hold spaces: `CUmemAccessDesc size 12`), and what could not be read."""
+    layout, problems = {}, []
+    for line in text.splitlines():
+        f = line.rsplit(None, 1)
+        if len(f) != 2 or not f[1].lstrip("-").isdigit():
+            problems.append(f"unreadable line {line!r}")
+        elif f[0] in layout:
+            problems.append(f"{f[0]} printed twice")
+        else:
+            layout[f[0]] = int(f[1])
+    return layout, problems
+
+
+def abi_differences(from_cuda_h, from_hiber):
+    """Every way the two printouts disagree, line by line and both ways: a name that only one
+    side prints, a value that differs, a line that is not `NAME VALUE`, an empty printout."""
+    c, c_problems = abi_layout(from_cuda_h)
+    r, r_problems = abi_layout(from_hiber)
+    out = [f"cuda.h side: {p}" for p in c_problems] + [f"hiber side: {p}" for p in r_problems]
+    if not c:
+        out.append("abi.c printed nothing")
+    if not r:
+        out.append("hiber workload cuda-abi printed nothing")
+    out += [f"{k}: only abi.c (cuda.h) prints it ({c[k]})" for k in c if k not in r]
+    out += [f"{k}: only hiber prints it ({r[k]})" for k in r if k not in c]
+    out += [f"{k}: cuda.h {c[k]}, hiber {r[k]}" for k in c if k in r and c[k] != r[k]]
+    return out
+
+
+def find_cuda_h():
+    """cuda.h of the toolkit here: beside nvcc, then the usual places."""
+    nvcc = shutil.which("nvcc")
+    candidates = ([Path(nvcc).resolve().parent.parent / "include/cuda.h"] if nvcc else []) + [Path("/usr/local/cuda/include/cuda.h")]
+    candidates += sorted(Path("/usr/local").glob("cuda*/include/cuda.h")) + [Path("/usr/include/cuda.h")]
+    return next((p for p in candidates if p.is_file()), None), candidates
+
+
 @scenario
 def abi_matches_cuda_h(m):
-    cuda_h = next((p for p in ["/usr/local/cuda/include/cuda.h"] + [str(x) for x in Path("/usr/local").glob("cuda*/include/cuda.h")] if Path(p).exists()), None)
-    if not cuda_h:
-        raise Skip("no cuda.h found")
-    sh("gcc", "-I", str(Path(cuda_h).parent), REPO / "gpu/programs/abi.c", "-o", BUILD / "abi")
+    """hiber's CUDA struct layouts (hiber workload cuda-abi) against this machine's cuda.h
+    (abi.c). Passes only when the comparison ran and found every line equal: no cuda.h is a
+    skip with the reason, abi.c not building or either side printing nothing is a failure."""
+    cuda_h, looked = find_cuda_h()
+    if cuda_h is None:
+        raise Skip("no cuda.h to compare hiber's struct layouts with (looked at " + ", ".join(map(str, looked)) + ")")
+    m["cuda_h"] = str(cuda_h)
+    gcc = sh("gcc", "-I", cuda_h.parent, REPO / "gpu/programs/abi.c", "-o", BUILD / "abi", check=False)
+    assert gcc.returncode == 0, f"abi.c does not build against {cuda_h}, so the layouts were not compared:\n{gcc.stderr[-1500:]}"
     c = sh(BUILD / "abi").stdout
     r = hiber("workload", "cuda-abi").stdout
-    assert c == r, f"layout differs:\ncuda.h:\n{c}\nhiber:\n{r}"
-    m["cuda_h"] = cuda_h
+    diffs = abi_differences(c, r)
+    assert not diffs, "layouts differ:\n" + "\n".join(diffs)
+    m["abi_lines_compared"] = len(abi_layout(c)[0])
 
 
 @scenario
@@ -289,9 +340,9 @@ def doctor_sees_the_driver(m):
 
 @scenario
 def cuda_cpp_static_cudart_1gib(m):
-    ldd = sh("ldd", BUILD / "counter", check=False).stdout
+    ldd = sh("ldd", program("counter")).stdout
     assert "libcudart" not in ldd, "built with static cudart"
-    hiber("run", "--name", "counter", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    hiber("run", "--name", "counter", "--", program("counter"), "--mib", "1024", "--steps", "300")
     stop_and_restore("counter", 40, m)
 
 
@@ -302,20 +353,25 @@ def pytorch_training_identical_loss(m):
 
 @scenario
 def two_gpu_processes_in_one_job(m):
-    hiber("run", "--name", "pair", "--", BUILD / "counter", "--fork", "--mib", "2048", "--steps", "300")
+    hiber("run", "--name", "pair", "--", program("counter"), "--fork", "--mib", "2048", "--steps", "300")
     wait("the child's progress", 120, lambda: len(progress("pair", "child ")) > 40)
     img = stop_and_restore("pair", 40, m)
     assert len(cuda_section(img)["processes"]) == 2, "both processes were checkpointed by the driver"
     assert "verify ok both processes" in log("pair-r")
+    # The child resumes where it was checkpointed too, not from the start (its own final
+    # check would pass either way).
+    child_before = progress("pair", "child ")
     child = progress("pair-r", "child ")
-    assert child and child[-1][0] == 299, "the child ran to the end too"
+    assert_continues(child_before, child, child_before[-1][0] + 1)
+    assert child[-1][0] == 299, "the child ran to the end too"
 
 
 @scenario
 def leave_running_gpu_job(m):
-    hiber("run", "--name", "live", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    hiber("run", "--name", "live", "--", program("counter"), "--mib", "1024", "--steps", "300")
     wait_step("live", 40)
     img = image_of("live")
+    before = progress("live")[-1][0]
     ck = hiber_json("checkpoint", "live", "--leave-running", "--out", img)
     at = progress("live")[-1][0]
     wait_step("live", at + 10)
@@ -330,7 +386,9 @@ def leave_running_gpu_job(m):
     assert_verified("live")
     assert_verified("live-copy")
     copy = progress("live-copy")
-    assert copy[0][0] <= at + 1
+    # The image holds a step between the last one logged before the checkpoint began and
+    # the last one logged after it returned: the copy resumes just after it (not from scratch).
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
     assert_continues(progress("live"), copy, copy[0][0])
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20)
 
@@ -338,14 +396,14 @@ def leave_running_gpu_job(m):
 @scenario
 def gpu_map_by_uuid_same_gpu(m):
     uuid = sh("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
-    hiber("run", "--name", "mapped", "--", BUILD / "counter", "--mib", "1024", "--steps", "300")
+    hiber("run", "--name", "mapped", "--", program("counter"), "--mib", "1024", "--steps", "300")
     stop_and_restore("mapped", 40, m, restore_args=("--gpu-map", f"{uuid}={uuid}"))
     m["map"] = f"{uuid}={uuid}"
 
 
 @scenario
 def lock_timeout_keeps_the_process_running(m):
-    hiber("run", "--name", "busy", "--", BUILD / "counter", "--mib", "256", "--steps", "120", "--spin-at", "20", "--spin-ms", "10000")
+    hiber("run", "--name", "busy", "--", program("counter"), "--mib", "256", "--steps", "120", "--spin-at", "20", "--spin-ms", "10000")
     wait("the long kernel", 120, lambda: "spin" in log("busy"))
     time.sleep(0.5)
     env = dict(ENV, HIBER_CUDA_LOCK_TIMEOUT_MS="1500")
@@ -360,11 +418,11 @@ def lock_timeout_keeps_the_process_running(m):
 
 @scenario
 def restore_refused_without_enough_gpu_memory(m):
-    hiber("run", "--name", "big", "--", BUILD / "counter", "--mib", "4096", "--steps", "300")
+    hiber("run", "--name", "big", "--", program("counter"), "--mib", "4096", "--steps", "300")
     wait_step("big", 20)
     img = image_of("big")
     hiber("checkpoint", "big", "--out", img)
-    hog = subprocess.Popen([str(BUILD / "counter"), "--hog-free-mib", "1024"], stdout=subprocess.PIPE, text=True)
+    hog = subprocess.Popen([str(program("counter")), "--hog-free-mib", "1024"], stdout=subprocess.PIPE, text=True)
     try:
         assert "hogging" in hog.stdout.readline()
         p = hiber("restore", img, "--name", "big-r", check=False)
@@ -381,7 +439,7 @@ def restore_refused_without_enough_gpu_memory(m):
 
 @scenario
 def agent_static_cudart_counter(m):
-    run_job("acount", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=True)
+    run_job("acount", program("counter"), "--mib", "1024", "--steps", "300", agent=True)
     img = stop_and_restore("acount", 40, m)
     agent_moved(img, m, at_least=1 << 30)
     sec = cuda_section(img)
@@ -410,8 +468,9 @@ def agent_mallocasync_falls_back(m):
     assert "left to the driver path" in out, "inspect says what the agent left to the driver:\n" + out[-1500:]
     sec = agent_section(img)
     assert sec and sec["processes"], "the image has an agent section with the process"
-    m["agent_passthrough"] = [p.get("passthrough") for p in sec["processes"]]
-    stream_ordered = sum(((p.get("passthrough") or {}).get("kinds") or {}).get("async", 0) for p in sec["processes"])
+    m["agent_passthrough"] = [p["passthrough"] for p in sec["processes"]]
+    # kinds lists only the kinds with a count: an absent "async" is a count of 0.
+    stream_ordered = sum(p["passthrough"]["kinds"].get("async", 0) for p in sec["processes"])
     assert stream_ordered > 0, f"the agent counted no stream-ordered allocation: {m['agent_passthrough']}"
     drv = cuda_section(img)
     assert drv and drv["processes"], "the driver took the stream-ordered memory: the image has a cuda section"
@@ -435,9 +494,10 @@ def agent_torch_compile(m):
 
 @scenario
 def agent_leave_running(m):
-    run_job("alive", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=True)
+    run_job("alive", program("counter"), "--mib", "1024", "--steps", "300", agent=True)
     wait_step("alive", 40)
     img = image_of("alive")
+    before = progress("alive")[-1][0]
     ck = hiber_json("checkpoint", "alive", "--leave-running", "--out", img)
     at = progress("alive")[-1][0]
     wait_step("alive", at + 10)
@@ -446,7 +506,9 @@ def agent_leave_running(m):
     assert_verified("alive")
     assert_verified("alive-copy")
     copy = progress("alive-copy")
-    assert copy[0][0] <= at + 1
+    # The image holds a step between the last one logged before the checkpoint began and
+    # the last one logged after it returned: the copy resumes just after it (not from scratch).
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
     assert_continues(progress("alive"), copy, copy[0][0])
     sec = agent_moved(img, m, at_least=1 << 30)
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
@@ -457,7 +519,7 @@ def agent_hiber_killed_after_handover_recovers(m):
     """SIGKILL hiber once the agent has released the job's device memory (hiber held the
     only reference): `hiber recover` loads it back from the chunks hiber wrote first, and
     the job runs on intact."""
-    hiber("run", "--name", "victim", "--", BUILD / "counter", "--mib", "2048", "--steps", "400")
+    hiber("run", "--name", "victim", "--", program("counter"), "--mib", "2048", "--steps", "400")
     wait_step("victim", 30)
     img = image_of("victim")
     p = subprocess.Popen([HIBER, "checkpoint", "victim", "--out", img], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -480,7 +542,7 @@ def agent_hiber_killed_after_handover_recovers(m):
 
 @scenario
 def no_agent_opt_out(m):
-    run_job("plain", BUILD / "counter", "--mib", "1024", "--steps", "300", agent=False)
+    run_job("plain", program("counter"), "--mib", "1024", "--steps", "300", agent=False)
     img = stop_and_restore("plain", 40, m)
     agent = agent_section(img)
     assert agent_bytes(agent) == 0, f"the agent moved {agent_bytes(agent)} bytes of a --no-agent job"
@@ -509,6 +571,10 @@ def machine():
 
 
 def main():
+    unknown = ONLY - {fn.__name__ for fn in SCENARIOS}
+    if unknown:
+        # A misspelt name would otherwise run nothing and report 0 failed.
+        sys.exit("SUITE_ONLY names no scenario: " + ", ".join(sorted(unknown)))
     OUT.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(STATE, ignore_errors=True)
     BUILD.mkdir(parents=True, exist_ok=True)
@@ -516,7 +582,6 @@ def main():
     print(json.dumps(info), flush=True)
     for prog in PROGRAMS:
         BUILT[prog] = sh("nvcc", "-O2", "-o", BUILD / prog, REPO / f"gpu/programs/{prog}.cu", check=False, timeout=300)
-    build = BUILT["counter"]
     for fn in SCENARIOS:
         name = fn.__name__
         if ONLY and name not in ONLY:
@@ -524,8 +589,6 @@ def main():
         m = {}
         start = time.time()
         try:
-            if build.returncode != 0 and name not in ("abi_matches_cuda_h", "doctor_sees_the_driver", "hiber_demo_on_the_gpu"):
-                raise Skip("nvcc could not build counter.cu: " + build.stderr[-300:])
             fn(m)
             status = "passed"
         except Skip as e:

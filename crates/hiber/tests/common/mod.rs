@@ -7,6 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+/// The workloads' progress-line parser, the very file the binary uses.
+#[path = "../../src/workload/progress.rs"]
+mod progress;
+
 pub const HIBER: &str = env!("CARGO_BIN_EXE_hiber");
 
 /// Fails loudly (never skips) when the machine cannot run these tests.
@@ -89,15 +93,10 @@ impl Hiber {
         std::fs::read_to_string(self.state.join("jobs").join(name).join("stdout.log")).unwrap_or_default()
     }
 
-    /// (step, checksum) of every progress line in a job's log.
+    /// (step, checksum) of every progress line in a job's log, read with the workloads' own
+    /// parser; the checksum as the workloads print it (16 hex digits).
     pub fn progress(&self, name: &str) -> Vec<(u64, String)> {
-        self.log(name)
-            .lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                (f.len() >= 4 && f[0] == "step" && f[2] == "checksum").then(|| (f[1].parse().unwrap(), f[3].to_string()))
-            })
-            .collect()
+        progress::progress_of(&self.log(name)).into_iter().map(|p| (p.step, format!("{:016x}", p.checksum))).collect()
     }
 
     pub fn last_step(&self, name: &str) -> Option<u64> {
