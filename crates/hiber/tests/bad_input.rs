@@ -128,7 +128,7 @@ fn corrupt_truncated_newer_and_foreign_images() {
     std::fs::write(&mpath, manifest.replacen("\"major\": 1", "\"major\": 2", 1)).unwrap();
     let f = h.fails(&["restore", img.to_str().unwrap()]);
     assert_eq!(f.code, INVALID_IMAGE);
-    assert!(f.stderr.contains("format 2.0 is not supported"), "{}", f.stderr);
+    assert!(f.stderr.contains("format 2.1 is not supported"), "{}", f.stderr);
     std::fs::write(&mpath, &manifest).unwrap();
 
     // Not an image at all: a plain directory, a file, garbage in the manifest.

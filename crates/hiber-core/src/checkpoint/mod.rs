@@ -171,8 +171,18 @@ pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coord
         // The application runs again first; the image is finished off its critical path.
         // A failure from here on costs the image, not the application.
         c.resume()?;
-        c.commit()?;
-        coord.barrier(Phase::Committed)?;
+        // From here the application runs: whatever fails, nothing is left to undo.
+        if let Err(e) = c.commit() {
+            c.close();
+            return Err(e);
+        }
+        // Another participant that could not commit makes this image part of a cut that
+        // did not happen: it goes.
+        if let Err(e) = coord.barrier(Phase::Committed) {
+            c.close();
+            let _ = std::fs::remove_dir_all(&req.dest);
+            return Err(e.into());
+        }
     }
     Ok(c.finish())
 }

@@ -245,17 +245,21 @@ impl<'a> Checkpoint<'a> {
     /// and the partial image and the journal go, unless the undo itself failed.
     pub fn abort(mut self) -> Result<(), CheckpointError> {
         self.resume()?;
+        self.close();
+        Ok(())
+    }
+
+    /// Ends a checkpoint whose application runs (again) and has nothing left to undo,
+    /// successful or not: the journal entry goes.
+    pub fn close(&mut self) {
         if let Some(j) = self.journal.take() {
             j.finish();
         }
-        Ok(())
     }
 
     /// Ends a successful checkpoint: the journal goes, and the report says what was done.
     pub fn finish(mut self) -> CheckpointReport {
-        if let Some(j) = self.journal.take() {
-            j.finish();
-        }
+        self.close();
         let image_bytes = crate::image::Image::open(&self.req.dest).map(|i| i.total_bytes()).unwrap_or(0);
         CheckpointReport {
             image: self.req.dest.clone(),

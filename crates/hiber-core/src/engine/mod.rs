@@ -220,3 +220,43 @@ pub fn check_section_version(kind: &dyn EngineKind, found: u32) -> Result<(), En
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_engine_is_registered_once_and_described_without_a_driver() {
+        let names: Vec<&str> = KINDS.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["agent", "cuda"], "quiesce order: the agent before the driver");
+        for k in KINDS {
+            assert!(kind(k.name()).is_some());
+            // An unreadable section is described as such, never a panic.
+            assert!(!k.describe(&serde_json::json!({"nonsense": true})).is_empty());
+            assert!(!k.unavailable_hint().is_empty());
+        }
+        assert!(kind("opencl").is_none());
+    }
+
+    #[test]
+    fn a_newer_section_is_refused_with_a_hint() {
+        let k = kind("cuda").unwrap();
+        check_section_version(k, k.section_version()).unwrap();
+        check_section_version(k, 1).unwrap();
+        let e = check_section_version(k, k.section_version() + 1).unwrap_err();
+        assert!(e.to_string().contains("version 2"), "{e}");
+        assert!(e.hint().unwrap().contains("newer hiber"));
+    }
+
+    #[test]
+    fn launch_env_skips_what_it_is_told() {
+        let dir = Path::new("/nonexistent-job");
+        // Without /dev/nvidiactl (CI) no engine prepares anything; with it, skipping the
+        // agent leaves no LD_PRELOAD of it.
+        let skipped = launch_env(dir, &["agent"]);
+        assert!(!skipped.iter().any(|(k, v)| k == "LD_PRELOAD" && v.contains("hiber_agent")), "{skipped:?}");
+        if !Path::new("/dev/nvidiactl").exists() {
+            assert!(launch_env(dir, &[]).is_empty());
+        }
+    }
+}
