@@ -174,7 +174,51 @@ fn images_are_private_and_verified() {
     assert_eq!(mode(&image.join("manifest.json")), 0o600);
     assert_eq!(mode(&image.join("manifest.blake3")), 0o600);
     let out = h.ok(&["inspect", image.to_str().unwrap()]);
-    assert!(out.contains("format      1.0") && out.contains("verified    all"), "{out}");
+    assert!(out.contains("format      1.1") && out.contains("verified    all"), "{out}");
     let ls = h.ok(&["ls"]);
     assert!(ls.contains("private") && ls.contains("running"), "{ls}");
+}
+
+/// The preemption loop: a job checkpointed and restored again and again, its copies
+/// checkpointed in turn, stopping and `--leave-running` alternating, a leave-running copy
+/// restored beside its still-running original. After every cycle the copy must go on from
+/// where the checkpoint caught it with the original's trajectory; the last one finishes
+/// and verifies every word of its memory.
+#[test]
+fn six_checkpoint_restore_cycles_of_one_job() {
+    let h = Hiber::new("cycles");
+    h.start("c0", &["cpu", "--steps", "900", "--mem-mib", "16", "--interval-ms", "30"]);
+    h.wait_step("c0", 5);
+    let mut prev = "c0".to_string();
+    for i in 1..=6 {
+        let image = h.images_dir().join(format!("cycle{i}"));
+        let copy = format!("c{i}");
+        let leave_running = i % 2 == 0;
+        let from = h.last_step(&prev).unwrap();
+        let mut args = vec!["checkpoint", prev.as_str(), "--out", image.to_str().unwrap()];
+        if leave_running {
+            args.push("--leave-running");
+        }
+        h.ok(&args);
+        let until = h.last_step(&prev).unwrap();
+        if leave_running {
+            assert_eq!(h.state_of(&prev), "running", "cycle {i}: the original runs on");
+        } else {
+            assert_eq!(h.state_of(&prev), "checkpointed", "cycle {i}: the original is stopped");
+        }
+        h.ok(&["restore", image.to_str().unwrap(), "--name", &copy]);
+        h.wait_step(&copy, until + 3);
+        let ours = h.progress(&copy);
+        let first = ours[0].0;
+        assert!(first > from && first <= until + 1, "cycle {i}: the copy resumes where the checkpoint caught the job ({from} < {first} <= {}+1)", until);
+        assert_continues(&h.progress(&prev), &ours, first);
+        if leave_running {
+            // Side by side for a while, then the original gives way to its copy.
+            h.wait_step(&prev, until + 3);
+            assert_continues(&h.progress(&prev), &h.progress(&copy), first);
+            h.ok(&["rm", "-f", &prev]);
+        }
+        prev = copy;
+    }
+    h.assert_verified(&prev, LONG);
 }

@@ -140,6 +140,18 @@ fn check_space(dest: &Path, tree: &[ProcessInfo]) -> Result<(), CheckpointError>
     }
 }
 
+/// CRIU's name for the file open as `fd` in `pid`, as an external file:
+/// `file[MNT_ID:INODE]` (hex). The job's logs are dumped so: a restore hands the new copy
+/// logs of its own, opened in hiber's mount namespace, which a later dump of that copy
+/// could not resolve in the copy's namespace by path ("Can't lookup mount").
+pub(crate) fn log_file_id(pid: i32, fd: i32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok()?;
+    let mnt_id: u64 = info.lines().find_map(|l| l.strip_prefix("mnt_id:")).and_then(|v| v.trim().parse().ok())?;
+    let ino = std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok()?.ino();
+    Some(format!("file[{mnt_id:x}:{ino:x}]"))
+}
+
 /// Whether `pid` lives in a mount namespace other than hiber's.
 fn own_mount_namespace(pid: i32) -> bool {
     let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();

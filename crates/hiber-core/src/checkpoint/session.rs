@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{check_space, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
+use super::{check_space, log_file_id, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
 use crate::coordinator::{Coordinator, Phase};
 use crate::criu::DumpOptions;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
@@ -146,6 +146,8 @@ impl<'a> Checkpoint<'a> {
                 mount_namespace: own_mount_namespace(self.req.pid),
                 stdout: std_path(1),
                 stderr: std_path(2),
+                stdout_external: std_path(1).and(log_file_id(root.pid, 1)),
+                stderr_external: std_path(2).and(log_file_id(root.pid, 2)),
             },
             processes: self.tree.clone(),
             devices: self.sections.clone(),
@@ -171,6 +173,7 @@ impl<'a> Checkpoint<'a> {
             work_dir: &work,
             leave_running: self.req.leave_running,
             external_mounts: manifest.source.mount_namespace,
+            external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
         };
         let (ctx, leave_running) = (self.ctx, self.req.leave_running);
         let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);

@@ -93,13 +93,17 @@ pub struct DumpOptions<'a> {
     /// The tree has a mount namespace of its own whose mounts are the host's (a hiber
     /// job): dump them as external mounts, to be bind-mounted back on restore.
     pub external_mounts: bool,
+    /// Open files CRIU dumps as external (`file[MNT_ID:INODE]`), to be handed back with
+    /// `inherit_fd` under the same key on restore.
+    pub external_files: Vec<String>,
 }
 
 pub struct RestoreOptions<'a> {
     pub images_dir: &'a Path,
     pub work_dir: &'a Path,
     /// `(key, fd)`: CRIU opens this descriptor in place of the file named by `key` (for a
-    /// regular file, its path without the leading '/').
+    /// regular file, its path without the leading '/'; for one dumped as external, its
+    /// `file[MNT_ID:INODE]`).
     pub inherit: Vec<(String, RawFd)>,
     /// See [`DumpOptions::external_mounts`]; the namespace is rebuilt on `/`.
     pub external_mounts: bool,
@@ -185,6 +189,7 @@ impl Criu {
             auto_ext_mnt: Some(opts.external_mounts),
             ext_sharing: Some(opts.external_mounts),
             ext_masters: Some(opts.external_mounts),
+            external: opts.external_files.clone(),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("dump.log".into()),
             log_level: Some(4),

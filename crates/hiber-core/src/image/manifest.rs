@@ -34,6 +34,22 @@ pub struct Source {
     /// the new copy its own log files in their place.
     pub stdout: Option<String>,
     pub stderr: Option<String>,
+    /// CRIU's `file[MNT_ID:INODE]` for stdout and stderr, when they were dumped as external
+    /// files (1.1): the key under which a restore hands the new copy its logs. 1.0 images
+    /// used the path.
+    #[serde(default)]
+    pub stdout_external: Option<String>,
+    #[serde(default)]
+    pub stderr_external: Option<String>,
+}
+
+impl Source {
+    /// `(key, path)` under which a restore hands CRIU each of the new copy's two logs, in
+    /// the order stdout, stderr; `None` where the image had no log file there.
+    pub fn log_keys(&self) -> [Option<String>; 2] {
+        let key = |ext: &Option<String>, path: &Option<String>| ext.clone().or_else(|| path.as_ref().map(|p| p.trim_start_matches('/').to_string()));
+        [key(&self.stdout_external, &self.stdout), key(&self.stderr_external, &self.stderr)]
+    }
 }
 
 /// What one device engine recorded, opaque to the pipeline.

@@ -32,7 +32,17 @@ fn sample_manifest() -> Manifest {
         kernel: "6.18".into(),
         criu_version: "4.1.1".into(),
         hiber_version: "0.1.0".into(),
-        source: Source { job: Some("j".into()), pid: 42, leave_running: false, pid_namespace: true, mount_namespace: true, stdout: None, stderr: None },
+        source: Source {
+            job: Some("j".into()),
+            pid: 42,
+            leave_running: false,
+            pid_namespace: true,
+            mount_namespace: true,
+            stdout: None,
+            stderr: None,
+            stdout_external: None,
+            stderr_external: None,
+        },
         processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
         devices: Vec::new(),
         frozen_seconds: 0.5,
@@ -214,4 +224,24 @@ fn format_1_0_images_still_open() {
     assert!(img.manifest.processes[0].device_files.is_empty());
     let section: DeviceSection = serde_json::from_str(r#"{"engine":"cuda","state":{}}"#).unwrap();
     assert_eq!(section.version, 1, "a 1.0 section is version 1 of its engine's state");
+}
+
+#[test]
+fn logs_are_handed_back_under_their_external_id_or_their_path() {
+    let mut src = Source {
+        job: None,
+        pid: 1,
+        leave_running: false,
+        pid_namespace: true,
+        mount_namespace: true,
+        stdout: Some("/state/jobs/a/stdout.log".into()),
+        stderr: Some("/state/jobs/a/stderr.log".into()),
+        stdout_external: None,
+        stderr_external: None,
+    };
+    // A 1.0 image: by path, without the leading '/'.
+    assert_eq!(src.log_keys(), [Some("state/jobs/a/stdout.log".into()), Some("state/jobs/a/stderr.log".into())]);
+    src.stdout_external = Some("file[1b:2a]".into());
+    src.stderr = None;
+    assert_eq!(src.log_keys(), [Some("file[1b:2a]".into()), None]);
 }

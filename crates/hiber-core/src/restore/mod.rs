@@ -190,9 +190,8 @@ fn restore_into_job(
     let (stdout, stderr) = job.registry.open_logs(job.name)?;
     let src = &image.manifest.source;
     let mut inherit: Vec<(String, i32)> = Vec::new();
-    for (path, file) in [(&src.stdout, &stdout), (&src.stderr, &stderr)] {
-        if let Some(p) = path {
-            let key = p.trim_start_matches('/').to_string();
+    for (key, file) in src.log_keys().into_iter().zip([&stdout, &stderr]) {
+        if let Some(key) = key {
             if !inherit.iter().any(|(k, _)| *k == key) {
                 inherit.push((key, file.as_raw_fd()));
             }
