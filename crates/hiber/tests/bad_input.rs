@@ -243,3 +243,40 @@ fn usage_errors_and_names() {
     let f = h.fails(&["restore", "x", "--gpu-map", "nonsense"]);
     assert!(f.stderr.contains("--gpu-map"), "{}", f.stderr);
 }
+
+/// A process holding an io_uring (as libuv 1.45+ opens) is refused before anything is
+/// stopped, with the process and the descriptor named; the job runs on untouched.
+#[test]
+fn io_uring_is_refused_before_anything_is_stopped() {
+    let _mounts = shared();
+    let h = Hiber::new("uring");
+    let script = [
+        "import ctypes, os, time",
+        "libc = ctypes.CDLL(None, use_errno=True)",
+        "params = ctypes.create_string_buffer(120)",
+        "fd = libc.syscall(425, 4, params)  # io_uring_setup(4 entries)",
+        "print('ring', fd, os.readlink(f'/proc/self/fd/{fd}'), flush=True)",
+        "n = 0",
+        "while True:",
+        "    n += 1",
+        "    print('tick', n, flush=True)",
+        "    time.sleep(0.05)",
+    ]
+    .join("\n");
+    h.ok(&["run", "--name", "uring", "--", "python3", "-c", &script]);
+    wait("the ring to open", Duration::from_secs(20), || h.log("uring").contains("ring "));
+    let ring_line = h.log("uring").lines().find(|l| l.starts_with("ring ")).unwrap().to_string();
+    assert!(ring_line.ends_with("anon_inode:[io_uring]"), "the kernel gave an io_uring: {ring_line}");
+    let fd = ring_line.split_whitespace().nth(1).unwrap().to_string();
+    let img = h.images_dir().join("uring");
+    let f = h.fails(&["checkpoint", "uring", "--out", img.to_str().unwrap()]);
+    assert_eq!(f.code, 1, "{}", f.stderr);
+    assert!(f.stderr.contains(&format!("holds descriptor {fd} (anon_inode:[io_uring])")), "{}", f.stderr);
+    assert!(f.stderr.contains("(python3)") && f.stderr.contains("the application keeps running"), "{}", f.stderr);
+    assert!(f.stderr.contains("hint: ") && f.stderr.contains("UV_USE_IO_URING=0"), "{}", f.stderr);
+    assert!(!img.exists() && std::fs::read_dir(h.images_dir()).map(|mut d| d.next().is_none()).unwrap_or(true), "no image, no partial image");
+    let ticks = |h: &Hiber| h.log("uring").lines().filter(|l| l.starts_with("tick ")).count();
+    let before = ticks(&h);
+    wait("the job to go on ticking", Duration::from_secs(10), || ticks(&h) >= before + 3);
+    assert_eq!(h.state_of("uring"), "running");
+}

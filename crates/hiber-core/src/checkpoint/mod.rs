@@ -1,9 +1,10 @@
 //! The checkpoint pipeline, as a session of phases ([`session::Checkpoint`]):
 //! prepare → quiesce → capture → dump → commit → resume (or abort, the undo).
 //!
-//! - **prepare** finds the tree, refuses what cannot be checkpointed, opens the image sink
-//!   and the journal, and opens each engine's session: nothing of the application is
-//!   touched yet;
+//! - **prepare** finds the tree, refuses what cannot be checkpointed (a terminal, a full
+//!   disk, and what CRIU would refuse in the middle of the dump: see [`preflight`]), opens
+//!   the image sink and the journal, and opens each engine's session: nothing of the
+//!   application is touched yet;
 //! - **quiesce** stops device work; **capture** moves device state where the dump takes
 //!   it; **dump** has CRIU dump (and, when the checkpoint stops the application, freeze)
 //!   the tree;
@@ -18,8 +19,10 @@
 //! application is undone on failure, so a failed checkpoint leaves the application running
 //! as it was and no partial image behind.
 
+mod preflight;
 mod session;
 
+pub use preflight::Undumpable;
 pub use session::Checkpoint;
 
 use std::path::{Path, PathBuf};
@@ -45,6 +48,8 @@ pub enum CheckpointError {
     NotPermitted { pid: i32, reason: String },
     #[error("process {pid} ({comm}) has a controlling terminal")]
     Terminal { pid: i32, comm: String },
+    #[error("process {pid} ({comm}) holds {what}")]
+    Undumpable { pid: i32, comm: String, what: Undumpable },
     #[error("not enough space for the image in {dir}: about {needed} MiB needed, {available} MiB available", needed = .needed >> 20, available = .available >> 20)]
     NoSpace { dir: PathBuf, needed: u64, available: u64 },
     #[error(transparent)]
@@ -69,6 +74,7 @@ impl CheckpointError {
             CheckpointError::NotPermitted { .. } => "run hiber as root (CRIU must ptrace every process of the tree)".into(),
             CheckpointError::Terminal { .. } => "CRIU can restore a terminal only into the same terminal session; start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
             CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
+            CheckpointError::Undumpable { what, .. } => what.hint(),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
             CheckpointError::Resume(_) => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),

@@ -67,6 +67,12 @@ impl<'a> Checkpoint<'a> {
                 }
             }
         }
+        // What CRIU would refuse mid-dump, after the engines touched the GPU processes.
+        let claimed: Vec<i32> = sessions.iter().flat_map(|(_, s)| s.pids().to_vec()).collect();
+        if let Err(e) = super::preflight::refuse_undumpable(&tree, &claimed) {
+            journal.finish();
+            return Err(e);
+        }
         let claims = sessions.iter().map(|(k, s)| Claim { engine: k.name().into(), pids: s.pids().to_vec() }).collect();
         if let Err(e) = journal.update(|e| e.claims = claims) {
             journal.finish();

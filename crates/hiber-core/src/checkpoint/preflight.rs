@@ -1,0 +1,151 @@
+//! What CRIU will refuse, found before anything is stopped.
+//!
+//! CRIU fails a dump on a descriptor or a mapping it has no code for, and it finds out
+//! only in the middle of the dump, after the device engines locked and checkpointed the
+//! GPU processes. Undoing that is not always possible (the driver cannot always restore
+//! what it checkpointed), so `prepare` looks first: every process of the tree that no
+//! device engine claimed must hold nothing CRIU cannot dump. Processes an engine claimed
+//! are left to it: the driver releases its own descriptors and mappings before the dump.
+//!
+//! The rules follow CRIU 4.1's `files.c` and `proc_parse.c`: of the anonymous inodes it
+//! dumps eventfd, eventpoll, inotify, fanotify, signalfd, timerfd and pidfd; of character
+//! devices the memory devices (`/dev/null`, `/dev/zero`, ...), terminals and some misc
+//! devices (tun); of device mappings only `/dev/zero`.
+
+use super::CheckpointError;
+use crate::proctree::ProcessInfo;
+
+/// The anonymous-inode descriptors CRIU 4.1 dumps.
+const DUMPABLE_ANON: [&str; 7] = ["[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]"];
+
+/// Character device majors CRIU dumps: memory devices (1), terminals (4, 5, 136-143) and
+/// misc devices (10), some of which it knows.
+fn dumpable_char_major(major: u32) -> bool {
+    matches!(major, 1 | 4 | 5 | 10 | 136..=143)
+}
+
+/// Why CRIU cannot dump something a process holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Undumpable {
+    /// An anonymous-inode descriptor of a kind CRIU has no code for (`[io_uring]`, say).
+    AnonInode { fd: i32, kind: String },
+    /// A device file (open or mapped) that no engine takes care of.
+    Device { path: String },
+}
+
+/// The first thing of `p` that CRIU cannot dump; `major_of` gives a device file's major
+/// number (`None` when it is not a character device).
+pub fn undumpable(p: &ProcessInfo, major_of: impl Fn(&str) -> Option<u32>) -> Option<Undumpable> {
+    for f in &p.fds {
+        if let Some(kind) = f.target.strip_prefix("anon_inode:") {
+            if !DUMPABLE_ANON.contains(&kind) {
+                return Some(Undumpable::AnonInode { fd: f.fd, kind: kind.to_string() });
+            }
+        }
+    }
+    p.device_files.iter().find(|d| major_of(d).is_some_and(|m| !dumpable_char_major(m))).map(|d| Undumpable::Device { path: d.clone() })
+}
+
+fn char_major(path: &str) -> Option<u32> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(path).ok()?;
+    // major(3) of a Linux dev_t.
+    meta.file_type().is_char_device().then(|| (((meta.rdev() >> 32) & 0xffff_f000) | ((meta.rdev() >> 8) & 0xfff)) as u32)
+}
+
+/// Refuses the tree if a process that no engine claimed holds something CRIU cannot dump.
+pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
+    for p in tree.iter().filter(|p| !claimed.contains(&p.pid)) {
+        if let Some(what) = undumpable(p, char_major) {
+            return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what });
+        }
+    }
+    Ok(())
+}
+
+impl std::fmt::Display for Undumpable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Undumpable::AnonInode { fd, kind } => write!(f, "descriptor {fd} (anon_inode:{kind}), which CRIU cannot dump"),
+            Undumpable::Device { path } if path.starts_with("/dev/nvidia") => write!(
+                f,
+                "{path} but no CUDA context an engine could checkpoint (a process forked after CUDA started inherits its device mappings), which CRIU cannot dump"
+            ),
+            Undumpable::Device { path } => write!(f, "{path}, a device no engine of this hiber checkpoints"),
+        }
+    }
+}
+
+impl Undumpable {
+    pub fn hint(&self) -> String {
+        match self {
+            Undumpable::AnonInode { kind, .. } if kind == "[io_uring]" => "io_uring rings cannot be checkpointed. libuv 1.45 and newer opens one (Node.js, and programs built on libuv): start the job with UV_USE_IO_URING=0; for other programs, turn io_uring off in their own settings".into(),
+            Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
+            Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn')), so that they do not inherit CUDA's state".into(),
+            Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proctree::OpenFd;
+
+    fn process(fds: &[&str], devices: &[&str]) -> ProcessInfo {
+        let mut p = crate::proctree::read_process(std::process::id() as i32).unwrap();
+        p.fds = fds.iter().enumerate().map(|(i, t)| OpenFd { fd: i as i32 + 3, target: t.to_string(), size: None }).collect();
+        p.device_files = devices.iter().map(|d| d.to_string()).collect();
+        p
+    }
+
+    fn majors(path: &str) -> Option<u32> {
+        match path {
+            "/dev/nvidia0" | "/dev/nvidiactl" => Some(195),
+            "/dev/nvidia-uvm" => Some(508),
+            "/dev/dri/renderD128" => Some(226),
+            "/dev/kmsg" => Some(1),
+            "/dev/ptmx" => Some(5),
+            "/dev/net/tun" => Some(10),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn io_uring_and_other_unknown_anon_inodes_are_refused() {
+        let p = process(&["/dev/null", "anon_inode:[eventfd]", "anon_inode:[eventpoll]", "anon_inode:inotify", "pipe:[12]"], &[]);
+        assert_eq!(undumpable(&p, majors), None);
+        let p = process(&["anon_inode:[timerfd]", "anon_inode:[io_uring]"], &[]);
+        let u = undumpable(&p, majors).unwrap();
+        assert_eq!(u, Undumpable::AnonInode { fd: 4, kind: "[io_uring]".into() });
+        assert!(u.to_string().contains("descriptor 4 (anon_inode:[io_uring])"), "{u}");
+        assert!(u.hint().contains("UV_USE_IO_URING=0"));
+        assert!(undumpable(&process(&["anon_inode:[perf_event]"], &[]), majors).is_some());
+    }
+
+    #[test]
+    fn devices_only_an_engine_takes_are_refused() {
+        assert_eq!(undumpable(&process(&[], &["/dev/kmsg", "/dev/ptmx", "/dev/net/tun", "/tmp/not-a-device"]), majors), None);
+        let u = undumpable(&process(&[], &["/dev/nvidia-uvm", "/dev/nvidia0"]), majors).unwrap();
+        assert!(u.to_string().contains("no CUDA context"), "{u}");
+        assert!(u.hint().contains("spawn"));
+        assert!(undumpable(&process(&[], &["/dev/dri/renderD128"]), majors).is_some());
+    }
+
+    #[test]
+    fn claimed_processes_are_left_to_their_engine() {
+        let mut p = process(&[], &[]);
+        p.device_files = vec!["/dev/null".into()];
+        // A real /dev/null (major 1) is dumpable; an unclaimed process passes.
+        refuse_undumpable(std::slice::from_ref(&p), &[]).unwrap();
+        p.fds.push(OpenFd { fd: 9, target: "anon_inode:[io_uring]".into(), size: None });
+        assert!(refuse_undumpable(std::slice::from_ref(&p), &[]).is_err());
+        refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).unwrap();
+    }
+
+    #[test]
+    fn char_major_reads_the_device_number() {
+        assert_eq!(char_major("/dev/null"), Some(1));
+        assert_eq!(char_major("/etc/hostname"), None);
+    }
+}
