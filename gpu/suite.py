@@ -541,6 +541,60 @@ def agent_hiber_killed_after_handover_recovers(m):
 
 
 @scenario
+def agent_checkpoint_restore_chain(m):
+    """The preemption loop on the GPU, with the agent: the job, then each restored copy,
+    checkpointed again, five cycles, stopping and --leave-running alternating (a
+    leave-running copy runs beside its original, in a network namespace of its own, before
+    the original gives way). After each cycle the copy goes on from where the checkpoint
+    caught the job with the original's trajectory; the last one verifies every word."""
+    run_job("chain0", program("counter"), "--mib", "1024", "--steps", "3000", "--interval-ms", "10", agent=True)
+    wait_step("chain0", 20)
+    prev, cycles = "chain0", []
+    for i in range(1, 6):
+        leave = i % 2 == 0
+        img, copy = image_of(f"chain{i}"), f"chain{i}"
+        frm = progress(prev)[-1][0]
+        ck = hiber_json("checkpoint", prev, *(["--leave-running"] if leave else []), "--out", img)
+        until = progress(prev)[-1][0]
+        assert state_of(prev) == ("running" if leave else "checkpointed"), f"cycle {i}: {prev} is {state_of(prev)}"
+        rs = hiber_json("restore", img, "--name", copy, *(["--isolate-net"] if leave else []))
+        wait_step(copy, until + 3)
+        ours = progress(copy)
+        assert frm < ours[0][0] <= until + 1, f"cycle {i}: copy resumes at {ours[0][0]}, expected {frm + 1}..{until + 1}"
+        assert_continues(progress(prev), ours, ours[0][0])
+        agent_moved(img, m, at_least=1 << 30)
+        if leave:
+            hiber("rm", "-f", prev)
+        cycles.append({"leave_running": leave, "checkpoint_s": round(ck["total_seconds"], 2), "restore_s": round(rs["total_seconds"], 2)})
+        prev = copy
+    assert_verified(prev)
+    m["cycles"] = cycles
+    m.update(checkpoint_s=cycles[-1]["checkpoint_s"], restore_s=cycles[-1]["restore_s"])
+
+
+@scenario
+def agent_failure_at_each_phase_keeps_the_job(m):
+    """A checkpoint made to fail at each phase barrier (HIBER_FAIL_AT), once the agent and the
+    driver hold the job's GPU state: the job keeps running and computing correctly (its final
+    check of every word passes after a later restore), and the next checkpoint works."""
+    run_job("phased", program("counter"), "--mib", "1024", "--steps", "2000", "--interval-ms", "10", agent=True)
+    wait_step("phased", 20)
+    failures = {}
+    for phase, extra in (("quiesced", ()), ("captured", ()), ("dumped", ()), ("dumped", ("--leave-running",)), ("committed", ("--leave-running",))):
+        img = image_of(f"phased-{phase}")
+        p = hiber("checkpoint", "phased", *extra, "--out", img, check=False, env=dict(ENV, HIBER_FAIL_AT=phase))
+        assert p.returncode == 1 and "injected failure" in p.stderr and "keeps running" in p.stderr, f"{phase}: {p.returncode} {p.stderr}"
+        assert not Path(img).exists(), f"{phase}: no image is left"
+        assert state_of("phased") == "running", f"{phase}: the job runs on"
+        at = progress("phased")[-1][0]
+        wait_step("phased", at + 5)
+        failures[phase + "".join(extra)] = p.stderr.strip().splitlines()[0][:160]
+    m["failures"] = failures
+    img = stop_and_restore("phased", progress("phased")[-1][0] + 2, m)
+    agent_moved(img, m, at_least=1 << 30)
+
+
+@scenario
 def no_agent_opt_out(m):
     run_job("plain", program("counter"), "--mib", "1024", "--steps", "300", agent=False)
     img = stop_and_restore("plain", 40, m)
