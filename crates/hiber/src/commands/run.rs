@@ -45,7 +45,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
                 }
             }
         }
-        match launch::spawn_shim(&dir, &[], move || launch::start_in_namespace(cmd)) {
+        match launch::spawn_shim(&dir, &launch::ShimTask::Run(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
             Ok(Started::Failed { message, hint, .. }) => {
                 let e = CliError::new(FAILED, message);
