@@ -8,20 +8,36 @@
 //! with the host's /proc. Every other mount is the host's, which CRIU treats as external
 //! (bind-mounted back on restore). The job's files are opened inside the namespace, so
 //! that CRIU finds their mounts there.
-//! The root's parent is a small shim (a forked hiber, detached from the caller's session)
-//! that records the root's exit status in the job directory. `hiber restore` uses the same
-//! shim, which then becomes the parent of the restored tree.
+//!
+//! The root's parent is a small shim that records the root's exit status in the job
+//! directory. `hiber restore` uses the same shim, which then becomes the parent of the
+//! restored tree. The shim is hiber itself, executed afresh (`hiber __shim`) rather than
+//! forked: by the time hiber starts a shim it may have threads (blake3's pool after
+//! verifying an image, a GPU driver's), and a forked copy of a multi-threaded process may
+//! only make async-signal-safe calls until it execs. A freshly executed shim is
+//! single-threaded, so it may fork and run ordinary Rust (CRIU's RPC, say).
+//!
+//! The protocol: [`spawn_shim`] runs `/proc/self/exe __shim` with a pipe on its stdin and
+//! another on its stdout, writes one JSON [`ShimTask`] (with the job directory) to the
+//! first and closes it, and reads one JSON line, a [`Started`], from the second. The
+//! program must hand `__shim` ([`SHIM_COMMAND`]) to [`shim_main`]: hiber's CLI does.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::path::Path;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 
 use serde::{Deserialize, Serialize};
 
+use crate::criu::{Criu, RestoreOptions};
 use crate::jobs;
 use crate::sys::{self, Fork};
+
+/// The argument that makes hiber a job's shim (see [`shim_main`]).
+pub const SHIM_COMMAND: &str = "__shim";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -41,68 +57,251 @@ pub enum Started {
     Failed { message: String, hint: Option<String>, log: Option<String> },
 }
 
-/// Forks a detached shim that runs `start` (which must leave the tree's root as the
-/// shim's child and return its PID), reports the outcome to the caller, then waits for
-/// the root and records its exit status in `job_dir`.
-///
-/// The shim keeps only standard descriptors (on /dev/null), its report pipe and `keep`
-/// (what `start` needs): none that hiber's caller leaked, so the caller sees EOF on its
-/// pipes when hiber exits. The caller should be single-threaded; idle worker threads
-/// (blake3's pool after verifying an image) hold no lock the child takes.
-pub fn spawn_shim(job_dir: &Path, keep: &[RawFd], start: impl FnOnce() -> Started) -> Result<Started, LaunchError> {
-    let io = |step| move |source| LaunchError::Io { step, source };
-    let devnull = File::options().read(true).write(true).open("/dev/null").map_err(io("open /dev/null"))?;
-    let (rd, wr) = sys::pipe().map_err(io("pipe"))?;
-    match sys::fork().map_err(io("fork"))? {
-        Fork::Child => {
-            drop(rd);
-            let code = run_shim(job_dir, &devnull, wr, keep, start);
-            sys::exit_now(code)
-        }
-        Fork::Parent(middle) => {
-            drop(wr);
-            // The middle process exits as soon as the shim is forked, so the shim is
-            // adopted by init (or a subreaper) and outlives this hiber.
-            let _ = sys::waitpid(middle);
-            let mut line = String::new();
-            BufReader::new(File::from(rd)).read_line(&mut line).map_err(io("read shim report"))?;
-            serde_json::from_str(&line).map_err(|_| LaunchError::ShimVanished)
+/// What a shim starts as its child, the job's root.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShimTask {
+    /// A command, as the init of new PID and mount namespaces (`hiber run`).
+    Run(Command),
+    /// A CRIU image, restored as the shim's child (`hiber restore`).
+    Restore(RestoreTask),
+}
+
+/// What a shim passes to [`Criu::restore`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RestoreTask {
+    /// The CRIU binary.
+    #[serde(with = "wire_path")]
+    pub criu: PathBuf,
+    #[serde(with = "wire_path")]
+    pub images_dir: PathBuf,
+    #[serde(with = "wire_path")]
+    pub work_dir: PathBuf,
+    /// `(key, fd)` as in [`RestoreOptions::inherit`]: descriptors of hiber's, which the
+    /// shim inherits under the same numbers (0, 1 and 2 cannot be passed).
+    pub inherit: Vec<(String, RawFd)>,
+    /// See [`RestoreOptions::external_mounts`].
+    pub external_mounts: bool,
+    /// Restore into a new network namespace with only loopback up.
+    pub isolate_net: bool,
+}
+
+impl ShimTask {
+    /// The descriptors the shim must inherit.
+    fn fds(&self) -> Vec<RawFd> {
+        match self {
+            ShimTask::Run(_) => Vec::new(),
+            ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).collect(),
         }
     }
 }
 
-fn run_shim(job_dir: &Path, devnull: &File, wr: OwnedFd, keep: &[RawFd], start: impl FnOnce() -> Started) -> i32 {
-    if sys::setsid().is_err() {
+/// What hiber writes on a shim's stdin.
+#[derive(Serialize, Deserialize)]
+struct Request {
+    #[serde(with = "wire_path")]
+    job_dir: PathBuf,
+    task: ShimTask,
+}
+
+/// Starts a detached shim (hiber executed again, see the module's doc) that starts `task`
+/// as its child, reports the outcome, then waits for that child and records its exit
+/// status in `job_dir`.
+///
+/// The shim keeps only standard descriptors (on /dev/null), its report pipe and the
+/// task's descriptors: none that hiber's caller leaked, so the caller sees EOF on its
+/// pipes when hiber exits. Safe to call with threads running: the child that std forks
+/// only clears close-on-exec on the task's descriptors before it execs.
+pub fn spawn_shim(job_dir: &Path, task: &ShimTask) -> Result<Started, LaunchError> {
+    let io = |step| move |source| LaunchError::Io { step, source };
+    let keep = task.fds();
+    if let Some(fd) = keep.iter().find(|&&fd| fd < 3) {
+        return Err(LaunchError::Start(format!("descriptor {fd} cannot be passed to a job's shim (0 to 2 are its standard ones)")));
+    }
+    let request = serde_json::to_vec(&Request { job_dir: job_dir.to_path_buf(), task: task.clone() }).expect("a shim request serializes");
+    // The running executable itself, even if its path was replaced since it started: the
+    // shim speaks this hiber's protocol.
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    if let Some(arg0) = std::env::args_os().next() {
+        cmd.arg0(arg0);
+    }
+    cmd.arg(SHIM_COMMAND).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // SAFETY: the closure runs in the forked child before exec and calls only fcntl, which
+    // is async-signal-safe; it allocates nothing (`keep` was built before the fork). The
+    // descriptors are hiber's own, open until `spawn` returns; only the child's copies
+    // lose close-on-exec, so no other child of hiber inherits them.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &keep {
+                sys::clear_cloexec(*fd)?;
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(io("start the job's shim"))?;
+    let (mut stdin, stdout) = (child.stdin.take().expect("stdin is piped"), child.stdout.take().expect("stdout is piped"));
+    // A shim that fails before reading all of it still reports why (or vanishes).
+    let _ = stdin.write_all(&request);
+    drop(stdin);
+    // This child exits as soon as it has forked the shim proper, which is adopted by init
+    // (or a subreaper) and outlives this hiber.
+    let _ = child.wait();
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).map_err(io("read the shim's report"))?;
+    serde_json::from_str(&line).map_err(|_| LaunchError::ShimVanished)
+}
+
+/// The shim's side of [`spawn_shim`], for the program's `__shim` command: reads the
+/// request from `input` (the process's stdin), reports on stdout, and returns the exit
+/// code. It detaches first (new session, /dev/null on 0 to 2, no other descriptor but
+/// what the task needs) and forks once, so that the process hiber waits for exits and the
+/// shim proper is adopted by init. It refuses to run in a process with more than one
+/// thread: call it before starting any.
+pub fn shim_main(mut input: impl Read) -> i32 {
+    let mut text = Vec::new();
+    let request = input.read_to_end(&mut text).map_err(|e| e.to_string()).and_then(|_| serde_json::from_slice::<Request>(&text).map_err(|e| e.to_string()));
+    // The report pipe is stdout: moved off 1 (to a close-on-exec number above 2) before
+    // /dev/null takes its place.
+    let mut report = match std::io::stdout().as_fd().try_clone_to_owned() {
+        Ok(fd) => File::from(fd),
+        Err(_) => return 1,
+    };
+    let failed = |message: String| Started::Failed { message, hint: None, log: None };
+    let request = match request {
+        Ok(r) => r,
+        Err(e) => {
+            send(&mut report, &failed(format!("the job's shim got a bad request: {e}")));
+            return 1;
+        }
+    };
+    if sys::thread_count().ok() != Some(1) {
+        send(&mut report, &failed("the job's shim must be single-threaded".into()));
         return 1;
     }
-    for fd in 0..3 {
-        let _ = sys::dup2(devnull.as_raw_fd(), fd);
+    if let Err(e) = detach(&request.task, report.as_fd()) {
+        send(&mut report, &failed(format!("the job's shim cannot detach: {e}")));
+        return 1;
     }
-    let mut kept = keep.to_vec();
-    kept.push(wr.as_raw_fd());
-    sys::close_from_except(3, &kept);
-    match sys::fork() {
+    // SAFETY: this process has one thread (checked above; nothing since started one), so
+    // the child may run ordinary Rust.
+    match unsafe { sys::fork() } {
         Ok(Fork::Parent(_)) => return 0,
         Ok(Fork::Child) => {}
-        Err(_) => return 1,
+        Err(e) => {
+            send(&mut report, &failed(format!("the job's shim cannot fork: {e}")));
+            return 1;
+        }
     }
-    let report = start();
-    let mut wr = File::from(wr);
-    let _ = writeln!(wr, "{}", serde_json::to_string(&report).expect("report serializes"));
-    drop(wr);
-    if let Started::Running { pid } = report {
+    let started = match request.task {
+        // SAFETY: a child forked from a single-threaded process has one thread too.
+        ShimTask::Run(cmd) => unsafe { start_in_namespace(&cmd) },
+        ShimTask::Restore(task) => restore(task),
+    };
+    send(&mut report, &started);
+    drop(report);
+    if let Started::Running { pid } = started {
         // Record the exit before reaping: while the root is a zombie the job still counts
         // as running, so nobody sees it gone with no exit status.
         if let Ok(status) = sys::wait_exited_keep_zombie(pid) {
-            let _ = jobs::write_exit(job_dir, status);
+            let _ = jobs::write_exit(&request.job_dir, status);
         }
         let _ = sys::waitpid(pid);
     }
     0
 }
 
-/// What `start_in_namespace` needs, prepared before forking.
+fn send(report: &mut File, started: &Started) {
+    let _ = writeln!(report, "{}", serde_json::to_string(started).expect("a report serializes"));
+}
+
+/// Own session, /dev/null on 0 to 2, and no descriptor above them but `report` and the
+/// task's.
+fn detach(task: &ShimTask, report: BorrowedFd<'_>) -> std::io::Result<()> {
+    sys::setsid()?;
+    let devnull = File::options().read(true).write(true).open("/dev/null")?;
+    for fd in 0..3 {
+        sys::replace_stdio(devnull.as_fd(), fd)?;
+    }
+    drop(devnull);
+    let mut keep = task.fds();
+    for fd in &keep {
+        // Open across the exec only to get here; CRIU gets copies of its own.
+        sys::set_cloexec(*fd)?;
+    }
+    keep.push(report.as_raw_fd());
+    // SAFETY: the only object of this freshly executed process that owns a descriptor
+    // above 2 is `report` (kept); the task's descriptors are raw numbers (kept too), and
+    // the rest are whatever hiber's caller leaked to hiber, which nothing here uses.
+    unsafe { sys::close_from_except(3, &keep) };
+    Ok(())
+}
+
+/// Inside the shim: CRIU restores the image as the shim's child.
+fn restore(task: RestoreTask) -> Started {
+    // CRIU, and so the restored tree, inherit the shim's network namespace.
+    if task.isolate_net {
+        if let Err(e) = sys::unshare_network_namespace() {
+            return Started::Failed { message: format!("cannot create a network namespace: {e}"), hint: None, log: None };
+        }
+    }
+    let opts = RestoreOptions { images_dir: &task.images_dir, work_dir: &task.work_dir, inherit: task.inherit, external_mounts: task.external_mounts };
+    match Criu::at(task.criu).restore(&opts, &mut |_| Ok(())) {
+        Ok(pid) => Started::Running { pid },
+        // Hints that need the image are made by the caller, from the message and the log.
+        Err(e) => Started::Failed { message: e.to_string(), hint: None, log: e.log().map(|l| l.display().to_string()) },
+    }
+}
+
+/// A command to start as a job: what [`ShimTask::Run`] carries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Command {
+    argv: Vec<String>,
+    #[serde(with = "wire_path")]
+    cwd: PathBuf,
+    #[serde(with = "wire_path")]
+    stdout: PathBuf,
+    #[serde(with = "wire_path")]
+    stderr: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Command {
+    /// Sets `key=value` in the job's environment.
+    pub fn env(mut self, key: &str, value: &str) -> Result<Command, LaunchError> {
+        if key.contains('\0') || value.contains('\0') {
+            return Err(LaunchError::Start(format!("environment variable {key} contains a NUL byte")));
+        }
+        self.env.push((key.to_string(), value.to_string()));
+        Ok(self)
+    }
+
+    /// `stdout` and `stderr` are files the job appends to (they should exist).
+    pub fn new(argv: &[String], cwd: &Path, stdout: &Path, stderr: &Path) -> Result<Command, LaunchError> {
+        let cmd = Command { argv: argv.to_vec(), cwd: cwd.to_path_buf(), stdout: stdout.to_path_buf(), stderr: stderr.to_path_buf(), env: Vec::new() };
+        cmd.prepare().map_err(LaunchError::Start)?;
+        Ok(cmd)
+    }
+
+    /// The C strings `exec_job` needs.
+    fn prepare(&self) -> Result<Exec, String> {
+        let bad = |what: &str| format!("{what} contains a NUL byte");
+        if self.argv.is_empty() {
+            return Err("no command given".into());
+        }
+        let c = |s: &str, what: &str| CString::new(s).map_err(|_| bad(what));
+        let path = |p: &Path, what: &str| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| bad(what));
+        Ok(Exec {
+            argv: self.argv.iter().map(|a| c(a, "the command")).collect::<Result<_, _>>()?,
+            cwd: path(&self.cwd, "the working directory")?,
+            stdout: path(&self.stdout, "the log path")?,
+            stderr: path(&self.stderr, "the log path")?,
+            env: self.env.iter().map(|(k, v)| Ok((c(k, "an environment variable")?, c(v, "an environment variable")?))).collect::<Result<_, String>>()?,
+        })
+    }
+}
+
+/// A [`Command`] as exec needs it, prepared before forking.
+struct Exec {
     argv: Vec<CString>,
     cwd: CString,
     stdout: CString,
@@ -110,36 +309,19 @@ pub struct Command {
     env: Vec<(CString, CString)>,
 }
 
-impl Command {
-    /// Sets `key=value` in the job's environment.
-    pub fn env(mut self, key: &str, value: &str) -> Result<Command, LaunchError> {
-        let c = |s: &str| CString::new(s).map_err(|_| LaunchError::Start(format!("environment variable {key} contains a NUL byte")));
-        self.env.push((c(key)?, c(value)?));
-        Ok(self)
-    }
-
-    /// `stdout` and `stderr` are files the job appends to (they should exist).
-    pub fn new(argv: &[String], cwd: &Path, stdout: &Path, stderr: &Path) -> Result<Command, LaunchError> {
-        let bad = |what: &str| LaunchError::Start(format!("{what} contains a NUL byte"));
-        if argv.is_empty() {
-            return Err(LaunchError::Start("no command given".into()));
-        }
-        let argv = argv.iter().map(|a| CString::new(a.as_bytes()).map_err(|_| bad("the command"))).collect::<Result<_, _>>()?;
-        let path = |p: &Path, what: &str| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| bad(what));
-        Ok(Command {
-            argv,
-            cwd: path(cwd, "the working directory")?,
-            stdout: path(stdout, "the log path")?,
-            stderr: path(stderr, "the log path")?,
-            env: Vec::new(),
-        })
-    }
-}
-
 /// Runs inside the shim: makes a PID namespace and starts `cmd` as its init. Returns once
 /// the command has been exec'd (or failed to be).
-pub fn start_in_namespace(cmd: Command) -> Started {
+///
+/// # Safety
+///
+/// The calling process must be single-threaded: it forks, and the child runs ordinary
+/// Rust until it execs.
+unsafe fn start_in_namespace(cmd: &Command) -> Started {
     let failed = |message: String| Started::Failed { message, hint: None, log: None };
+    let exec = match cmd.prepare() {
+        Ok(e) => e,
+        Err(message) => return failed(message),
+    };
     if let Err(e) = sys::unshare_pid_and_mount_namespaces() {
         return Started::Failed {
             message: format!("cannot create PID and mount namespaces: {e}"),
@@ -151,11 +333,14 @@ pub fn start_in_namespace(cmd: Command) -> Started {
         Ok(p) => p,
         Err(e) => return failed(format!("pipe: {e}")),
     };
-    match sys::fork() {
+    // SAFETY: the caller is single-threaded (this function's contract).
+    match unsafe { sys::fork() } {
         Err(e) => failed(format!("fork: {e}")),
         Ok(Fork::Child) => {
             drop(err_rd);
-            let e = exec_job(&cmd, err_wr.as_raw_fd());
+            // SAFETY: this child of a single-threaded process has one thread, and execs or
+            // exits right after.
+            let e = unsafe { exec_job(&exec, err_wr.as_raw_fd()) };
             let code = e.raw_os_error().unwrap_or(libc::EINVAL);
             let _ = File::from(err_wr).write_all(&code.to_ne_bytes());
             sys::exit_now(127)
@@ -169,7 +354,7 @@ pub fn start_in_namespace(cmd: Command) -> Started {
                 Ok(()) => {
                     let _ = sys::waitpid(pid);
                     let err = std::io::Error::from_raw_os_error(i32::from_ne_bytes(buf));
-                    let prog = cmd.argv[0].to_string_lossy();
+                    let prog = exec.argv[0].to_string_lossy();
                     Started::Failed {
                         message: format!("cannot run '{prog}': {err}"),
                         hint: Some("check the command name and that it is executable".into()),
@@ -183,33 +368,122 @@ pub fn start_in_namespace(cmd: Command) -> Started {
 
 /// In the namespace's init: own session, a /proc of its own, stdio opened inside the
 /// mount namespace, working directory, then exec.
-fn exec_job(cmd: &Command, keep: RawFd) -> std::io::Error {
+///
+/// # Safety
+///
+/// The process must be single-threaded, and must exec or exit when this returns: it
+/// changes the environment and closes every descriptor above 2 but `keep`.
+unsafe fn exec_job(cmd: &Exec, keep: RawFd) -> std::io::Error {
     if let Err(e) = sys::setsid() {
         return e;
     }
     if let Err(e) = sys::mount_private_proc() {
         return e;
     }
-    let open = |path: &std::ffi::CStr, write: bool| sys::open_for_stdio(path, write);
+    let open = |path: &CStr, write: bool| sys::open_for_stdio(path, write);
     let fds = match (open(c"/dev/null", false), open(&cmd.stdout, true), open(&cmd.stderr, true)) {
         (Ok(a), Ok(b), Ok(c)) => [a, b, c],
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
     };
     for (to, from) in fds.iter().enumerate() {
-        if let Err(e) = sys::dup2(*from, to as RawFd) {
+        if let Err(e) = sys::replace_stdio(from.as_fd(), to as RawFd) {
             return e;
         }
     }
+    drop(fds);
     if let Err(e) = sys::chdir(&cmd.cwd) {
         return e;
     }
     // Nothing the caller of hiber leaked (a terminal's pipes, say) reaches the job; the
     // exec-error pipe is close-on-exec and survives until the exec itself.
-    sys::close_from_except(3, &[keep]);
+    // SAFETY: the process execs or exits next (this function's contract), and no object
+    // that it uses until then owns a descriptor above 2 but `keep`.
+    unsafe { sys::close_from_except(3, &[keep]) };
     for (k, v) in &cmd.env {
-        if let Err(e) = sys::setenv(k, v) {
+        // SAFETY: the process is single-threaded (this function's contract): nothing reads
+        // the environment meanwhile.
+        if let Err(e) = unsafe { sys::setenv(k, v) } {
             return e;
         }
     }
     sys::execvp(&cmd.argv)
+}
+
+/// Paths on the wire: a JSON string when they are UTF-8 (nearly always), else their bytes.
+mod wire_path {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        match path.to_str() {
+            Some(text) => s.serialize_str(text),
+            None => s.serialize_bytes(path.as_os_str().as_bytes()),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Text(String),
+        Bytes(Vec<u8>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        Ok(match Wire::deserialize(d)? {
+            Wire::Text(text) => PathBuf::from(text),
+            Wire::Bytes(bytes) => PathBuf::from(OsString::from_vec(bytes)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_any_path() {
+        let odd = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(b"/tmp/\xff\xfe".to_vec()));
+        let cmd = Command::new(&["sleep".into(), "1".into()], &odd, Path::new("/j/stdout.log"), Path::new("/j/stderr.log")).unwrap().env("A", "b c").unwrap();
+        let text = serde_json::to_string(&Request { job_dir: "/j".into(), task: ShimTask::Run(cmd) }).unwrap();
+        assert!(text.contains(r#""job_dir":"/j""#) && text.contains(r#""argv":["sleep","1"]"#), "{text}");
+        let back: Request = serde_json::from_str(&text).unwrap();
+        let ShimTask::Run(cmd) = back.task else { panic!("a run task") };
+        assert_eq!(cmd.cwd, odd);
+        assert_eq!(cmd.env, vec![("A".to_string(), "b c".to_string())]);
+
+        let task = ShimTask::Restore(RestoreTask {
+            criu: "/usr/local/sbin/criu".into(),
+            images_dir: "/i/criu".into(),
+            work_dir: "/w".into(),
+            inherit: vec![("tmp/out".into(), 7)],
+            external_mounts: true,
+            isolate_net: false,
+        });
+        let back: ShimTask = serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
+        assert_eq!(back.fds(), vec![7]);
+    }
+
+    #[test]
+    fn commands_with_nul_bytes_are_refused() {
+        let log = Path::new("/j/log");
+        assert!(Command::new(&["a\0b".into()], Path::new("/"), log, log).is_err());
+        assert!(Command::new(&[], Path::new("/"), log, log).is_err());
+        assert!(Command::new(&["a".into()], Path::new("/"), log, log).unwrap().env("K", "v\0").is_err());
+    }
+
+    #[test]
+    fn standard_descriptors_cannot_be_passed() {
+        let task = ShimTask::Restore(RestoreTask {
+            criu: "/nonexistent".into(),
+            images_dir: "/nonexistent".into(),
+            work_dir: "/nonexistent".into(),
+            inherit: vec![("k".into(), 1)],
+            external_mounts: false,
+            isolate_net: false,
+        });
+        assert!(matches!(spawn_shim(Path::new("/nonexistent"), &task), Err(LaunchError::Start(_))));
+    }
 }

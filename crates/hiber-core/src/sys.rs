@@ -1,10 +1,14 @@
-//! Thin, safe wrappers over the few raw system calls hiber needs that std does not offer.
+//! Thin wrappers over the few raw system calls hiber needs that std does not offer: safe
+//! where they can be, `unsafe fn` with a `# Safety` section where the caller must promise
+//! something (a single thread, descriptors nobody owns).
 //!
-//! Every `unsafe` block of the core crate outside the CUDA FFI lives here.
+//! Nearly every `unsafe` block of the core crate outside the CUDA FFI lives here; the
+//! others call the `unsafe fn`s below, or set up a child's descriptors between fork and
+//! exec (`pre_exec`).
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
@@ -43,10 +47,26 @@ pub fn clear_cloexec(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
-/// `dup2(old, new)`, for use between fork and exec.
-pub fn dup2(old: RawFd, new: RawFd) -> io::Result<()> {
-    // SAFETY: dup2 takes plain descriptor numbers and reports bad ones as errors.
-    cvt(unsafe { libc::dup2(old, new) })?;
+/// Sets close-on-exec on `fd`.
+pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
+    // SAFETY: as in `clear_cloexec`.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) })?;
+    Ok(())
+}
+
+/// Makes standard descriptor `to` (0, 1 or 2) a copy of `from`.
+///
+/// Only standard descriptors may be replaced: std never owns them, and they stay open, as
+/// std assumes. Replacing any other number could close a descriptor that an object owns.
+pub fn replace_stdio(from: BorrowedFd<'_>, to: RawFd) -> io::Result<()> {
+    if !(0..=2).contains(&to) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "only 0, 1 and 2 may be replaced"));
+    }
+    // SAFETY: `from` is open for the duration of the call; `to` is a standard descriptor,
+    // which no object of this process owns (see above).
+    cvt(unsafe { libc::dup2(from.as_raw_fd(), to) })?;
     Ok(())
 }
 
@@ -108,9 +128,14 @@ pub fn in_network_namespace_of<T: Send>(pid: i32, f: impl FnOnce() -> T + Send) 
     })
 }
 
-/// setenv(3). Only for a freshly forked, single-threaded child about to exec.
-pub fn setenv(key: &std::ffi::CStr, value: &std::ffi::CStr) -> io::Result<()> {
-    // SAFETY: both are NUL-terminated; callers are single-threaded, so nothing reads the
+/// setenv(3), for a child about to exec.
+///
+/// # Safety
+///
+/// No other thread may read or change the environment meanwhile (getenv(3) hands out
+/// pointers that setenv may free): in practice, the process must be single-threaded.
+pub unsafe fn setenv(key: &std::ffi::CStr, value: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: both are NUL-terminated; the caller guarantees that nothing reads the
     // environment concurrently.
     cvt(unsafe { libc::setenv(key.as_ptr(), value.as_ptr(), 1) })?;
     Ok(())
@@ -137,11 +162,13 @@ pub fn mount_private_proc() -> io::Result<()> {
 }
 
 /// Opens a file for a job's stdio: read-only, or write-only appending (created 0600).
-/// The descriptor is close-on-exec; dup2 it onto 0, 1 or 2.
-pub fn open_for_stdio(path: &std::ffi::CStr, write: bool) -> io::Result<RawFd> {
+/// The descriptor is close-on-exec; [`replace_stdio`] copies it onto 0, 1 or 2.
+pub fn open_for_stdio(path: &std::ffi::CStr, write: bool) -> io::Result<OwnedFd> {
     let flags = libc::O_CLOEXEC | if write { libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT } else { libc::O_RDONLY };
     // SAFETY: `path` is NUL-terminated; the mode argument is read only with O_CREAT.
-    cvt(unsafe { libc::open(path.as_ptr(), flags, 0o600 as libc::c_uint) })
+    let fd = cvt(unsafe { libc::open(path.as_ptr(), flags, 0o600 as libc::c_uint) })?;
+    // SAFETY: open succeeded, so the descriptor is open and owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 pub enum Fork {
@@ -151,13 +178,23 @@ pub enum Fork {
 
 /// Forks the calling process.
 ///
-/// The caller must be single-threaded (hiber forks before it starts any thread), so the
-/// child may run ordinary Rust code up to its `exit` or `exec`.
-pub fn fork() -> io::Result<Fork> {
-    // SAFETY: hiber calls this only while single-threaded (see above), so no lock held by
-    // another thread can be inherited in a locked state.
+/// # Safety
+///
+/// The calling process must be single-threaded. The child has only the calling thread;
+/// a lock that another thread held at the fork (the allocator's, stdout's, the
+/// environment's) would stay locked in it forever, and the child runs ordinary Rust
+/// code. (A child of a multi-threaded process may only make async-signal-safe calls
+/// until it execs: use `std::process::Command`, with `pre_exec` if need be.)
+pub unsafe fn fork() -> io::Result<Fork> {
+    // SAFETY: the caller guarantees that no other thread exists, so the child inherits no
+    // lock in a locked state.
     let pid = cvt(unsafe { libc::fork() })?;
     Ok(if pid == 0 { Fork::Child } else { Fork::Parent(pid) })
+}
+
+/// How many threads the calling process has.
+pub fn thread_count() -> io::Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/task")?.count())
 }
 
 /// Ends the process immediately, without running destructors or atexit handlers: what a
@@ -274,21 +311,21 @@ pub fn chdir(dir: &std::ffi::CStr) -> io::Result<()> {
     Ok(())
 }
 
-/// Duplicates `fd` onto the lowest free number at or above `min`, close-on-exec.
-pub fn dup_at_least(fd: RawFd, min: RawFd) -> io::Result<RawFd> {
-    // SAFETY: F_DUPFD_CLOEXEC takes a descriptor number and a minimum; bad ones are errors.
-    cvt(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) })
-}
-
 /// Closes every descriptor from `first` up except those in `keep`, so that a shim or a
 /// job holds only what hiber gave it.
-pub fn close_from_except(first: RawFd, keep: &[RawFd]) {
+///
+/// # Safety
+///
+/// No object that the process uses afterwards may own a descriptor this closes (a
+/// `File`, say): it would read, write or close whatever takes the number next. Fit for a
+/// process that has just started, or a child about to exec.
+pub unsafe fn close_from_except(first: RawFd, keep: &[RawFd]) {
     let close_range = |lo: RawFd, hi: libc::c_uint| {
         if lo < 0 || (lo as libc::c_uint) > hi {
             return;
         }
-        // SAFETY: close_range only closes descriptors; the caller holds no reference to
-        // any of them (it is a freshly forked child about to exec or to run alone).
+        // SAFETY: close_range only closes descriptors; the caller guarantees that nothing
+        // it goes on using owns any of them.
         let r = unsafe { libc::syscall(libc::SYS_close_range, lo as libc::c_uint, hi, 0 as libc::c_uint) };
         if r != 0 {
             for fd in lo..(hi.min(4095) as RawFd + 1) {
@@ -324,19 +361,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn close_from_except_keeps_only_what_it_is_told() {
-        let files: Vec<std::fs::File> = (0..4).map(|_| std::fs::File::open("/dev/null").unwrap()).collect();
-        let keep = files[1].as_raw_fd();
-        match fork().unwrap() {
-            Fork::Child => {
-                close_from_except(3, &[keep]);
-                // SAFETY: F_GETFD only asks whether a descriptor number is open.
-                let is_open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1;
-                let ok = is_open(keep) && files.iter().filter(|f| f.as_raw_fd() != keep).all(|f| !is_open(f.as_raw_fd()));
-                exit_now(if ok { 0 } else { 1 })
-            }
-            Fork::Parent(pid) => assert_eq!(waitpid(pid).unwrap(), ExitStatus::Code(0)),
-        }
+    fn replace_stdio_refuses_other_descriptors() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let e = replace_stdio(std::os::fd::AsFd::as_fd(&f), f.as_raw_fd()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn cloexec_flags() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: F_GETFD only reads the flags of a descriptor this test owns.
+        let cloexec = || unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+        assert!(cloexec());
+        clear_cloexec(f.as_raw_fd()).unwrap();
+        assert!(!cloexec());
+        set_cloexec(f.as_raw_fd()).unwrap();
+        assert!(cloexec());
     }
 
     #[test]

@@ -42,10 +42,17 @@ enum Command {
     /// Built-in workloads used by `hiber demo` and the tests.
     #[command(hide = true)]
     Workload(workload::Args),
+    /// A job's shim: hiber runs itself so, with a task on stdin (see hiber_core::launch).
+    #[command(name = hiber_core::launch::SHIM_COMMAND, hide = true)]
+    Shim,
 }
 
 fn main() {
     let cli = Cli::parse();
+    if let Command::Shim = cli.command {
+        // Before anything could start a thread: the shim forks.
+        std::process::exit(hiber_core::launch::shim_main(std::io::stdin()));
+    }
     let filter = if cli.verbose { "debug" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("HIBER_LOG").unwrap_or_else(|_| filter.into()))
@@ -68,7 +75,7 @@ fn main() {
                 Command::Logs(a) => commands::logs::run(a),
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
-                Command::Recover | Command::Workload(_) => unreachable!("handled above"),
+                Command::Recover | Command::Workload(_) | Command::Shim => unreachable!("handled above"),
             }
         }
     };

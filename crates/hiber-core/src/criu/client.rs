@@ -12,10 +12,6 @@ use prost::Message;
 use super::rpc::{self, CriuReqType};
 use crate::sys;
 
-/// The descriptor number of the RPC socket inside the `criu swrk` child.
-const SWRK_FD: RawFd = 3;
-/// Descriptors handed to CRIU for `inherit_fd` are placed from this number up.
-const FIRST_INHERITED_FD: RawFd = 10;
 /// CRIU's standard error, in the work directory beside its log.
 const STDERR_FILE: &str = "criu.stderr";
 
@@ -33,6 +29,9 @@ pub enum CriuError {
     TooOld { version: String },
     #[error("criu {op} failed{}{}", errno_text(*.errno), detail_text(.detail))]
     Failed { op: &'static str, errno: Option<i32>, detail: Option<String>, log: Option<PathBuf> },
+    /// A failure of a CRIU run by another process (a job's shim), as it reported it.
+    #[error("{message}")]
+    Reported { message: String, log: Option<PathBuf> },
 }
 
 fn errno_text(errno: Option<i32>) -> String {
@@ -58,7 +57,7 @@ impl CriuError {
     /// The CRIU log of a failed request, where there is one.
     pub fn log(&self) -> Option<&Path> {
         match self {
-            CriuError::Failed { log, .. } => log.as_deref(),
+            CriuError::Failed { log, .. } | CriuError::Reported { log, .. } => log.as_deref(),
             _ => None,
         }
     }
@@ -133,6 +132,11 @@ impl Criu {
         dirs.into_iter().map(|d| d.join("criu")).find(|p| p.is_file()).map(|path| Criu { path }).ok_or(CriuError::NotFound)
     }
 
+    /// The CRIU binary at `path`, as [`Criu::path`] gave it.
+    pub fn at(path: PathBuf) -> Criu {
+        Criu { path }
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -201,8 +205,8 @@ impl Criu {
     /// Restores an image as a child of the calling process and returns its root's PID.
     pub fn restore(&self, opts: &RestoreOptions<'_>, on_notify: &mut dyn FnMut(&str) -> Result<(), String>) -> Result<i32, CriuError> {
         let work = File::open(opts.work_dir).map_err(|source| CriuError::Io { step: "open work dir", source })?;
-        let inherit: Vec<rpc::InheritFd> =
-            opts.inherit.iter().enumerate().map(|(i, (key, _))| rpc::InheritFd { key: key.clone(), fd: FIRST_INHERITED_FD + i as RawFd }).collect();
+        // CRIU inherits the descriptors under the numbers they have here (see `spawn`).
+        let inherit: Vec<rpc::InheritFd> = opts.inherit.iter().map(|(key, fd)| rpc::InheritFd { key: key.clone(), fd: *fd }).collect();
         let fds: Vec<RawFd> = opts.inherit.iter().map(|(_, fd)| *fd).collect();
         let images = File::open(opts.images_dir).map_err(|source| CriuError::Io { step: "open images dir", source })?;
         let o = rpc::CriuOpts {
@@ -230,30 +234,26 @@ impl Criu {
         // What CRIU prints before its log file is set up goes here.
         let stderr = File::create(work_dir.join(STDERR_FILE)).map_err(|source| CriuError::Io { step: "create stderr file", source })?;
         let (ours, theirs) = sys::seqpacket_pair().map_err(|source| CriuError::Io { step: "socketpair", source })?;
-        let theirs_raw = theirs.as_raw_fd();
-        if inherit.len() > 16 {
-            return Err(CriuError::Protocol("more than 16 inherited descriptors".into()));
+        // CRIU gets the RPC socket and the inherited descriptors under the numbers they have
+        // here (never 0 to 2, which the child's stdio replaces).
+        let mut pass = vec![theirs.as_raw_fd()];
+        pass.extend_from_slice(inherit);
+        if let Some(fd) = pass.iter().find(|&&fd| fd < 3) {
+            return Err(CriuError::Protocol(format!("descriptor {fd} cannot be passed to CRIU")));
         }
-        let inherit = inherit.to_vec();
         let mut cmd = Command::new(&self.path);
-        cmd.arg("swrk").arg(SWRK_FD.to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+        cmd.arg("swrk").arg(theirs.as_raw_fd().to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
         // CRIU outlives a killed hiber: in its own process group, a signal to hiber's group
         // does not reach it, so it can finish and resume the tree (see the journal).
         cmd.process_group(0);
-        // SAFETY: the closure runs between fork and exec and calls only fcntl and dup2,
-        // which are async-signal-safe; it allocates nothing.
+        // SAFETY: the closure runs in the forked child before exec and calls only fcntl,
+        // which is async-signal-safe; it allocates nothing (`pass` was built before the
+        // fork). The descriptors stay open here until `spawn` returns, and only the child's
+        // copies lose close-on-exec.
         unsafe {
             cmd.pre_exec(move || {
-                // Move every source out of the way first: a source may sit on a target
-                // number (the RPC socket on 10, say).
-                let sock = sys::dup_at_least(theirs_raw, 256)?;
-                let mut moved = [0 as RawFd; 16];
-                for (i, fd) in inherit.iter().enumerate().take(moved.len()) {
-                    moved[i] = sys::dup_at_least(*fd, 256)?;
-                }
-                sys::dup2(sock, SWRK_FD)?;
-                for (i, fd) in moved.iter().enumerate().take(inherit.len()) {
-                    sys::dup2(*fd, FIRST_INHERITED_FD + i as RawFd)?;
+                for fd in &pass {
+                    sys::clear_cloexec(*fd)?;
                 }
                 Ok(())
             });

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::coordinator::{self, BarrierError, Coordinator, Phase};
-use crate::criu::RestoreOptions;
 use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoreSession, RestoredPid};
 use crate::image::{Image, ImageError};
 use crate::jobs::{Job, JobError, Registry};
@@ -201,24 +200,22 @@ fn restore_into_job(
     let criu_dir = image.criu_dir();
     let criu_start = Instant::now();
     ctx.phase("restoring process state (CRIU)");
-    let isolate_net = req.isolate_net;
-    let keep: Vec<i32> = inherit.iter().map(|(_, fd)| *fd).collect();
-    let started_report = launch::spawn_shim(job.dir, &keep, || {
-        // CRIU, and so the restored tree, inherit the shim's network namespace.
-        if isolate_net {
-            if let Err(e) = sys::unshare_network_namespace() {
-                return Started::Failed { message: format!("cannot create a network namespace: {e}"), hint: None, log: None };
-            }
-        }
-        let opts = RestoreOptions { images_dir: &criu_dir, work_dir: &work, inherit, external_mounts: src.mount_namespace };
-        match ctx.criu.restore(&opts, &mut |_| Ok(())) {
-            Ok(pid) => Started::Running { pid },
-            Err(e) => Started::Failed { message: e.to_string(), hint: restore_hint(image, &e), log: e.log().map(|l| l.display().to_string()) },
-        }
-    })?;
-    let root = match started_report {
+    let task = launch::RestoreTask {
+        criu: ctx.criu.path().to_path_buf(),
+        images_dir: criu_dir,
+        work_dir: work.clone(),
+        inherit,
+        external_mounts: src.mount_namespace,
+        isolate_net: req.isolate_net,
+    };
+    let root = match launch::spawn_shim(job.dir, &launch::ShimTask::Restore(task))? {
         Started::Running { pid } => pid,
-        Started::Failed { message, hint, log } => return Err(RestoreError::Criu { message, hint, log }),
+        Started::Failed { message, hint, log } => {
+            // The shim ran CRIU and reports its error as text; hints that need the image are made here.
+            let e = crate::criu::CriuError::Reported { message, log: log.map(PathBuf::from) };
+            let hint = hint.or_else(|| restore_hint(image, &e));
+            return Err(RestoreError::Criu { message: e.to_string(), hint, log: e.log().map(|l| l.display().to_string()) });
+        }
     };
     let criu = criu_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);

@@ -29,7 +29,7 @@ pub fn context() -> Result<Context, CliError> {
 }
 
 /// Shows each step of a pipeline on a spinner line when stderr is a terminal (and the
-/// output is not JSON); otherwise stays silent. No ticker thread: hiber forks job shims.
+/// output is not JSON); otherwise stays silent. No ticker thread.
 pub fn show_progress(ctx: &mut Context, json: bool) -> Option<indicatif::ProgressBar> {
     use std::io::IsTerminal;
     if json || !std::io::stderr().is_terminal() {

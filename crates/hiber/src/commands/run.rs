@@ -43,7 +43,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         for (k, v) in hiber_core::engine::launch_env(&dir, skip) {
             cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
-        match launch::spawn_shim(&dir, &[], move || launch::start_in_namespace(cmd)) {
+        match launch::spawn_shim(&dir, &launch::ShimTask::Run(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
             Ok(Started::Failed { message, hint, .. }) => {
                 let e = CliError::new(FAILED, message);
