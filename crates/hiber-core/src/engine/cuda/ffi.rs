@@ -100,8 +100,8 @@ impl CudaLib {
         format!("CUresult {r}")
     }
 
-    /// `cuInit`, once, on first use: it may start driver threads, and hiber forks job
-    /// shims, which must happen while it is single-threaded.
+    /// `cuInit`, once, on first use: commands that never touch a GPU (`ls`, `inspect`)
+    /// never pay for the driver's initialization or its threads.
     fn fns(&self) -> Result<&CheckpointFns, CuResult> {
         // SAFETY: cuInit takes flags by value; 0 is the only defined value.
         let r = *self.init_result.get_or_init(|| unsafe { (self.init)(0) });
