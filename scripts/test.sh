@@ -17,4 +17,14 @@ if ! out=$(python3 -m unittest discover -s bench -p 'test_*.py' 2>&1); then
     exit 1
 fi
 echo "$out" | tail -n 3
-exec cargo test --workspace --locked "$@"
+# Every test binary prints its own "test result" line; the last of them is often a crate's
+# empty doc-test run, so one closing line sums them all up.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --locked "$@" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$rc"
