@@ -2,7 +2,7 @@
 //! it answers hiber on the job's abstract socket (see `hiber_wire` for the protocol).
 //! Processes that never initialize CUDA get no thread and no socket.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
@@ -114,7 +114,7 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
             },
             Request::Load { id } => {
                 let r = match (cuda::driver(), fd) {
-                    (Some(d), Some(fd)) => match memory::bring_back(d, id, fd.as_raw_fd()) {
+                    (Some(d), Some(fd)) => match memory::bring_back(d, id, fd) {
                         Ok(()) => Reply::Ok,
                         Err(r) => Reply::Err(format!("mapping allocation {id}: CUDA error {r}")),
                     },

@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_int;
+use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{self, AccessDesc, AllocationProp, CuResult, DevPtr, Driver, Handle};
@@ -43,6 +44,11 @@ pub struct Entry {
     pub maps: Vec<Mapping>,
     /// Unmapped and released: hiber holds the memory.
     pub evacuated: bool,
+    /// The descriptor hiber handed the memory back with. A handle imported from a
+    /// descriptor cannot be exported again (the driver answers CUDA_ERROR_INVALID_VALUE),
+    /// so the next checkpoint hands hiber a copy of this one. Closed when the memory is
+    /// released (at that checkpoint, or when the application frees it).
+    pub shared: Option<OwnedFd>,
 }
 
 /// Handles the agent gives the application for its own VMM allocations: a tag and the
@@ -191,6 +197,7 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
             app_refs: 0,
             maps: vec![Mapping { va, size: rsize, offset: 0, access }],
             evacuated: false,
+            shared: None,
         })
     });
     Ok(Some(va))
@@ -225,7 +232,7 @@ pub fn served_range(p: DevPtr) -> Option<(DevPtr, usize)> {
 
 /// After the application's own `cuMemCreate` made `h` (exportable): the handle to give it.
 pub fn track_created(h: Handle, size: usize, dev: c_int) -> Handle {
-    with(|t| app_handle(t.insert(Entry { id: 0, handle: h, size, dev, served: None, app_refs: 1, maps: Vec::new(), evacuated: false })))
+    with(|t| app_handle(t.insert(Entry { id: 0, handle: h, size, dev, served: None, app_refs: 1, maps: Vec::new(), evacuated: false, shared: None })))
 }
 
 /// After `cuMemRetainAllocationHandle(p)` gave the driver handle `h`: the handle to give
@@ -307,6 +314,9 @@ pub fn release_app_handle(d: &Driver, app: Handle) -> Option<CuResult> {
 /// A fresh descriptor for entry `e`'s memory. The application may have released its own
 /// handle while keeping the memory mapped, so a reference is taken through a mapping.
 pub fn export_fd(d: &Driver, e: &Entry) -> Result<c_int, CuResult> {
+    if let Some(fd) = &e.shared {
+        return fd.try_clone().map(IntoRawFd::into_raw_fd).map_err(|_| cuda::ERROR_OUT_OF_MEMORY);
+    }
     if e.served.is_some() || e.maps.is_empty() {
         return d.export_fd(e.handle);
     }
@@ -341,6 +351,7 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
                 }
             }
             e.evacuated = true;
+            e.shared = None;
         }
         Ok(())
     })
@@ -348,8 +359,8 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
 
 /// Maps the memory behind `fd` where entry `id` was. Its device may have changed (a
 /// restore onto another GPU): access moves there.
-pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
-    let h = d.import_fd(fd)?;
+pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
+    let h = d.import_fd(fd.as_raw_fd())?;
     let dev = match d.properties(h) {
         Ok(p) if p.location.is_device() => p.location.id,
         _ => {
@@ -401,6 +412,7 @@ pub fn bring_back(d: &Driver, id: u64, fd: c_int) -> Result<(), CuResult> {
         e.handle = h;
         e.dev = dev;
         e.evacuated = false;
+        e.shared = Some(fd);
         Ok(())
     })
 }
@@ -419,6 +431,7 @@ mod tests {
             app_refs: u32::from(!served),
             maps: vec![Mapping { va, size, offset: 0, access: Vec::new() }],
             evacuated: false,
+            shared: None,
         }
     }
 
