@@ -181,7 +181,7 @@ fn images_are_private_and_verified() {
 
 /// The preemption loop: a job checkpointed and restored again and again, its copies
 /// checkpointed in turn, stopping and `--leave-running` alternating, a leave-running copy
-/// restored beside its still-running original. After every cycle the copy must go on from
+/// restored beside its still-running original, one in a network namespace of its own. After every cycle the copy must go on from
 /// where the checkpoint caught it with the original's trajectory; the last one finishes
 /// and verifies every word of its memory.
 #[test]
@@ -206,7 +206,13 @@ fn six_checkpoint_restore_cycles_of_one_job() {
         } else {
             assert_eq!(h.state_of(&prev), "checkpointed", "cycle {i}: the original is stopped");
         }
-        h.ok(&["restore", image.to_str().unwrap(), "--name", &copy]);
+        // One copy gets a network namespace of its own: it and its own copies (CRIU
+        // restores that namespace) must go on cycling too.
+        let mut restore = vec!["restore", image.to_str().unwrap(), "--name", copy.as_str()];
+        if i == 4 {
+            restore.push("--isolate-net");
+        }
+        h.ok(&restore);
         h.wait_step(&copy, until + 3);
         let ours = h.progress(&copy);
         let first = ours[0].0;
@@ -220,5 +226,7 @@ fn six_checkpoint_restore_cycles_of_one_job() {
         }
         prev = copy;
     }
+    let net = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_ne!(net(h.pid_of(&prev)), net(std::process::id() as i32), "copies of an isolated copy stay isolated");
     h.assert_verified(&prev, LONG);
 }

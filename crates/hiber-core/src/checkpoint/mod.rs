@@ -158,6 +158,19 @@ pub(crate) fn log_file_id(pid: i32, fd: i32) -> Option<String> {
     Some(format!("file[{mnt_id:x}:{ino:x}]"))
 }
 
+/// Whether `pid` lives in a network namespace of its own that has no interface but
+/// loopback (a copy restored with `--isolate-net`): nothing from outside can reach it, so
+/// the dump needs no network lock (which CRIU takes with iptables or nftables, tools a
+/// machine may not have).
+pub(crate) fn loopback_only_network(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+    let own = matches!((ns(&pid.to_string()), ns("self")), (Some(a), Some(b)) if a != b);
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap_or_default();
+    // Two header lines, then one line per interface: "  lo: 1234 ...".
+    let interfaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
+    own && interfaces == ["lo"]
+}
+
 /// Whether `pid` lives in a mount namespace other than hiber's.
 fn own_mount_namespace(pid: i32) -> bool {
     let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{check_space, log_file_id, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
+use super::{check_space, log_file_id, loopback_only_network, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
 use crate::coordinator::{Coordinator, Phase};
 use crate::criu::DumpOptions;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
@@ -180,6 +180,7 @@ impl<'a> Checkpoint<'a> {
             leave_running: self.req.leave_running,
             external_mounts: manifest.source.mount_namespace,
             external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
+            skip_network_lock: loopback_only_network(self.req.pid),
         };
         let (ctx, leave_running) = (self.ctx, self.req.leave_running);
         let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);

@@ -95,6 +95,9 @@ pub struct DumpOptions<'a> {
     /// Open files CRIU dumps as external (`file[MNT_ID:INODE]`), to be handed back with
     /// `inherit_fd` under the same key on restore.
     pub external_files: Vec<String>,
+    /// Dump without locking the network (CRIU locks it with iptables or nftables): for a
+    /// tree whose network namespace has only loopback, where no traffic comes from outside.
+    pub skip_network_lock: bool,
 }
 
 pub struct RestoreOptions<'a> {
@@ -194,6 +197,7 @@ impl Criu {
             ext_sharing: Some(opts.external_mounts),
             ext_masters: Some(opts.external_mounts),
             external: opts.external_files.clone(),
+            network_lock: opts.skip_network_lock.then_some(rpc::CriuNetworkLockMethod::Skip as i32),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("dump.log".into()),
             log_level: Some(4),
