@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares .carry/ for the GPU machine (which has no package registries): a release hiber,
-# CRIU with the shared libraries it needs beyond glibc, and a wrapper that points CRIU at
-# them. The GPU suite (gpu/suite.py) runs from there.
+# CRIU with the shared libraries it needs beyond glibc, iproute2's ip (CRIU runs it to save
+# and restore a network namespace; that machine has none), and a wrapper that points CRIU
+# at them. The GPU suite (gpu/suite.py) runs from there.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bash "$repo/scripts/setup.sh"
@@ -11,8 +12,10 @@ install -m 0755 -s "$repo/target/release/hiber" "$carry/bin/hiber"
 install -m 0755 -s "$repo/target/release/libhiber_agent.so" "$carry/bin/libhiber_agent.so"
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
 install -m 0755 "$criu" "$carry/bin/criu.real"
-# Every library CRIU links that is not part of glibc travels with it.
-ldd "$criu" | awk '/=> \//{print $3}' | while read -r lib; do
+ip=$(command -v ip)
+install -m 0755 "$ip" "$carry/bin/ip"
+# Every library CRIU and ip link that is not part of glibc travels with them.
+ldd "$criu" "$ip" | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
         libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*) ;;
         *) cp -L "$lib" "$carry/lib/" ;;
@@ -21,7 +24,7 @@ done
 cat >"$carry/bin/criu" <<'WRAP'
 #!/bin/sh
 here=$(dirname "$(readlink -f "$0")")
-LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/criu.real" "$@"
+PATH="$here:$PATH" LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/criu.real" "$@"
 WRAP
 chmod 0755 "$carry/bin/criu"
 du -sh "$carry"

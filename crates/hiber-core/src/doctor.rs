@@ -67,6 +67,16 @@ pub fn run(state: &StateDir) -> Vec<Check> {
             if checked.is_ok() {
                 let _ = std::fs::remove_dir_all(&dir);
             }
+            let ip = criu.helper_tool("ip");
+            out.push(Check {
+                name: "iproute2",
+                ok: ip.is_some(),
+                detail: match ip {
+                    Some(p) => format!("ip at {}", p.display()),
+                    None => "ip is missing: jobs in a network namespace of their own (copies restored with --isolate-net) cannot be checkpointed".into(),
+                },
+                optional: true,
+            });
         }
     }
 

@@ -280,3 +280,27 @@ fn io_uring_is_refused_before_anything_is_stopped() {
     wait("the job to go on ticking", Duration::from_secs(10), || ticks(&h) >= before + 3);
     assert_eq!(h.state_of("uring"), "running");
 }
+
+/// A copy in a network namespace of its own needs iproute2's `ip` for CRIU to save that
+/// namespace: without it, the checkpoint is refused before anything is stopped.
+#[test]
+fn isolated_copy_without_iproute2_is_refused_up_front() {
+    let _mounts = shared();
+    let h = Hiber::new("noip");
+    let img = image(&h, "noip");
+    h.ok(&["restore", img.to_str().unwrap(), "--name", "noip-iso", "--isolate-net"]);
+    let criu = Command::new("sh").args(["-c", "command -v criu"]).output().unwrap();
+    let criu = String::from_utf8_lossy(&criu.stdout).trim().to_string();
+    assert!(!criu.is_empty() && !Path::new(&criu).with_file_name("ip").exists(), "this test needs a CRIU without ip beside it: {criu}");
+    let out = h
+        .command(&["checkpoint", "noip-iso", "--out", h.scratch.join("never").to_str().unwrap()])
+        .env("PATH", "/nonexistent")
+        .env("HIBER_CRIU", &criu)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("network namespace of its own") && stderr.contains("`ip`") && stderr.contains("iproute2"), "{stderr}");
+    assert!(!h.scratch.join("never").exists());
+    still_progressing(&h, "noip-iso");
+}

@@ -50,6 +50,8 @@ pub enum CheckpointError {
     Terminal { pid: i32, comm: String },
     #[error("process {pid} ({comm}) holds {what}")]
     Undumpable { pid: i32, comm: String, what: Undumpable },
+    #[error("process {pid} lives in a network namespace of its own, and CRIU needs `{tool}` {why}, which is not installed")]
+    MissingTool { pid: i32, tool: &'static str, why: &'static str },
     #[error("not enough space for the image in {dir}: about {needed} MiB needed, {available} MiB available", needed = .needed >> 20, available = .available >> 20)]
     NoSpace { dir: PathBuf, needed: u64, available: u64 },
     #[error(transparent)]
@@ -75,6 +77,7 @@ impl CheckpointError {
             CheckpointError::Terminal { .. } => "CRIU can restore a terminal only into the same terminal session; start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
             CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
             CheckpointError::Undumpable { what, .. } => what.hint(),
+            CheckpointError::MissingTool { .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
             CheckpointError::Resume(_) => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),

@@ -53,6 +53,17 @@ fn char_major(path: &str) -> Option<u32> {
     meta.file_type().is_char_device().then(|| (((meta.rdev() >> 32) & 0xffff_f000) | ((meta.rdev() >> 8) & 0xfff)) as u32)
 }
 
+/// Refuses a tree in a network namespace of its own when CRIU would fail to dump that
+/// namespace for want of iproute2's `ip` (it saves addresses and routes with it).
+pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), CheckpointError> {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+    let own = matches!((ns(&root.to_string()), ns("self")), (Some(a), Some(b)) if a != b);
+    if own && criu.helper_tool("ip").is_none() {
+        return Err(CheckpointError::MissingTool { pid: root, tool: "ip", why: "to save its network namespace" });
+    }
+    Ok(())
+}
+
 /// Refuses the tree if a process that no engine claimed holds something CRIU cannot dump.
 pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
     for p in tree.iter().filter(|p| !claimed.contains(&p.pid)) {

@@ -42,6 +42,7 @@ impl<'a> Checkpoint<'a> {
         let started = Instant::now();
         let tree = preflight(req.pid)?;
         check_space(&req.dest, &tree)?;
+        super::preflight::refuse_missing_tools(&ctx.criu, req.pid)?;
         let sink = ImageWriter::create(&req.dest)?;
         let me = proctree::stat(sys::getpid())?;
         let entry = Entry {

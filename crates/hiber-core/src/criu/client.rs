@@ -144,6 +144,15 @@ impl Criu {
         &self.path
     }
 
+    /// A program CRIU runs for some images (`ip` from iproute2 for a network namespace),
+    /// where CRIU will find it: beside the CRIU binary (a carried bundle puts it there and
+    /// on CRIU's PATH), or on PATH.
+    pub fn helper_tool(&self, name: &str) -> Option<PathBuf> {
+        let beside = self.path.parent().map(|d| d.join(name));
+        let on_path = std::env::var_os("PATH").into_iter().flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).map(|d| d.join(name));
+        beside.into_iter().chain(on_path).find(|p| p.is_file())
+    }
+
     pub fn version(&self) -> Result<CriuVersion, CriuError> {
         // A private directory for CRIU's stderr: never a fixed name in a shared /tmp.
         let dir = std::env::temp_dir().join(format!("hiber-criu-version-{}-{}", std::process::id(), unique()));
