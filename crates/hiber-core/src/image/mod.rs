@@ -1,4 +1,4 @@
-//! The image format, version 1.
+//! The image format, version 1.1 (a reader takes 1.0 too), and the sink an image is written through.
 //!
 //! An image is a directory:
 //! ```text
