@@ -613,6 +613,16 @@ pub unsafe extern "C" fn cuMemSetAccess(p: DevPtr, size: usize, desc: *const Acc
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn cuMemExportToShareableHandle(out: *mut c_void, handle: Handle, kind: c_int, flags: u64) -> CuResult {
     let _pass = gate::enter();
+    if kind == cuda::HANDLE_TYPE_POSIX_FD && !out.is_null() {
+        // Memory hiber handed back is held through an imported handle, which the driver
+        // will not export again: the application gets a copy of the descriptor it came with.
+        if let Some(fd) = memory::with(|t| t.shared_copy(handle)) {
+            // SAFETY: for a POSIX descriptor, cuda.h has `out` point at an int, and the
+            // application passed a non-null one.
+            unsafe { *out.cast::<c_int>() = fd };
+            return cuda::SUCCESS;
+        }
+    }
     match real!(c"cuMemExportToShareableHandle" => unsafe extern "C" fn(*mut c_void, Handle, c_int, u64) -> CuResult) {
         Some(real) => {
             let real_handle = memory::with(|t| t.translate(handle));

@@ -148,6 +148,13 @@ impl Table {
         app_handle_id(h).and_then(|id| self.entries.get(&id)).map(|e| e.handle).unwrap_or(h)
     }
 
+    /// A new descriptor for the memory behind the application's handle `h`, when hiber
+    /// handed that memory back (its driver handle, imported, cannot be exported again).
+    pub fn shared_copy(&self, h: Handle) -> Option<c_int> {
+        let e = self.entries.get(&app_handle_id(h)?)?;
+        e.shared.as_ref()?.try_clone().ok().map(IntoRawFd::into_raw_fd)
+    }
+
     pub fn tracked_bytes(&self) -> u64 {
         self.entries.values().map(|e| e.size as u64).sum()
     }

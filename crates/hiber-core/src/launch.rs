@@ -157,7 +157,12 @@ pub fn spawn_shim(job_dir: &Path, task: &ShimTask) -> Result<Started, LaunchErro
 /// what the task needs) and forks once, so that the process hiber waits for exits and the
 /// shim proper is adopted by init. It refuses to run in a process with more than one
 /// thread: call it before starting any.
-pub fn shim_main(mut input: impl Read) -> i32 {
+///
+/// # Safety
+///
+/// Call it first thing in a process started by [`spawn_shim`]: it closes every
+/// descriptor above 2 but the task's, so nothing else of the process may own one.
+pub unsafe fn shim_main(mut input: impl Read) -> i32 {
     let mut text = Vec::new();
     let request = input.read_to_end(&mut text).map_err(|e| e.to_string()).and_then(|_| serde_json::from_slice::<Request>(&text).map_err(|e| e.to_string()));
     // The report pipe is stdout: moved off 1 (to a close-on-exec number above 2) before
@@ -392,6 +397,11 @@ unsafe fn exec_job(cmd: &Exec, keep: RawFd) -> std::io::Error {
     }
     drop(fds);
     if let Err(e) = sys::chdir(&cmd.cwd) {
+        return e;
+    }
+    // hiber ignores SIGPIPE (Rust's runtime does), and an ignored signal stays ignored
+    // across exec: the job gets the default back, so `yes | head` ends as anywhere else.
+    if let Err(e) = sys::default_sigpipe() {
         return e;
     }
     // Nothing the caller of hiber leaked (a terminal's pipes, say) reaches the job; the

@@ -70,6 +70,16 @@ pub fn replace_stdio(from: BorrowedFd<'_>, to: RawFd) -> io::Result<()> {
     Ok(())
 }
 
+/// Restores SIGPIPE's default action (terminate) for the calling process and what it execs.
+pub fn default_sigpipe() -> io::Result<()> {
+    // SAFETY: setting a signal's disposition to SIG_DFL installs no handler and touches no
+    // memory of the caller.
+    if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 pub fn setsid() -> io::Result<()> {
     // SAFETY: setsid has no memory-safety preconditions.
     cvt(unsafe { libc::setsid() })?;

@@ -108,7 +108,7 @@ impl From<CheckpointError> for CliError {
             CheckpointError::Criu(CriuError::NotFound | CriuError::TooOld { .. }) => ENVIRONMENT,
             _ => FAILED,
         };
-        let resumed = !matches!(e, CheckpointError::Resume(_));
+        let resumed = !matches!(e, CheckpointError::Resume { .. });
         let mut err = CliError::from_error(code, e, hint);
         if code == FAILED && resumed {
             err.message = format!("checkpoint failed: {}; the application keeps running", err.message);

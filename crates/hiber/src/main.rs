@@ -51,7 +51,9 @@ fn main() {
     let cli = Cli::parse();
     if let Command::Shim = cli.command {
         // Before anything could start a thread: the shim forks.
-        std::process::exit(hiber_core::launch::shim_main(std::io::stdin()));
+        // SAFETY: this process was started by spawn_shim as `hiber __shim`, and nothing of
+        // it owns a descriptor above 2 yet.
+        std::process::exit(unsafe { hiber_core::launch::shim_main(std::io::stdin()) });
     }
     let filter = if cli.verbose { "debug" } else { "warn" };
     tracing_subscriber::fmt()

@@ -41,7 +41,7 @@ fn a_checkpoint_failing_at_any_phase_leaves_the_job_running() {
     let h = Hiber::new("phases");
     h.start("ph", &["cpu", "--steps", "400", "--mem-mib", "16", "--interval-ms", "40"]);
     h.wait_step("ph", 3);
-    for phase in ["prepared", "quiesced", "captured", "dumped"] {
+    for phase in ["prepared", "quiesced", "captured", "dumped", "committed"] {
         checkpoint_failing_at(&h, "ph", phase, false);
     }
     for phase in ["dumped", "committed"] {

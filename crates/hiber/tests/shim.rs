@@ -63,3 +63,17 @@ fn the_shim_command_is_hidden_and_refuses_a_bad_request() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report["failed"]["message"].as_str().unwrap().contains("bad request"), "{report}");
 }
+
+/// A job gets SIGPIPE's default action back (hiber, like any Rust program, ignores it, and
+/// an ignored signal stays ignored across exec): `yes | head -n 1` ends.
+#[test]
+fn jobs_get_the_default_sigpipe() {
+    let h = Hiber::new("sigpipe");
+    h.ok(&["run", "--name", "pipe", "--", "sh", "-c", "grep SigIgn /proc/self/status; yes | head -n 1; echo done"]);
+    wait("the job to end", Duration::from_secs(20), || h.state_of("pipe") != "running");
+    let log = h.log("pipe");
+    let ignored = log.lines().find_map(|l| l.strip_prefix("SigIgn:")).map(|v| u64::from_str_radix(v.trim(), 16).unwrap()).expect("SigIgn line");
+    assert_eq!(ignored & (1 << (libc::SIGPIPE - 1)), 0, "SIGPIPE is not ignored in the job: {log}");
+    assert!(log.ends_with("y\ndone\n"), "{log}");
+    assert_eq!(h.state_of("pipe"), "exited(0)");
+}

@@ -65,8 +65,8 @@ pub enum CheckpointError {
     #[error("journal: {0}")]
     Journal(std::io::Error),
     /// Undoing failed: device state may still be locked or checkpointed.
-    #[error("could not bring the application's devices back to running: {0}")]
-    Resume(EngineError),
+    #[error("could not bring the application's devices back to running{}: {source}", after.as_ref().map(|a| format!(" after the checkpoint failed ({a})")).unwrap_or_default())]
+    Resume { source: EngineError, after: Option<String> },
 }
 
 impl CheckpointError {
@@ -80,7 +80,7 @@ impl CheckpointError {
             CheckpointError::MissingTool { .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
-            CheckpointError::Resume(_) => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
+            CheckpointError::Resume { .. } => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
             CheckpointError::Criu(e) => match e.errno() {
                 Some(libc::ENOSPC) => "the disk filled up during the dump; free some space or choose another --out".into(),
                 _ => match e.log() {
@@ -161,17 +161,32 @@ pub(crate) fn log_file_id(pid: i32, fd: i32) -> Option<String> {
     Some(format!("file[{mnt_id:x}:{ino:x}]"))
 }
 
-/// Whether `pid` lives in a network namespace of its own that has no interface but
-/// loopback (a copy restored with `--isolate-net`): nothing from outside can reach it, so
-/// the dump needs no network lock (which CRIU takes with iptables or nftables, tools a
-/// machine may not have).
-pub(crate) fn loopback_only_network(pid: i32) -> bool {
+/// Whether the tree rooted at `tree[0]` lives in a network namespace of its own that has
+/// no interface but loopback (a copy restored with `--isolate-net`) and whose sockets all
+/// belong to the tree: nothing outside the frozen tree can send or receive there, so the
+/// dump needs no network lock (which CRIU takes with iptables or nftables, tools a machine
+/// may not have).
+pub(crate) fn loopback_only_network(tree: &[ProcessInfo]) -> bool {
     let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
-    let own = matches!((ns(&pid.to_string()), ns("self")), (Some(a), Some(b)) if a != b);
-    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap_or_default();
+    let root = tree[0].pid;
+    let Some(theirs) = ns(&root.to_string()) else { return false };
+    if ns("self").as_ref() == Some(&theirs) {
+        return false;
+    }
+    let dev = std::fs::read_to_string(format!("/proc/{root}/net/dev")).unwrap_or_default();
     // Two header lines, then one line per interface: "  lo: 1234 ...".
     let interfaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
-    own && interfaces == ["lo"]
+    if interfaces != ["lo"] {
+        return false;
+    }
+    // Others in the namespace (the job's shim is) must hold no socket.
+    let Ok(procs) = std::fs::read_dir("/proc") else { return false };
+    procs.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).filter(|p| !tree.iter().any(|t| t.pid == *p)).all(|p| {
+        ns(&p.to_string()).as_ref() != Some(&theirs)
+            || std::fs::read_dir(format!("/proc/{p}/fd"))
+                .map(|fds| !fds.flatten().any(|f| std::fs::read_link(f.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:"))))
+                .unwrap_or(false)
+    })
 }
 
 /// Whether `pid` lives in a mount namespace other than hiber's.
@@ -198,7 +213,7 @@ pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coord
         c.dump(coord)
     })();
     if let Err(e) = steps {
-        c.abort()?;
+        c.abort(&e)?;
         return Err(e);
     }
     if req.leave_running {
@@ -213,8 +228,8 @@ pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coord
         // Another participant that could not commit makes this image part of a cut that
         // did not happen: it goes.
         if let Err(e) = coord.barrier(Phase::Committed) {
-            c.close();
             let _ = std::fs::remove_dir_all(&req.dest);
+            c.close();
             return Err(e.into());
         }
     }

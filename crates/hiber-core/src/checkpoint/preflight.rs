@@ -4,13 +4,14 @@
 //! only in the middle of the dump, after the device engines locked and checkpointed the
 //! GPU processes. Undoing that is not always possible (the driver cannot always restore
 //! what it checkpointed), so `prepare` looks first: every process of the tree that no
-//! device engine claimed must hold nothing CRIU cannot dump. Processes an engine claimed
-//! are left to it: the driver releases its own descriptors and mappings before the dump.
+//! device engine claimed must hold nothing CRIU cannot dump. Of the processes an engine
+//! claimed, only what no driver releases is checked (an io_uring, say): the driver takes
+//! its own descriptors and mappings away before the dump.
 //!
 //! The rules follow CRIU 4.1's `files.c` and `proc_parse.c`: of the anonymous inodes it
 //! dumps eventfd, eventpoll, inotify, fanotify, signalfd, timerfd and pidfd; of character
-//! devices the memory devices (`/dev/null`, `/dev/zero`, ...), terminals and some misc
-//! devices (tun); of device mappings only `/dev/zero`.
+//! devices the memory devices (`/dev/null`, `/dev/zero`, ...), terminals, tun and autofs;
+//! of device mappings only `/dev/zero`.
 
 use super::CheckpointError;
 use crate::proctree::ProcessInfo;
@@ -18,10 +19,14 @@ use crate::proctree::ProcessInfo;
 /// The anonymous-inode descriptors CRIU 4.1 dumps.
 const DUMPABLE_ANON: [&str; 7] = ["[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]"];
 
-/// Character device majors CRIU dumps: memory devices (1), terminals (4, 5, 136-143) and
-/// misc devices (10), some of which it knows.
-fn dumpable_char_major(major: u32) -> bool {
-    matches!(major, 1 | 4 | 5 | 10 | 136..=143)
+/// Anonymous-inode kinds that no device driver creates or releases: refused in every
+/// process, claimed or not (an engine's checkpoint does not make them go away).
+const NEVER_DUMPABLE_ANON: [&str; 3] = ["[io_uring]", "[perf_event]", "[userfaultfd]"];
+
+/// Character devices CRIU dumps: memory devices (major 1), terminals (4, 5, 136-143), and
+/// of the misc devices (10) tun (minor 200) and autofs (235).
+fn dumpable_char(major: u32, minor: u32) -> bool {
+    matches!(major, 1 | 4 | 5 | 136..=143) || (major == 10 && matches!(minor, 200 | 235))
 }
 
 /// Why CRIU cannot dump something a process holds.
@@ -33,24 +38,33 @@ pub enum Undumpable {
     Device { path: String },
 }
 
-/// The first thing of `p` that CRIU cannot dump; `major_of` gives a device file's major
-/// number (`None` when it is not a character device).
-pub fn undumpable(p: &ProcessInfo, major_of: impl Fn(&str) -> Option<u32>) -> Option<Undumpable> {
+/// The first thing of `p` that CRIU cannot dump; `device_of` gives a device file's
+/// (major, minor) (`None` when it is not a character device). A process an engine
+/// `claimed` is checked only for what no engine's checkpoint releases: its device files
+/// and the driver's own descriptors are the engine's to take away.
+pub fn undumpable(p: &ProcessInfo, claimed: bool, device_of: impl Fn(&str) -> Option<(u32, u32)>) -> Option<Undumpable> {
     for f in &p.fds {
         if let Some(kind) = f.target.strip_prefix("anon_inode:") {
-            if !DUMPABLE_ANON.contains(&kind) {
+            let refused = if claimed { NEVER_DUMPABLE_ANON.contains(&kind) } else { !DUMPABLE_ANON.contains(&kind) };
+            if refused {
                 return Some(Undumpable::AnonInode { fd: f.fd, kind: kind.to_string() });
             }
         }
     }
-    p.device_files.iter().find(|d| major_of(d).is_some_and(|m| !dumpable_char_major(m))).map(|d| Undumpable::Device { path: d.clone() })
+    if claimed {
+        return None;
+    }
+    p.device_files.iter().find(|d| device_of(d).is_some_and(|(major, minor)| !dumpable_char(major, minor))).map(|d| Undumpable::Device { path: d.clone() })
 }
 
-fn char_major(path: &str) -> Option<u32> {
+fn char_device(path: &str) -> Option<(u32, u32)> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let meta = std::fs::metadata(path).ok()?;
-    // major(3) of a Linux dev_t.
-    meta.file_type().is_char_device().then(|| (((meta.rdev() >> 32) & 0xffff_f000) | ((meta.rdev() >> 8) & 0xfff)) as u32)
+    let dev = meta.rdev();
+    // major(3) and minor(3) of a Linux dev_t.
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0xfff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    meta.file_type().is_char_device().then_some((major as u32, minor as u32))
 }
 
 /// Refuses a tree in a network namespace of its own when CRIU would fail to dump that
@@ -64,10 +78,10 @@ pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), C
     Ok(())
 }
 
-/// Refuses the tree if a process that no engine claimed holds something CRIU cannot dump.
+/// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]).
 pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
-    for p in tree.iter().filter(|p| !claimed.contains(&p.pid)) {
-        if let Some(what) = undumpable(p, char_major) {
+    for p in tree {
+        if let Some(what) = undumpable(p, claimed.contains(&p.pid), char_device) {
             return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what });
         }
     }
@@ -80,7 +94,7 @@ impl std::fmt::Display for Undumpable {
             Undumpable::AnonInode { fd, kind } => write!(f, "descriptor {fd} (anon_inode:{kind}), which CRIU cannot dump"),
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => write!(
                 f,
-                "{path} but no CUDA context an engine could checkpoint (a process forked after CUDA started inherits its device mappings), which CRIU cannot dump"
+                "{path}, and no engine here checkpoints its device state (a process forked after CUDA started inherits CUDA's mappings without a context), which CRIU cannot dump"
             ),
             Undumpable::Device { path } => write!(f, "{path}, a device no engine of this hiber checkpoints"),
         }
@@ -110,14 +124,16 @@ mod tests {
         p
     }
 
-    fn majors(path: &str) -> Option<u32> {
+    fn devices(path: &str) -> Option<(u32, u32)> {
         match path {
-            "/dev/nvidia0" | "/dev/nvidiactl" => Some(195),
-            "/dev/nvidia-uvm" => Some(508),
-            "/dev/dri/renderD128" => Some(226),
-            "/dev/kmsg" => Some(1),
-            "/dev/ptmx" => Some(5),
-            "/dev/net/tun" => Some(10),
+            "/dev/nvidia0" => Some((195, 0)),
+            "/dev/nvidiactl" => Some((195, 255)),
+            "/dev/nvidia-uvm" => Some((508, 0)),
+            "/dev/dri/renderD128" => Some((226, 128)),
+            "/dev/kmsg" => Some((1, 11)),
+            "/dev/ptmx" => Some((5, 2)),
+            "/dev/net/tun" => Some((10, 200)),
+            "/dev/kvm" => Some((10, 232)),
             _ => None,
         }
     }
@@ -125,38 +141,46 @@ mod tests {
     #[test]
     fn io_uring_and_other_unknown_anon_inodes_are_refused() {
         let p = process(&["/dev/null", "anon_inode:[eventfd]", "anon_inode:[eventpoll]", "anon_inode:inotify", "pipe:[12]"], &[]);
-        assert_eq!(undumpable(&p, majors), None);
+        assert_eq!(undumpable(&p, false, devices), None);
         let p = process(&["anon_inode:[timerfd]", "anon_inode:[io_uring]"], &[]);
-        let u = undumpable(&p, majors).unwrap();
+        let u = undumpable(&p, false, devices).unwrap();
         assert_eq!(u, Undumpable::AnonInode { fd: 4, kind: "[io_uring]".into() });
         assert!(u.to_string().contains("descriptor 4 (anon_inode:[io_uring])"), "{u}");
         assert!(u.hint().contains("UV_USE_IO_URING=0"));
-        assert!(undumpable(&process(&["anon_inode:[perf_event]"], &[]), majors).is_some());
+        assert!(undumpable(&process(&["anon_inode:[perf_event]"], &[]), false, devices).is_some());
+        // A process an engine claimed: its driver's descriptors are the engine's to release,
+        // an io_uring is not.
+        assert_eq!(undumpable(&process(&["anon_inode:[nvidia-something]"], &["/dev/nvidia0"]), true, devices), None);
+        assert!(undumpable(&process(&["anon_inode:[io_uring]"], &["/dev/nvidia0"]), true, devices).is_some());
     }
 
     #[test]
     fn devices_only_an_engine_takes_are_refused() {
-        assert_eq!(undumpable(&process(&[], &["/dev/kmsg", "/dev/ptmx", "/dev/net/tun", "/tmp/not-a-device"]), majors), None);
-        let u = undumpable(&process(&[], &["/dev/nvidia-uvm", "/dev/nvidia0"]), majors).unwrap();
-        assert!(u.to_string().contains("no CUDA context"), "{u}");
+        assert_eq!(undumpable(&process(&[], &["/dev/kmsg", "/dev/ptmx", "/dev/net/tun", "/tmp/not-a-device"]), false, devices), None);
+        let u = undumpable(&process(&[], &["/dev/nvidia-uvm", "/dev/nvidia0"]), false, devices).unwrap();
+        assert!(u.to_string().contains("without a context"), "{u}");
         assert!(u.hint().contains("spawn"));
-        assert!(undumpable(&process(&[], &["/dev/dri/renderD128"]), majors).is_some());
+        assert!(undumpable(&process(&[], &["/dev/dri/renderD128"]), false, devices).is_some());
+        assert!(undumpable(&process(&[], &["/dev/kvm"]), false, devices).is_some(), "of the misc devices CRIU knows tun and autofs only");
+        assert_eq!(undumpable(&process(&[], &["/dev/nvidia0"]), true, devices), None, "a claimed process's devices are its engine's");
     }
 
     #[test]
-    fn claimed_processes_are_left_to_their_engine() {
+    fn claimed_processes_are_checked_only_for_what_no_engine_releases() {
         let mut p = process(&[], &[]);
         p.device_files = vec!["/dev/null".into()];
         // A real /dev/null (major 1) is dumpable; an unclaimed process passes.
         refuse_undumpable(std::slice::from_ref(&p), &[]).unwrap();
-        p.fds.push(OpenFd { fd: 9, target: "anon_inode:[io_uring]".into(), size: None });
+        p.fds.push(OpenFd { fd: 9, target: "anon_inode:[some-driver-object]".into(), size: None });
         assert!(refuse_undumpable(std::slice::from_ref(&p), &[]).is_err());
         refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).unwrap();
+        p.fds.push(OpenFd { fd: 10, target: "anon_inode:[io_uring]".into(), size: None });
+        assert!(refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).is_err(), "an engine does not take an io_uring away");
     }
 
     #[test]
-    fn char_major_reads_the_device_number() {
-        assert_eq!(char_major("/dev/null"), Some(1));
-        assert_eq!(char_major("/etc/hostname"), None);
+    fn char_device_reads_the_device_number() {
+        assert_eq!(char_device("/dev/null"), Some((1, 3)));
+        assert_eq!(char_device("/etc/hostname"), None);
     }
 }

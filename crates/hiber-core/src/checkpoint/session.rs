@@ -181,9 +181,10 @@ impl<'a> Checkpoint<'a> {
             leave_running: self.req.leave_running,
             external_mounts: manifest.source.mount_namespace,
             external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
-            skip_network_lock: loopback_only_network(self.req.pid),
+            skip_network_lock: loopback_only_network(&self.tree),
         };
-        let (ctx, leave_running) = (self.ctx, self.req.leave_running);
+        let (ctx, leave_running, dest) = (self.ctx, self.req.leave_running, &self.req.dest);
+        let root = (self.req.pid, self.tree[0].start_time);
         let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
         let mut commit_error: Option<CheckpointError> = None;
         ctx.phase("dumping process state (CRIU)");
@@ -194,6 +195,14 @@ impl<'a> Checkpoint<'a> {
             ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
             manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
             let committed = coord.barrier(Phase::Dumped).map_err(CheckpointError::from).and_then(|()| commit(sink, journal, sessions, manifest.clone()));
+            // Every participant committed, or none keeps its image: refusing the notification
+            // makes CRIU resume the tree instead of stopping it.
+            let committed = committed.and_then(|()| {
+                coord.barrier(Phase::Committed).map_err(|e| {
+                    let _ = std::fs::remove_dir_all(dest);
+                    CheckpointError::from(e)
+                })
+            });
             committed.map_err(|e| {
                 let msg = e.to_string();
                 commit_error = Some(e);
@@ -204,9 +213,16 @@ impl<'a> Checkpoint<'a> {
             return Err(e);
         }
         if let Err(e) = dumped {
-            // CRIU failed after accepting the finished image (or hiber lost it): the tree runs
-            // on, so an image in place would be a checkpoint that did not happen.
             if self.sink.is_committed() {
+                if !proctree::is_same_process(root.0, root.1) {
+                    // CRIU reported an error after it had the finished image and stopped the
+                    // tree (a lost connection at the very end, say): the checkpoint happened.
+                    tracing::warn!(error = %e, "CRIU reported an error after the image was complete and the tree had stopped");
+                    let _ = std::fs::remove_dir_all(&work);
+                    return Ok(());
+                }
+                // The tree runs on, so an image in place would be a checkpoint that did not
+                // happen.
                 let _ = std::fs::remove_dir_all(&self.req.dest);
             }
             return Err(e.into());
@@ -247,15 +263,21 @@ impl<'a> Checkpoint<'a> {
                 // Device memory an engine could not hand back may be in the partial image.
                 self.sink.keep_partial();
                 self.journal = None;
-                Err(CheckpointError::Resume(e))
+                Err(CheckpointError::Resume { source: e, after: None })
             }
         }
     }
 
     /// After a failed phase: undoes what the others did. The application runs as before,
     /// and the partial image and the journal go, unless the undo itself failed.
-    pub fn abort(mut self) -> Result<(), CheckpointError> {
-        self.resume()?;
+    pub fn abort(mut self, cause: &CheckpointError) -> Result<(), CheckpointError> {
+        if let Err(e) = self.resume() {
+            tracing::error!(%cause, "the checkpoint failed, and so did its undo");
+            return Err(match e {
+                CheckpointError::Resume { source, .. } => CheckpointError::Resume { source, after: Some(cause.to_string()) },
+                other => other,
+            });
+        }
         self.close();
         Ok(())
     }

@@ -113,7 +113,9 @@ impl DeviceMem {
     pub fn snapshot(&self) -> Result<DeviceMem, CuResult> {
         let copy = DeviceMem::create(&self.gpus, self.size, self.dev, false)?;
         let s = self.gpus.cuda.stream()?;
-        let r = self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, &s);
+        // SAFETY: both are whole mappings hiber made, of `size` bytes; `copy` is new and
+        // not yet shared.
+        let r = unsafe { self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, &s) };
         drop(s);
         r.map(|()| copy)
     }
@@ -213,7 +215,8 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
 pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
     let tasks = tasks(mems);
     parallel(gpus, &tasks, |t, buf, stream| {
-        gpus.cuda.copy_to_host(buf, t.len, t.va, stream).map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
+        // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`).
+        unsafe { gpus.cuda.copy_to_host(buf, t.len, t.va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
         let data = &buf.as_mut_slice()[..t.len];
         let io = |e: std::io::Error| format!("{}: {e}", t.rel);
         let mut f = sink.create_file(&t.rel).map_err(io)?;
@@ -244,7 +247,9 @@ pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option
                 return Err(format!("{} does not match its checksum", path.display()));
             }
         }
-        gpus.cuda.copy_to_device(t.va, buf, t.len, stream).map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
+        // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`),
+        // which no one else writes while hiber loads it.
+        unsafe { gpus.cuda.copy_to_device(t.va, buf, t.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
     })
     .map(|_| ())
 }

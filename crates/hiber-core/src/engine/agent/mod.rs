@@ -16,8 +16,9 @@
 //! Restore creates memory on the target GPU, streams the chunks into it (checking each
 //! chunk's checksum), and hands it to the restored agent the same way.
 //!
-//! hiber, not the agent, moves the data: the application gains no threads, pinned memory
-//! or file descriptors for it, and device data never lands in the CRIU image.
+//! hiber, not the agent, moves the data: the application gains no threads or pinned memory
+//! for it, and device data never lands in the CRIU image. (The agent keeps one descriptor
+//! per allocation hiber handed back, until the next checkpoint: see the agent's memory.rs.)
 
 mod device;
 
@@ -373,6 +374,7 @@ impl DeviceEngine for AgentEngine {
             pids,
             targets,
             held: HashMap::new(),
+            saving: std::sync::Mutex::new(()),
             pending: Vec::new(),
             written: Vec::new(),
             section: None,
@@ -425,6 +427,8 @@ struct AgentCheckpoint {
     pids: Vec<i32>,
     targets: Vec<Target>,
     held: HashMap<i32, Vec<Held>>,
+    /// Held while a process's memory is written: one at a time.
+    saving: std::sync::Mutex<()>,
     /// Snapshots whose processes run again, waiting for `finish`.
     pending: Vec<(DeviceMem, String)>,
     written: Vec<FileEntry>,
@@ -433,14 +437,16 @@ struct AgentCheckpoint {
 
 impl AgentCheckpoint {
     /// Quiesces one process and takes its memory; on error the process is as before.
-    fn take(&self, t: &Target, sink: &dyn ImageSink, snapshot: bool) -> Result<Taken, EngineError> {
+    /// On error, what hiber still holds and could not hand back at once comes with it, for
+    /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
+    fn take(&self, t: &Target, sink: &dyn ImageSink, snapshot: bool) -> Result<Taken, (EngineError, Vec<Held>)> {
         let pid = t.pid;
-        let conn = Conn::open(pid, &t.name)?;
+        let conn = Conn::open(pid, &t.name).map_err(|e| (e, Vec::new()))?;
         // The agent bounds its wait for calls in flight; a kernel still running when it
         // synchronizes is bounded here. Timing out closes the connection, and the agent,
         // finding no one to hand its memory to, opens its gate again.
         let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
-        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None)?;
+        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None).map_err(|e| (e, Vec::new()))?;
         let mut held = Vec::new();
         let mut timed_out = false;
         let taken = (|| {
@@ -471,6 +477,9 @@ impl AgentCheckpoint {
                 Vec::new()
             } else {
                 let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+                // One process's memory at a time: each save runs its own pinned buffers and
+                // workers, and the disk is the limit anyway.
+                let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
                 device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
             };
             conn.call(&Request::Release, None)?;
@@ -479,15 +488,15 @@ impl AgentCheckpoint {
         })();
         match taken {
             Ok(written) => Ok((held, written)),
-            Err(e) => {
-                // The agent gets back whatever it released and opens its gate. After a
-                // timeout it is still busy; it opens the gate itself once it finds the
-                // connection closed.
-                if !timed_out {
-                    let _ = give_back_on(&conn, &held);
-                }
-                Err(e)
-            }
+            // After a timeout the agent is still busy and released nothing: it opens its
+            // gate itself once it finds the connection closed, and hiber's references go.
+            Err(e) if timed_out => Err((e, Vec::new())),
+            // Otherwise the agent gets back whatever it released and opens its gate; if
+            // even that fails, the memory stays with the session for resume.
+            Err(e) => match give_back_on(&conn, &held) {
+                Ok(()) => Err((e, Vec::new())),
+                Err(_) => Err((e, held)),
+            },
         }
     }
 }
@@ -511,31 +520,36 @@ impl CheckpointSession for AgentCheckpoint {
         };
         // The processes of a job are quiesced together: ranks that wait on each other
         // must all stop at once, and the copies overlap.
-        let results: Vec<Result<Taken, EngineError>> = std::thread::scope(|s| {
+        let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
             let this = &*self;
             let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink, snapshot))).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("a quiesce thread panicked", None)))).collect()
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new())))).collect()
         });
         let mut done = Vec::new();
         let mut first_error = None;
         for (t, r) in busy.iter().zip(results) {
             match r {
-                Ok((held, written)) => done.push((t.pid, t.name.clone(), held, written)),
-                Err(e) => {
+                Ok((held, written)) => done.push((t.pid, held, written)),
+                Err((e, kept)) => {
+                    if !kept.is_empty() {
+                        self.held.insert(t.pid, kept);
+                    }
                     first_error.get_or_insert(e);
                 }
             }
         }
         if let Some(e) = first_error {
-            for (pid, name, held, _) in &done {
-                let _ = give_back(*pid, name, held);
+            // The processes that were quiesced are resumed by the undo that follows, which
+            // hands their memory back, or saves it for `hiber recover` if it cannot.
+            for (pid, held, _) in done {
+                self.held.insert(pid, held);
             }
             return Err(e);
         }
         let copy_seconds = start.elapsed().as_secs_f64();
         let mut processes = Vec::new();
         for t in &self.targets {
-            let Some((_, _, held, written)) = done.iter_mut().find(|(pid, ..)| *pid == t.pid) else {
+            let Some((_, held, written)) = done.iter_mut().find(|(pid, ..)| *pid == t.pid) else {
                 // An agent that tracked nothing: recorded for what it left to the driver.
                 processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
                 continue;
@@ -577,6 +591,11 @@ impl CheckpointSession for AgentCheckpoint {
     fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         let mut first = None;
         for t in &self.targets {
+            if !crate::proctree::exists(t.pid) {
+                // It died during the checkpoint: nothing to hand back to, nothing to undo.
+                self.held.remove(&t.pid);
+                continue;
+            }
             let r = match self.held.remove(&t.pid) {
                 Some(held) => {
                     let mut r = give_back(t.pid, &t.name, &held);

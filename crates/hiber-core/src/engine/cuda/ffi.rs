@@ -421,10 +421,17 @@ impl CudaLib {
     }
 
     /// Device → pinned host, waited for.
-    pub fn copy_to_host(&self, dst: &mut PinnedBuf<'_>, len: usize, src: u64, s: &Stream<'_>) -> Result<(), CuResult> {
+    ///
+    /// # Safety
+    ///
+    /// `src` must be device memory (mapped by hiber) of at least `len`
+    /// bytes: under unified addressing the driver also accepts host addresses.
+    ///
+    pub unsafe fn copy_to_host(&self, dst: &mut PinnedBuf<'_>, len: usize, src: u64, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
         assert!(len <= dst.len);
-        // SAFETY: `dst` holds at least `len` pinned bytes; the copy completes before return.
+        // SAFETY: `dst` holds at least `len` pinned bytes, `src` is `len` bytes of device
+        // memory (this function's contract); the copy completes before return.
         unsafe {
             check((f.dtoh_async)(dst.ptr.cast(), src, len, s.raw))?;
             check((f.stream_sync)(s.raw))
@@ -432,10 +439,16 @@ impl CudaLib {
     }
 
     /// Pinned host → device, waited for.
-    pub fn copy_to_device(&self, dst: u64, src: &PinnedBuf<'_>, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be device memory of at least `len` bytes that nothing else uses meanwhile:
+    /// under unified addressing the driver would also write host memory.
+    pub unsafe fn copy_to_device(&self, dst: u64, src: &PinnedBuf<'_>, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
         assert!(len <= src.len);
-        // SAFETY: `src` holds at least `len` bytes; the copy completes before return.
+        // SAFETY: `src` holds at least `len` bytes, `dst` is `len` bytes of device memory
+        // (this function's contract); the copy completes before return.
         unsafe {
             check((f.htod_async)(dst, src.ptr.cast(), len, s.raw))?;
             check((f.stream_sync)(s.raw))
@@ -443,9 +456,15 @@ impl CudaLib {
     }
 
     /// Device → device, waited for.
-    pub fn copy_on_device(&self, dst: u64, src: u64, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
+    ///
+    /// # Safety
+    ///
+    /// `src` and `dst` must be device memory of at least `len` bytes each, `dst` unused
+    /// by anything else meanwhile.
+    pub unsafe fn copy_on_device(&self, dst: u64, src: u64, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
         let f = self.vmm_fns()?;
-        // SAFETY: plain device addresses checked by the driver; waited for before return.
+        // SAFETY: both are `len` bytes of device memory (this function's contract); the copy
+        // completes before return.
         unsafe {
             check((f.dtod_async)(dst, src, len, s.raw))?;
             check((f.stream_sync)(s.raw))

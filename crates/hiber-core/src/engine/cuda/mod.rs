@@ -82,6 +82,10 @@ pub trait CheckpointApi: Send + Sync {
     fn unlock(&self, pid: i32) -> Result<(), CuError>;
     /// GPUs with their processes' memory use: (host pid, bytes) per GPU.
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)>;
+    /// Whether the process still exists (one that died mid-checkpoint needs no undo).
+    fn alive(&self, pid: i32) -> bool {
+        crate::proctree::exists(pid)
+    }
 }
 
 struct RealApi {
@@ -451,7 +455,9 @@ impl CheckpointSession for DriverCheckpoint {
 
     fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
         let e = &self.engine;
-        e.parallel(&self.pids, |pid| e.resume_one(pid, &[]))
+        // A process that died during the checkpoint has nothing left to undo.
+        let alive: Vec<i32> = self.pids.iter().copied().filter(|&p| e.api.alive(p)).collect();
+        e.parallel(&alive, |pid| e.resume_one(pid, &[]))
     }
 }
 

@@ -78,6 +78,9 @@ impl CheckpointApi for FakeDriver {
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
         self.gpus.clone()
     }
+    fn alive(&self, pid: i32) -> bool {
+        self.states.lock().unwrap().contains_key(&pid)
+    }
 }
 
 fn proc_info(pid: i32, ns_pid: i32, nvidia: bool) -> ProcessInfo {
@@ -159,6 +162,17 @@ fn checkpoint_then_resume_round_trip() {
     r.restore(&[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }]).unwrap();
     assert_eq!(d2.state_of(20), ProcessState::Running);
     assert_eq!(d2.state_of(21), ProcessState::Running);
+}
+
+#[test]
+fn a_process_that_died_is_not_resumed() {
+    let d = Arc::new(FakeDriver::new(&[10, 11]));
+    let e = engine(&d);
+    let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
+    s.quiesce(&NoFiles).unwrap();
+    d.states.lock().unwrap().remove(&11);
+    s.resume(&NoFiles).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running);
 }
 
 #[test]
