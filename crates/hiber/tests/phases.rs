@@ -28,6 +28,7 @@ fn checkpoint_failing_at(h: &Hiber, job: &str, phase: &str, leave_running: bool)
     assert!(!out.status.success(), "checkpoint with a failing {phase} barrier succeeded");
     assert!(stderr.contains("injected failure at") && stderr.contains("the application keeps running"), "{phase}: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.lines().next().is_some_and(|l| l.starts_with("hiber: ")) && stderr.lines().count() <= 2, "{phase}: one line and a hint at most:\n{stderr}");
     assert!(!image.exists(), "{phase}: no image may be left");
     assert!(!has_entries(&h.images_dir()), "{phase}: no partial image may be left");
     assert!(!has_entries(&h.state.join("journal")), "{phase}: the journal entry is finished");

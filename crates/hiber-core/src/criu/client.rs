@@ -318,7 +318,7 @@ fn exchange(
             let script = resp.notify.as_ref().and_then(|n| n.script.clone()).unwrap_or_default();
             let outcome = on_notify(&script);
             if let Err(reason) = &outcome {
-                tracing::warn!(script, reason, "refusing CRIU notification");
+                tracing::debug!(script, reason, "refusing CRIU notification; the error that caused it is reported");
             }
             let ack = rpc::CriuReq { r#type: CriuReqType::Notify as i32, notify_success: Some(outcome.is_ok()), ..Default::default() };
             send(sock, &ack)?;
