@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -233,6 +233,17 @@ pub fn ancestors_of(pid: i32) -> Vec<i32> {
 
 pub fn exists(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The identity of `pid`'s namespace of `kind` ("net", "mnt", ...), as /proc names it
+/// (`net:[4026531833]`); `pid` may also be "self".
+pub fn namespace(pid: &str, kind: &str) -> Option<PathBuf> {
+    fs::read_link(format!("/proc/{pid}/ns/{kind}")).ok()
+}
+
+/// Whether `pid` lives in a namespace of `kind` other than hiber's.
+pub fn has_own_namespace(pid: i32, kind: &str) -> bool {
+    matches!((namespace(&pid.to_string(), kind), namespace("self", kind)), (Some(a), Some(b)) if a != b)
 }
 
 #[cfg(test)]

@@ -167,12 +167,11 @@ pub(crate) fn log_file_id(pid: i32, fd: i32) -> Option<String> {
 /// dump needs no network lock (which CRIU takes with iptables or nftables, tools a machine
 /// may not have).
 pub(crate) fn loopback_only_network(tree: &[ProcessInfo]) -> bool {
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
     let root = tree[0].pid;
-    let Some(theirs) = ns(&root.to_string()) else { return false };
-    if ns("self").as_ref() == Some(&theirs) {
+    if !proctree::has_own_namespace(root, "net") {
         return false;
     }
+    let theirs = proctree::namespace(&root.to_string(), "net");
     let dev = std::fs::read_to_string(format!("/proc/{root}/net/dev")).unwrap_or_default();
     // Two header lines, then one line per interface: "  lo: 1234 ...".
     let interfaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
@@ -182,17 +181,11 @@ pub(crate) fn loopback_only_network(tree: &[ProcessInfo]) -> bool {
     // Others in the namespace (the job's shim is) must hold no socket.
     let Ok(procs) = std::fs::read_dir("/proc") else { return false };
     procs.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).filter(|p| !tree.iter().any(|t| t.pid == *p)).all(|p| {
-        ns(&p.to_string()).as_ref() != Some(&theirs)
+        proctree::namespace(&p.to_string(), "net") != theirs
             || std::fs::read_dir(format!("/proc/{p}/fd"))
                 .map(|fds| !fds.flatten().any(|f| std::fs::read_link(f.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:"))))
                 .unwrap_or(false)
     })
-}
-
-/// Whether `pid` lives in a mount namespace other than hiber's.
-fn own_mount_namespace(pid: i32) -> bool {
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();
-    matches!((ns(&pid.to_string()), ns("self")), (Some(a), Some(b)) if a != b)
 }
 
 /// Checkpoints with every phase run back to back (`HIBER_FAIL_AT` may name a phase whose

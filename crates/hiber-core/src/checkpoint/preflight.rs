@@ -70,9 +70,7 @@ fn char_device(path: &str) -> Option<(u32, u32)> {
 /// Refuses a tree in a network namespace of its own when CRIU would fail to dump that
 /// namespace for want of iproute2's `ip` (it saves addresses and routes with it).
 pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), CheckpointError> {
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
-    let own = matches!((ns(&root.to_string()), ns("self")), (Some(a), Some(b)) if a != b);
-    if own && criu.helper_tool("ip").is_none() {
+    if crate::proctree::has_own_namespace(root, "net") && criu.helper_tool("ip").is_none() {
         return Err(CheckpointError::MissingTool { pid: root, tool: "ip", why: "to save its network namespace" });
     }
     Ok(())

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{check_space, log_file_id, loopback_only_network, own_mount_namespace, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
+use super::{check_space, log_file_id, loopback_only_network, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
 use crate::coordinator::{Coordinator, Phase};
 use crate::criu::DumpOptions;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
@@ -94,11 +94,6 @@ impl<'a> Checkpoint<'a> {
         })
     }
 
-    /// The processes of the tree, as prepare found them.
-    pub fn tree(&self) -> &[ProcessInfo] {
-        &self.tree
-    }
-
     fn advance(&mut self, phase: journal::Phase) -> Result<(), CheckpointError> {
         match &mut self.journal {
             Some(j) => j.update(|e| e.phase = phase).map_err(CheckpointError::Journal),
@@ -150,7 +145,7 @@ impl<'a> Checkpoint<'a> {
                 pid: self.req.pid,
                 leave_running: self.req.leave_running,
                 pid_namespace: root.ns_pid == 1 && root.pid != 1,
-                mount_namespace: own_mount_namespace(self.req.pid),
+                mount_namespace: proctree::has_own_namespace(self.req.pid, "mnt"),
                 stdout: std_path(1),
                 stderr: std_path(2),
                 stdout_external: std_path(1).and(log_file_id(root.pid, 1)),

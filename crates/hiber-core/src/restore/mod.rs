@@ -223,7 +223,7 @@ fn restore_into_job(
     let finished = coord
         .barrier(Phase::ProcessesRestored)
         .map_err(RestoreError::from)
-        .and_then(|()| restore_devices(ctx, image, sessions, root))
+        .and_then(|()| restore_devices(ctx, sessions, root))
         .and_then(|()| coord.barrier(Phase::DevicesRestored).map_err(RestoreError::from))
         .and_then(|()| record_job(image, job, root));
     match finished {
@@ -243,14 +243,13 @@ fn restore_into_job(
 
 /// After CRIU restored the tree: each engine restores its device state, in reverse order
 /// (engines that quiesced first, the agent before the driver, resume last).
-fn restore_devices(ctx: &Context, image: &Image, sessions: &mut [Engaged], root: i32) -> Result<(), RestoreError> {
+fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32) -> Result<(), RestoreError> {
     if sessions.is_empty() {
         return Ok(());
     }
     ctx.phase("restoring GPU state");
     let tree = proctree::discover_tree(root)?;
     let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
-    debug_assert_eq!(sessions.len(), image.manifest.devices.len());
     for s in sessions.iter_mut().rev() {
         s.restore(&pids)?;
     }
