@@ -38,6 +38,10 @@ BUILD = Path("/tmp/hiber-gpu-build")
 ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "criu"), PYTHONUNBUFFERED="1")
 ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
 TRAIN = REPO / "gpu/programs/train.py"
+FORKS = REPO / "gpu/programs/forks.py"
+JAX = REPO / "gpu/programs/jax_train.py"
+GENERATE = REPO / "gpu/programs/generate.py"
+CUPY = REPO / "gpu/programs/cupy_iter.py"
 # The CUDA programs of gpu/programs/ that main() builds with nvcc, and how each build went.
 PROGRAMS = ("counter", "mallocasync", "graphs")
 BUILT = {}
@@ -114,8 +118,9 @@ def assert_continues(original, copy, start):
 
 
 def job_log_tails():
-    """The last lines of every job's logs and of CRIU's kept logs, for a failure report."""
-    out = {}
+    """The last lines of every job's logs and of CRIU's kept logs, for a failure report, with
+    the host's free memory and disk."""
+    out = {"free": sh("free", "-m", check=False).stdout.splitlines()[1:2], "df": sh("df", "-m", "/tmp", check=False).stdout.splitlines()[1:]}
     for f in sorted(STATE.glob("jobs/*/std*.log")) + sorted(STATE.glob("jobs/*/agent.log")) + sorted(STATE.glob("logs/*/*.log"))[-4:]:
         lines = f.read_text(errors="replace").splitlines()
         if lines:
@@ -231,21 +236,33 @@ def stop_and_restore(job, at, metrics, restore_args=(), wait_limit=60):
     return img
 
 
-def training_identical(m, job, flags=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False):
-    """train.py with FLAGS, uninterrupted outside hiber, then as the hiber job JOB checkpointed
-    at step AT and restored: the two loss trajectories must be bit-identical."""
-    ref = sh("python3", TRAIN, "--steps", steps, *flags, check=not ref_may_skip, timeout=ref_timeout)
+def identical_run(m, job, script, args=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False):
+    """SCRIPT with ARGS, uninterrupted outside hiber, then as the hiber job JOB checkpointed at
+    step AT and restored: the two trajectories (loss bits, tokens, checksums) must be
+    identical, and the restored run's own final check must pass."""
+    ref = sh("python3", script, "--steps", steps, *args, check=not ref_may_skip, timeout=ref_timeout)
     if ref.returncode != 0:
-        raise Skip(f"train.py {' '.join(flags)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
+        raise Skip(f"{Path(script).name} {' '.join(args)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps), "reference run completed"
-    run_job(job, "python3", TRAIN, "--steps", steps, *flags, agent=agent, limit=limit)
+    run_job(job, "python3", script, "--steps", steps, *args, agent=agent, limit=limit)
     img = stop_and_restore(job, at, m, wait_limit=limit)
     combined = progress(job) + progress(job + "-r")
-    assert combined == ref_traj, "loss trajectory differs from the uninterrupted run"
-    m["loss_steps_compared"] = len(combined)
+    assert combined == ref_traj, "trajectory differs from the uninterrupted run"
+    m["steps_compared"] = len(combined)
+    return img
+
+
+def training_identical(m, job, flags=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False):
+    """train.py with FLAGS: the loss trajectory of a checkpointed and restored run is
+    bit-identical to an uninterrupted one."""
+    img = identical_run(m, job, TRAIN, flags, agent, at, steps, limit, ref_timeout, ref_may_skip)
     m["final_loss"] = log(job + "-r").splitlines()[-2].split()[-1]
     return img
+
+
+def image_processes(image):
+    return json.loads((Path(image) / "manifest.json").read_text())["processes"]
 
 
 def abstract_sockets(pid):
@@ -603,6 +620,68 @@ def no_agent_opt_out(m):
     sec = cuda_section(img)
     assert sec and sum(p["memory_bytes"] for p in sec["processes"]) >= 1 << 30, "the driver took all the device memory"
     m["agent_section"] = agent is not None
+
+
+@scenario
+def agent_dataloader_workers(m):
+    """PyTorch fed by DataLoader(num_workers=2, persistent_workers=True, pin_memory=True): the
+    workers are forked after CUDA is initialized. The agent detaches them from the driver's
+    mappings, the tree is checkpointed whole, and the restored workers go on delivering the
+    same batches (the loss trajectory is bit-identical)."""
+    img = training_identical(m, "loader", ("--loader-workers", "2"), agent=True, limit=120)
+    procs = image_processes(img)
+    assert len(procs) >= 3, f"the image holds the trainer and its two workers: {len(procs)} processes"
+    m["processes"] = len(procs)
+
+
+@scenario
+def agent_children_forked_after_cuda(m):
+    """A CUDA process's children started after CUDA init: multiprocessing (fork), os.fork,
+    subprocess.Popen and os.system; each keeps a counter and answers every step, and the
+    restored children continue from their own state."""
+    img = identical_run(m, "forks", FORKS, ("--mib", "1024"), agent=True, limit=120)
+    m["processes"] = len(image_processes(img))
+    assert m["processes"] >= 5, f"the parent, its four children and the shell's cat: {m['processes']} processes"
+    assert "verify ok" in log("forks-r")
+
+
+@scenario
+def no_agent_dataloader_refused_cleanly(m):
+    """Without the agent nothing detaches forked workers from the driver's mappings: the
+    checkpoint is refused before anything is touched, naming the process, and the job
+    trains on undisturbed."""
+    run_job("bare", "python3", TRAIN, "--steps", "200", "--loader-workers", "2", agent=False, limit=120)
+    wait_step("bare", 20, 120)
+    p = hiber("checkpoint", "bare", "--out", image_of("bare"), check=False)
+    assert p.returncode == 1 and "keeps running" in p.stderr and "/dev/nvidia" in p.stderr and "agent" in p.stderr, p.stderr
+    assert not Path(image_of("bare")).exists(), "no image is left"
+    m["error"] = p.stderr.strip()[:300]
+    assert_verified("bare")
+
+
+@scenario
+def agent_jax_defaults(m):
+    """JAX with nothing configured: 75% of the GPU preallocated."""
+    img = identical_run(m, "jax", JAX, agent=True, limit=180, ref_timeout=300)
+    m["pool"] = [l for l in log("jax").splitlines() if l.startswith("start")][0].split("pool ")[-1]
+
+
+@scenario
+def no_agent_jax_defaults(m):
+    """The same JAX job with the driver's checkpoint alone."""
+    identical_run(m, "jaxd", JAX, agent=False, limit=180, ref_timeout=300)
+
+
+@scenario
+def agent_transformers_generate(m):
+    """Hugging Face transformers: greedy decoding with a KV cache, random GPT-2 weights."""
+    identical_run(m, "gen", GENERATE, agent=True, limit=180, ref_timeout=300)
+
+
+@scenario
+def agent_cupy(m):
+    """CuPy: matrix products and a custom elementwise kernel."""
+    identical_run(m, "cupy", CUPY, agent=True, limit=180, ref_timeout=300)
 
 
 @scenario

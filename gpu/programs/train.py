@@ -6,7 +6,11 @@ a restored run must reproduce an uninterrupted run's trajectory bit for bit.
 --expandable has PyTorch's caching allocator map its memory with CUDA VMM (cuMemCreate /
 cuMemMap) instead of cudaMalloc. --compile runs the model through torch.compile, whose
 kernels differ from eager ones: compare its trajectory only with another --compile run.
-Without either flag the program and its output are what they always were.
+--loader-workers N feeds the batches from a DataLoader with N persistent worker processes,
+forked (Linux's default start method) after CUDA is initialized, as nearly every training
+script does; pinned batches, a shuffled sampler with its own seed. Its trajectory differs
+from the default one: compare it only with another run with the same N.
+Without these flags the program and its output are what they always were.
 """
 import argparse
 import os
@@ -19,6 +23,7 @@ p.add_argument("--interval-ms", type=int, default=20)
 p.add_argument("--extra-gib", type=float, default=2.0, help="extra device memory held, with known content")
 p.add_argument("--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile (default mode)")
+p.add_argument("--loader-workers", type=int, default=0, help="batches from a DataLoader with this many persistent workers")
 args = p.parse_args()
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -41,10 +46,42 @@ net = torch.compile(model) if args.compile else model
 g = torch.Generator(device=dev)
 g.manual_seed(99)
 extra = torch.arange(int(args.extra_gib * (1 << 30) // 8), device=dev, dtype=torch.int64)
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """Sample i is a function of i alone, whichever worker makes it."""
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        gi = torch.Generator().manual_seed(i)
+        return torch.randn(512, generator=gi), torch.randint(0, 10, (), generator=gi)
+
+
+def loader_batches():
+    loader = torch.utils.data.DataLoader(
+        Synthetic(),
+        batch_size=256,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        num_workers=args.loader_workers,
+        persistent_workers=True,
+        pin_memory=True,
+    )
+    while True:
+        for x, y in loader:
+            yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+
+batches = loader_batches() if args.loader_workers else None
 print(f"start train steps {args.steps} pid {os.getpid()} torch {torch.__version__}", flush=True)
 for step in range(args.steps):
-    x = torch.randn(256, 512, device=dev, generator=g)
-    y = torch.randint(0, 10, (256,), device=dev, generator=g)
+    if batches:
+        x, y = next(batches)
+    else:
+        x = torch.randn(256, 512, device=dev, generator=g)
+        y = torch.randint(0, 10, (256,), device=dev, generator=g)
     loss = torch.nn.functional.cross_entropy(net(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()

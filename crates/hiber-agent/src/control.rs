@@ -2,7 +2,7 @@
 //! it answers hiber on the job's abstract socket (see `hiber_wire` for the protocol).
 //! Processes that never initialize CUDA get no thread and no socket.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
@@ -11,6 +11,8 @@ use hiber_wire::{socket, Reply, Request, Status};
 use crate::{cuda, gate, log, memory};
 
 static STARTED_IN: AtomicI32 = AtomicI32::new(0);
+/// The control socket's descriptor (owned by the control thread), or -1.
+static LISTENER: AtomicI32 = AtomicI32::new(-1);
 
 /// Starts the control thread once per process (a forked child that initializes CUDA gets
 /// its own). Without `HIBER_AGENT_TOKEN` the agent only serves allocations.
@@ -28,9 +30,20 @@ pub fn start() {
             return;
         }
     };
+    LISTENER.store(listener.as_raw_fd(), Ordering::SeqCst);
     let spawned = std::thread::Builder::new().name("hiber-agent".into()).spawn(move || serve(listener));
     if let Err(e) = spawned {
         log(&format!("pid {pid}: cannot start the control thread: {e}"));
+    }
+}
+
+/// In a forked child: closes the parent's control socket, whose thread did not come along.
+pub(crate) fn forget_listener() {
+    let fd = LISTENER.swap(-1, Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: `fd` is the parent's listening socket; in the child no thread owns it (the
+        // control thread exists only in the parent), so it is closed once, here.
+        unsafe { libc::close(fd) };
     }
 }
 

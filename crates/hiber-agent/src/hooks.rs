@@ -356,6 +356,7 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> CuResult {
     // SAFETY: a plain flags value, forwarded unchanged.
     let r = unsafe { real(flags) };
     if r == cuda::SUCCESS {
+        crate::fork::install();
         crate::control::start();
     }
     r

@@ -10,10 +10,12 @@
 //! Rules for code in this crate: it runs inside someone else's program. It never writes to
 //! the application's stdout or stderr (only to `HIBER_AGENT_LOG`), never panics or unwinds
 //! across `extern "C"`, and adds no thread or memory to a process until that process
-//! initializes CUDA. Unsafe code lives in [`cuda`], [`hooks`] and `hiber_wire::socket`.
+//! initializes CUDA. A child forked after that is detached from the driver ([`fork`]).
+//! Unsafe code lives in [`cuda`], [`hooks`], [`fork`] and `hiber_wire::socket`.
 
 pub mod control;
 pub mod cuda;
+pub mod fork;
 pub mod gate;
 pub mod hooks;
 pub mod memory;

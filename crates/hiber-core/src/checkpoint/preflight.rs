@@ -104,7 +104,7 @@ impl Undumpable {
         match self {
             Undumpable::AnonInode { kind, .. } if kind == "[io_uring]" => "io_uring rings cannot be checkpointed. libuv 1.45 and newer opens one (Node.js, and programs built on libuv): start the job with UV_USE_IO_URING=0; for other programs, turn io_uring off in their own settings".into(),
             Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
-            Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn')), so that they do not inherit CUDA's state".into(),
+            Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
         }
     }
