@@ -181,6 +181,19 @@ impl Registry {
         }
     }
 
+    /// How the job's root exited, once its shim has recorded it.
+    pub fn exit_status(&self, name: &str) -> Option<ExitStatus> {
+        read_exit(&self.dir_of(name))
+    }
+
+    /// The last non-empty line the job wrote to stderr (at most 300 characters of it).
+    pub fn last_stderr_line(&self, name: &str) -> Option<String> {
+        let text = fs::read(self.dir_of(name).join(STDERR_LOG)).ok()?;
+        let tail = &text[text.len().saturating_sub(4096)..];
+        let line = String::from_utf8_lossy(tail).lines().rev().map(str::trim).find(|l| !l.is_empty())?.to_string();
+        Some(line.chars().take(300).collect())
+    }
+
     /// Whether the job's shim has recorded how the root exited.
     pub fn has_exit(&self, name: &str) -> bool {
         read_exit(&self.dir_of(name)).is_some()

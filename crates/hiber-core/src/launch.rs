@@ -268,9 +268,36 @@ pub struct Command {
     #[serde(with = "wire_path")]
     stderr: PathBuf,
     env: Vec<(String, String)>,
+    /// Let the job create io_uring instances (see [`io_uring_filter`]).
+    #[serde(default)]
+    allow_io_uring: bool,
+}
+
+/// The seccomp program that keeps a job off io_uring: `io_uring_setup`, `io_uring_enter`
+/// and `io_uring_register` fail with ENOSYS, as on a kernel without io_uring.
+///
+/// CRIU cannot dump an io_uring instance, and libuv (in Node.js, and in libtorch's TCPStore,
+/// which torchrun's launcher runs) opens one for every event loop whatever `UV_USE_IO_URING`
+/// says (libuv 1.50 and newer). Every user of io_uring falls back to other system calls when
+/// the kernel lacks it (libuv to epoll), and Docker's default seccomp profile refuses it the
+/// same way, so what the job computes does not change.
+pub fn io_uring_filter() -> Result<seccompiler::BpfProgram, String> {
+    use seccompiler::{SeccompAction, SeccompFilter};
+    let arch = std::env::consts::ARCH.try_into().map_err(|e| format!("seccomp: {e}"))?;
+    let calls = [libc::SYS_io_uring_setup, libc::SYS_io_uring_enter, libc::SYS_io_uring_register];
+    let filter =
+        SeccompFilter::new(calls.into_iter().map(|c| (c, Vec::new())).collect(), SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
+            .map_err(|e| format!("seccomp: {e}"))?;
+    filter.try_into().map_err(|e: seccompiler::BackendError| format!("seccomp: {e}"))
 }
 
 impl Command {
+    /// Lets the job use io_uring; it cannot be checkpointed while it holds an instance.
+    pub fn allow_io_uring(mut self, allow: bool) -> Command {
+        self.allow_io_uring = allow;
+        self
+    }
+
     /// Sets `key=value` in the job's environment.
     pub fn env(mut self, key: &str, value: &str) -> Result<Command, LaunchError> {
         if key.contains('\0') || value.contains('\0') {
@@ -282,7 +309,14 @@ impl Command {
 
     /// `stdout` and `stderr` are files the job appends to (they should exist).
     pub fn new(argv: &[String], cwd: &Path, stdout: &Path, stderr: &Path) -> Result<Command, LaunchError> {
-        let cmd = Command { argv: argv.to_vec(), cwd: cwd.to_path_buf(), stdout: stdout.to_path_buf(), stderr: stderr.to_path_buf(), env: Vec::new() };
+        let cmd = Command {
+            argv: argv.to_vec(),
+            cwd: cwd.to_path_buf(),
+            stdout: stdout.to_path_buf(),
+            stderr: stderr.to_path_buf(),
+            env: Vec::new(),
+            allow_io_uring: false,
+        };
         cmd.prepare().map_err(LaunchError::Start)?;
         Ok(cmd)
     }
@@ -301,6 +335,7 @@ impl Command {
             stdout: path(&self.stdout, "the log path")?,
             stderr: path(&self.stderr, "the log path")?,
             env: self.env.iter().map(|(k, v)| Ok((c(k, "an environment variable")?, c(v, "an environment variable")?))).collect::<Result<_, String>>()?,
+            seccomp: if self.allow_io_uring { None } else { Some(io_uring_filter()?) },
         })
     }
 }
@@ -312,6 +347,8 @@ struct Exec {
     stdout: CString,
     stderr: CString,
     env: Vec<(CString, CString)>,
+    /// Installed last before exec.
+    seccomp: Option<seccompiler::BpfProgram>,
 }
 
 /// Runs inside the shim: makes a PID namespace and starts `cmd` as its init. Returns once
@@ -414,6 +451,11 @@ unsafe fn exec_job(cmd: &Exec, keep: RawFd) -> std::io::Error {
         // the environment meanwhile.
         if let Err(e) = unsafe { sys::setenv(k, v) } {
             return e;
+        }
+    }
+    if let Some(program) = &cmd.seccomp {
+        if let Err(e) = sys::install_seccomp_filter(program) {
+            return std::io::Error::new(e.kind(), format!("keeping the job off io_uring (seccomp): {e}"));
         }
     }
     sys::execvp(&cmd.argv)

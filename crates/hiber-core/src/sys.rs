@@ -214,6 +214,19 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// Installs a seccomp filter on the calling thread (and so on everything it execs and
+/// forks). Needs CAP_SYS_ADMIN (hiber runs as root), so that no_new_privs is left alone
+/// and setuid programs of the job work as before.
+pub fn install_seccomp_filter(program: &[seccompiler::sock_filter]) -> io::Result<()> {
+    let len = u16::try_from(program.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "seccomp program too long"))?;
+    let prog = libc::sock_fprog { len, filter: program.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: seccompiler's sock_filter is the kernel's struct sock_filter (repr(C), the
+    // same fields as libc's); `prog` points at `len` of them, which outlive the call (the
+    // kernel copies the program).
+    cvt(unsafe { libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &prog as *const libc::sock_fprog) } as i32)?;
+    Ok(())
+}
+
 /// Replaces the process image; returns only on failure.
 pub fn execvp(argv: &[CString]) -> io::Error {
     let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();

@@ -244,7 +244,7 @@ fn usage_errors_and_names() {
     assert!(f.stderr.contains("--gpu-map"), "{}", f.stderr);
 }
 
-/// A process holding an io_uring (as libuv 1.45+ opens) is refused before anything is
+/// A job allowed io_uring (`--allow-io-uring`) that holds one is refused before anything is
 /// stopped, with the process and the descriptor named; the job runs on untouched.
 #[test]
 fn io_uring_is_refused_before_anything_is_stopped() {
@@ -263,7 +263,7 @@ fn io_uring_is_refused_before_anything_is_stopped() {
         "    time.sleep(0.05)",
     ]
     .join("\n");
-    h.ok(&["run", "--name", "uring", "--", "python3", "-c", &script]);
+    h.ok(&["run", "--name", "uring", "--allow-io-uring", "--", "python3", "-c", &script]);
     wait("the ring to open", Duration::from_secs(20), || h.log("uring").contains("ring "));
     let ring_line = h.log("uring").lines().find(|l| l.starts_with("ring ")).unwrap().to_string();
     assert!(ring_line.ends_with("anon_inode:[io_uring]"), "the kernel gave an io_uring: {ring_line}");
@@ -273,12 +273,52 @@ fn io_uring_is_refused_before_anything_is_stopped() {
     assert_eq!(f.code, 1, "{}", f.stderr);
     assert!(f.stderr.contains(&format!("holds descriptor {fd} (anon_inode:[io_uring])")), "{}", f.stderr);
     assert!(f.stderr.contains("(python3)") && f.stderr.contains("the application keeps running"), "{}", f.stderr);
-    assert!(f.stderr.contains("hint: ") && f.stderr.contains("UV_USE_IO_URING=0"), "{}", f.stderr);
+    assert!(f.stderr.contains("hint: ") && f.stderr.contains("without --allow-io-uring"), "{}", f.stderr);
     assert!(!img.exists() && std::fs::read_dir(h.images_dir()).map(|mut d| d.next().is_none()).unwrap_or(true), "no image, no partial image");
     let ticks = |h: &Hiber| h.log("uring").lines().filter(|l| l.starts_with("tick ")).count();
     let before = ticks(&h);
     wait("the job to go on ticking", Duration::from_secs(10), || ticks(&h) >= before + 3);
     assert_eq!(h.state_of("uring"), "running");
+}
+
+/// By default a job is kept off io_uring: the kernel answers ENOSYS (as without io_uring),
+/// in the job and in the children it starts, before and after a checkpoint and restore
+/// (CRIU carries the seccomp filter), and the job checkpoints as any other.
+#[test]
+fn jobs_are_kept_off_io_uring_through_checkpoint_and_restore() {
+    let _mounts = shared();
+    let h = Hiber::new("noring");
+    let script = [
+        "import ctypes, os, subprocess, sys, time",
+        "libc = ctypes.CDLL(None, use_errno=True)",
+        "def ring():",
+        "    r = libc.syscall(425, 4, ctypes.create_string_buffer(120))  # io_uring_setup(4 entries)",
+        "    return f'{r} errno {ctypes.get_errno()}'",
+        "child = subprocess.run([sys.executable, '-c', 'import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.syscall(425, 4, ctypes.create_string_buffer(120)), ctypes.get_errno())'], capture_output=True, text=True).stdout.strip()",
+        "print('ring', ring(), 'child', child, flush=True)",
+        "n = 0",
+        "while True:",
+        "    n += 1",
+        "    if n % 10 == 0:",
+        "        print('ring', ring(), flush=True)",
+        "    print('tick', n, flush=True)",
+        "    time.sleep(0.02)",
+    ]
+    .join("\n");
+    h.ok(&["run", "--name", "noring", "--", "python3", "-c", &script]);
+    wait("the first ring attempt", Duration::from_secs(20), || h.log("noring").contains("ring "));
+    let enosys = "38"; // ENOSYS on x86_64 and aarch64
+    let first = h.log("noring").lines().find(|l| l.starts_with("ring ")).unwrap().to_string();
+    assert_eq!(first, format!("ring -1 errno {enosys} child -1 {enosys}"), "the job and its child get ENOSYS");
+    let img = h.images_dir().join("noring");
+    h.ok(&["checkpoint", "noring", "--out", img.to_str().unwrap()]);
+    h.ok(&["restore", img.to_str().unwrap(), "--name", "noring-r"]);
+    let rings = |h: &Hiber| h.log("noring-r").lines().filter(|l| l.starts_with("ring ")).map(str::to_string).collect::<Vec<_>>();
+    wait("the restored job to try again", Duration::from_secs(20), || !rings(&h).is_empty());
+    assert!(rings(&h).iter().all(|l| *l == format!("ring -1 errno {enosys}")), "still off io_uring after restore: {:?}", rings(&h));
+    let pid = h.pid_of("noring-r");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(status.lines().any(|l| l.replace(char::is_whitespace, "") == "Seccomp:2"), "the filter is in place:\n{status}");
 }
 
 /// A copy in a network namespace of its own needs iproute2's `ip` for CRIU to save that

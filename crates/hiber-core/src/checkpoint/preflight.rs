@@ -102,7 +102,7 @@ impl std::fmt::Display for Undumpable {
 impl Undumpable {
     pub fn hint(&self) -> String {
         match self {
-            Undumpable::AnonInode { kind, .. } if kind == "[io_uring]" => "io_uring rings cannot be checkpointed. libuv 1.45 and newer opens one (Node.js, and programs built on libuv): start the job with UV_USE_IO_URING=0; for other programs, turn io_uring off in their own settings".into(),
+            Undumpable::AnonInode { kind, .. } if kind == "[io_uring]" => "io_uring instances cannot be checkpointed: start the job with `hiber run` without --allow-io-uring (hiber then keeps it off io_uring, and libuv, torchrun's store and other users fall back to epoll), or turn io_uring off in the program's own settings".into(),
             Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
@@ -144,7 +144,7 @@ mod tests {
         let u = undumpable(&p, false, devices).unwrap();
         assert_eq!(u, Undumpable::AnonInode { fd: 4, kind: "[io_uring]".into() });
         assert!(u.to_string().contains("descriptor 4 (anon_inode:[io_uring])"), "{u}");
-        assert!(u.hint().contains("UV_USE_IO_URING=0"));
+        assert!(u.hint().contains("--allow-io-uring"));
         assert!(undumpable(&process(&["anon_inode:[perf_event]"], &[]), false, devices).is_some());
         // A process an engine claimed: its driver's descriptors are the engine's to release,
         // an io_uring is not.

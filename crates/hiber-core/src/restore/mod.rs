@@ -43,6 +43,9 @@ pub enum RestoreError {
     Tree(#[from] TreeError),
     #[error("restore needs root (CRIU restores PIDs, namespaces and credentials)")]
     NotRoot,
+    /// The restored tree ended by itself before its restore was complete.
+    #[error("the restored process {how} before its device state was restored{}", last_words.as_ref().map(|w| format!("; its last words: {w}")).unwrap_or_default())]
+    DiedEarly { how: String, last_words: Option<String>, cause: Box<RestoreError> },
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -63,6 +66,10 @@ impl RestoreError {
                 (None, None) => return None,
             },
             RestoreError::NotRoot => "run hiber as root".into(),
+            RestoreError::DiedEarly { cause, .. } => match cause.hint() {
+                Some(h) => h,
+                None => format!("the image is unchanged; after that hiber saw: {cause}"),
+            },
             _ => return None,
         })
     }
@@ -229,6 +236,9 @@ fn restore_into_job(
     match finished {
         Ok(j) => Ok((j, criu, devices_start.elapsed())),
         Err(e) => {
+            // A tree that ended by itself is reported as such (the error it caused is only a
+            // symptom), with the last line it wrote to stderr.
+            let died = job.registry.exit_status(job.name);
             // The tree cannot run without its device state or its record: stop all of it,
             // and let its shim record the exit before the job directory goes.
             stop_tree(root, image.manifest.source.pid_namespace);
@@ -236,7 +246,10 @@ fn restore_into_job(
             while !job.registry.has_exit(job.name) && start.elapsed() < Duration::from_secs(10) {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e)
+            Err(match died {
+                Some(status) => RestoreError::DiedEarly { how: died_how(status), last_words: job.registry.last_stderr_line(job.name), cause: Box::new(e) },
+                None => e,
+            })
         }
     }
 }
@@ -270,6 +283,13 @@ fn record_job(image: &Image, job: &JobTarget<'_>, root: i32) -> Result<Job, Rest
     };
     job.registry.save(&record)?;
     Ok(record)
+}
+
+fn died_how(status: sys::ExitStatus) -> String {
+    match status {
+        sys::ExitStatus::Code(c) => format!("exited with status {c}"),
+        sys::ExitStatus::Signal(s) => format!("was killed by signal {s}"),
+    }
 }
 
 /// SIGKILLs a restored tree: its root, which takes a PID namespace down with it, or else

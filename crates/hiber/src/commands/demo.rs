@@ -10,7 +10,8 @@ use hiber_core::engine::DeviceRestoreOptions;
 use hiber_core::jobs::{Job, JobState, Registry};
 use hiber_core::restore::{restore, RestoreRequest};
 
-use super::{context, human_bytes, run::start_job, secs};
+use super::run::{start_job, JobOptions};
+use super::{context, human_bytes, secs};
 use crate::cli_error::{CliError, FAILED};
 use crate::workload::{progress_of, verdict_of};
 
@@ -64,7 +65,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         );
     }
 
-    let job = start_job(&registry, Some(registry.free_name("demo")), command, true)?;
+    let job = start_job(&registry, Some(registry.free_name("demo")), command, JobOptions { agent: true, allow_io_uring: false })?;
     println!("  started job {} (pid {})", job.name, job.pid);
     let at = steps / 3;
     wait_until("the workload to make progress", Duration::from_secs(120), || {

@@ -19,6 +19,11 @@ pub struct Args {
     /// driver alone (slower; see the README).
     #[arg(long)]
     no_agent: bool,
+    /// Let the job use io_uring. hiber otherwise keeps its jobs off it (the kernel answers
+    /// ENOSYS, as without io_uring, and programs fall back), because CRIU cannot checkpoint
+    /// an io_uring: a job that holds one cannot be checkpointed.
+    #[arg(long)]
+    allow_io_uring: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -26,7 +31,15 @@ pub struct Args {
 
 /// Starts `command` as a job: its own PID namespace and session, stdin from /dev/null,
 /// stdout/stderr appended to the job's logs, a shim that records its exit.
-pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, agent: bool) -> Result<Job, CliError> {
+/// How `hiber run` starts a job.
+#[derive(Debug, Clone, Copy)]
+pub struct JobOptions {
+    /// Preload the agent.
+    pub agent: bool,
+    pub allow_io_uring: bool,
+}
+
+pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
     if hiber_core::sys::geteuid() != 0 {
         return Err(CliError::new(ENVIRONMENT, "hiber run needs root: each job gets its own PID namespace").hint("run it with sudo"));
     }
@@ -36,10 +49,11 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     let started = (|| {
         registry.open_logs(&name)?;
         let cwd = std::env::current_dir()?;
-        let mut cmd =
+        let cmd =
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
+        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring);
         // What the device engines prepare for a job: the agent's preload, say.
-        let skip: &[&str] = if agent { &[] } else { &[hiber_core::engine::agent::ENGINE] };
+        let skip: &[&str] = if opts.agent { &[] } else { &[hiber_core::engine::agent::ENGINE] };
         for (k, v) in hiber_core::engine::launch_env(&dir, skip) {
             cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
@@ -77,7 +91,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
 
 pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&StateDir::from_env());
-    let job = start_job(&registry, args.name, args.command, !args.no_agent)?;
+    let job = start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, allow_io_uring: args.allow_io_uring })?;
     if args.quiet {
         println!("{}", job.name);
     } else {

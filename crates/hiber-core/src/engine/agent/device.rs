@@ -210,8 +210,30 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
     Ok(r.into_iter().map(|(_, v)| v).collect())
 }
 
+/// Whether every byte of `data` is zero.
+fn is_zero(data: &[u8]) -> bool {
+    // SAFETY: every bit pattern is a valid u128; align_to only splits off unaligned ends.
+    let (head, words, tail) = unsafe { data.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && words.chunks(64).all(|c| c.iter().fold(0, |acc, &w| acc | w) == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// blake3 of `len` zero bytes, computed once for a whole chunk.
+fn zero_hash(len: usize) -> String {
+    static FULL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let hash = || blake3::hash(&vec![0u8; len]).to_hex().to_string();
+    if len as u64 == CHUNK {
+        FULL.get_or_init(hash).clone()
+    } else {
+        hash()
+    }
+}
+
 /// Streams each memory into chunk files `PREFIX.NNNNN` of the image (created 0600 by the
 /// sink, made durable), hashing as it goes. Returns the files' manifest entries.
+///
+/// A chunk of zeros (memory the application never wrote: most of a pool that JAX or an
+/// inference server reserves up front) becomes a sparse file of the same length: it reads
+/// back as the same zeros under the same checksum, and takes no disk space or write time.
 pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
     let tasks = tasks(mems);
     parallel(gpus, &tasks, |t, buf, stream| {
@@ -220,9 +242,15 @@ pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) ->
         let data = &buf.as_mut_slice()[..t.len];
         let io = |e: std::io::Error| format!("{}: {e}", t.rel);
         let mut f = sink.create_file(&t.rel).map_err(io)?;
-        f.write_all(data).map_err(io)?;
+        let blake3 = if is_zero(data) {
+            f.set_len(t.len as u64).map_err(io)?;
+            zero_hash(t.len)
+        } else {
+            f.write_all(data).map_err(io)?;
+            blake3::hash(data).to_hex().to_string()
+        };
         f.sync_all().map_err(io)?;
-        Ok(FileEntry { path: t.rel.clone(), size: t.len as u64, blake3: blake3::hash(data).to_hex().to_string() })
+        Ok(FileEntry { path: t.rel.clone(), size: t.len as u64, blake3 })
     })
 }
 
@@ -257,6 +285,21 @@ pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_detection_sees_every_byte() {
+        let mut v = vec![0u8; (1 << 20) + 3];
+        assert!(is_zero(&v));
+        assert!(is_zero(&v[1..]));
+        for at in [0, 1, 15, 16, 4095, 1 << 19, (1 << 20) + 2] {
+            v[at] = 1;
+            assert!(!is_zero(&v), "a set byte at {at}");
+            assert!(!is_zero(&v[1..]) || at == 0, "a set byte at {at}, unaligned");
+            v[at] = 0;
+        }
+        assert_eq!(zero_hash(CHUNK as usize), blake3::hash(&vec![0u8; CHUNK as usize]).to_hex().to_string());
+        assert_eq!(zero_hash(5), blake3::hash(&[0u8; 5]).to_hex().to_string());
+    }
 
     #[test]
     fn chunking_covers_the_allocation() {
