@@ -41,6 +41,9 @@ TRAIN = REPO / "gpu/programs/train.py"
 FORKS = REPO / "gpu/programs/forks.py"
 JAX = REPO / "gpu/programs/jax_train.py"
 GENERATE = REPO / "gpu/programs/generate.py"
+TWO_GPUS = REPO / "gpu/programs/two_gpus.py"
+DDP = REPO / "gpu/programs/ddp.py"
+TORCHRUN = ("python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1")
 CUPY = REPO / "gpu/programs/cupy_iter.py"
 # The CUDA programs of gpu/programs/ that main() builds with nvcc, and how each build went.
 PROGRAMS = ("counter", "mallocasync", "graphs")
@@ -236,17 +239,17 @@ def stop_and_restore(job, at, metrics, restore_args=(), wait_limit=60):
     return img
 
 
-def identical_run(m, job, script, args=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False):
+def identical_run(m, job, script, args=(), agent=None, at=50, steps="160", limit=60, ref_timeout=300, ref_may_skip=False, restore_args=(), launcher=("python3",)):
     """SCRIPT with ARGS, uninterrupted outside hiber, then as the hiber job JOB checkpointed at
     step AT and restored: the two trajectories (loss bits, tokens, checksums) must be
     identical, and the restored run's own final check must pass."""
-    ref = sh("python3", script, "--steps", steps, *args, check=not ref_may_skip, timeout=ref_timeout)
+    ref = sh(*launcher, script, "--steps", steps, *args, check=not ref_may_skip, timeout=ref_timeout)
     if ref.returncode != 0:
         raise Skip(f"{Path(script).name} {' '.join(args)} does not run here outside hiber: {ref.stderr.strip()[-300:]}")
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps), "reference run completed"
-    run_job(job, "python3", script, "--steps", steps, *args, agent=agent, limit=limit)
-    img = stop_and_restore(job, at, m, wait_limit=limit)
+    run_job(job, *launcher, script, "--steps", steps, *args, agent=agent, limit=limit)
+    img = stop_and_restore(job, at, m, restore_args=restore_args, wait_limit=limit)
     combined = progress(job) + progress(job + "-r")
     assert combined == ref_traj, "trajectory differs from the uninterrupted run"
     m["steps_compared"] = len(combined)
@@ -682,6 +685,163 @@ def agent_transformers_generate(m):
 def agent_cupy(m):
     """CuPy: matrix products and a custom elementwise kernel."""
     identical_run(m, "cupy", CUPY, agent=True, limit=180, ref_timeout=300)
+
+
+@scenario
+def agent_torchrun_one_rank(m):
+    """A training script launched by torchrun (its launcher runs a libuv TCPStore, which
+    opens an io_uring unless hiber keeps the job off it): the whole tree round-trips."""
+    identical_run(m, "trun", TRAIN, agent=True, limit=180, launcher=TORCHRUN)
+    m["processes"] = len(image_processes(image_of("trun")))
+
+
+# ---- two GPUs (nvidia-h200-x2); skipped on a machine with one ----------------------------
+
+
+def tree_of(root):
+    """ROOT and its descendants."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = [root], [root]
+    while frontier:
+        frontier = [p for p, pp in parents.items() if pp in frontier]
+        out += frontier
+    return out
+
+
+def gpus_here():
+    out = sh("nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits").stdout
+    return [(int(i), u.strip(), int(mem)) for i, u, mem in (l.split(",") for l in out.strip().splitlines())]
+
+
+def need_two_gpus():
+    if len(gpus_here()) < 2:
+        raise Skip("needs two GPUs (nvidia-h200-x2)")
+
+
+def used_mib():
+    """Device memory used on each GPU, by index."""
+    return {i: mem for i, _, mem in gpus_here()}
+
+
+def two_gpu(base):
+    """Registers BASE's scenario twice: with the agent and with --no-agent."""
+
+    def register(fn):
+        for on in (True, False):
+            def run(m, fn=fn, on=on):
+                need_two_gpus()
+                fn(m, on)
+
+            run.__name__ = f"{base}_{'agent' if on else 'no_agent'}"
+            run.__doc__ = fn.__doc__
+            scenario(run)
+        return fn
+
+    return register
+
+
+def restore_moves(m, job, at, gpu_map, expect_on):
+    """Stop JOB at step AT, restore it with --gpu-map GPU_MAP, and check that it goes on
+    from where it was, verifies, and that its memory now sits where EXPECT_ON says
+    ({GPU index: at least MiB})."""
+    wait_step(job, at)
+    img = image_of(job)
+    hiber_json("checkpoint", job, "--out", img)
+    before = progress(job)
+    rs = hiber_json("restore", img, "--name", job + "-r", "--gpu-map", gpu_map)
+    wait_step(job + "-r", before[-1][0] + 5)
+    used = used_mib()
+    m.setdefault("used_mib_after", {})[job] = used
+    for gpu, mib in expect_on.items():
+        assert used[gpu] >= mib, f"{job} restored with --gpu-map {gpu_map}: GPU {gpu} uses {used[gpu]} MiB, expected at least {mib}"
+    m.setdefault("restore_s", round(rs["total_seconds"], 2))
+    return before
+
+
+@two_gpu("gpu_map_onto_the_other_gpu")
+def _onto_other(m, agent):
+    """A job on GPU 0 restored onto GPU 1 with --gpu-map 0=1 (the driver needs the full
+    permutation; hiber completes it): it resumes where it was, on GPU 1, intact."""
+    run_job("mv", program("counter"), "--mib", "3072", "--steps", "400", agent=agent)
+    before = restore_moves(m, "mv", 40, "0=1", {1: 3072})
+    assert used_mib()[0] < 1024, f"GPU 0 is left with {used_mib()[0]} MiB"
+    assert_verified("mv-r")
+    assert_continues(before, progress("mv-r"), before[-1][0] + 1)
+
+
+@two_gpu("gpu_swap_two_jobs")
+def _swap(m, agent):
+    """Two jobs, on GPU 0 and GPU 1, swap GPUs (0=1,1=0)."""
+    run_job("sa", program("counter"), "--mib", "2048", "--steps", "400", agent=agent)
+    run_job("sb", program("counter"), "--mib", "5120", "--steps", "400", "--device", "1", agent=agent)
+    wait_step("sa", 40)
+    wait_step("sb", 40)
+    for j in ("sa", "sb"):
+        hiber_json("checkpoint", j, "--out", image_of(j))
+    base = used_mib()
+    for j in ("sa", "sb"):
+        before = progress(j)
+        hiber_json("restore", image_of(j), "--name", j + "-r", "--gpu-map", "0=1,1=0")
+        wait_step(j + "-r", before[-1][0] + 3)
+    used = used_mib()
+    m["used_mib"] = {"before": base, "after": used}
+    assert used[0] >= 5120 and 2048 <= used[1] < 5120, f"sb's 5 GiB now on GPU 0, sa's 2 GiB on GPU 1: {used}"
+    for j in ("sa", "sb"):
+        assert_verified(j + "-r")
+
+
+@two_gpu("gpu_one_process_on_both_gpus")
+def _both(m, agent):
+    """One process holding memory and computing on both GPUs, restored with the GPUs
+    swapped: the trajectory is the uninterrupted one and both GPUs' memory is intact."""
+    identical_run(m, "both" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120, restore_args=("--gpu-map", "0=1,1=0"))
+
+
+@two_gpu("gpu_cuda_visible_devices_1")
+def _cvd(m, agent):
+    """A job started with CUDA_VISIBLE_DEVICES=1, restored onto GPU 0 with --gpu-map 1=0."""
+    env = dict(ENV, CUDA_VISIBLE_DEVICES="1")
+    hiber("run", "--name", "cvd", *([] if agent else ["--no-agent"]), "--", program("counter"), "--mib", "3072", "--steps", "400", env=env)
+    wait_step("cvd", 30)
+    assert used_mib()[1] >= 3072, f"the job runs on GPU 1: {used_mib()}"
+    before = restore_moves(m, "cvd", 40, "1=0", {0: 3072})
+    assert_verified("cvd-r")
+    assert_continues(before, progress("cvd-r"), before[-1][0] + 1)
+
+
+@two_gpu("nccl_ddp_refused_cleanly")
+def _nccl(m, agent):
+    """A two-rank DDP job over NCCL, launched by torchrun: no process of it holds an io_uring
+    (hiber keeps the launcher's store off it), and its checkpoint is refused before anything
+    is touched, naming NCCL; the job trains on to its own final check."""
+    job = "ddp" + ("a" if agent else "d")
+    cmd = ("python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", DDP, "--steps", "300")
+    run_job(job, *cmd, agent=agent, limit=180)
+    wait_step(job, 30, 180)
+    rings = []
+    tree = tree_of(job_pid(job))
+    for pid in tree:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                if "io_uring" in os.readlink(fd):
+                    rings.append((pid, Path(f"/proc/{pid}/comm").read_text().strip()))
+        except OSError:
+            pass
+    m["processes"] = len(tree)
+    assert len(tree) >= 3 and not rings, f"the launcher and two ranks, none with an io_uring: {len(tree)} processes, rings {rings}"
+    p = hiber("checkpoint", job, "--out", image_of(job), check=False)
+    m["error"] = p.stderr.strip()[:300]
+    assert p.returncode == 1 and "NCCL communicator" in p.stderr and "keeps running" in p.stderr, p.stderr
+    assert not Path(image_of(job)).exists(), "no image is left"
+    at = progress(job)[-1][0]
+    wait_step(job, at + 10)
+    assert_verified(job, 300)
 
 
 @scenario

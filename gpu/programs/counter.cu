@@ -94,7 +94,7 @@ static int run(const char *who, uint64_t mib, uint64_t steps, unsigned interval_
 
 int main(int argc, char **argv) {
     uint64_t mib = 1024, steps = 200; unsigned interval = 20; int fork_child = 0;
-    long spin_at = -1, spin_ms = 0, hog_free = -1;
+    long spin_at = -1, spin_ms = 0, hog_free = -1; int device = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--mib") && i + 1 < argc) mib = strtoull(argv[++i], 0, 10);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = strtoull(argv[++i], 0, 10);
@@ -103,8 +103,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--spin-at") && i + 1 < argc) spin_at = atol(argv[++i]);
         else if (!strcmp(argv[i], "--spin-ms") && i + 1 < argc) spin_ms = atol(argv[++i]);
         else if (!strcmp(argv[i], "--hog-free-mib") && i + 1 < argc) hog_free = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--device") && i + 1 < argc) device = atoi(argv[++i]);
         else { fprintf(stderr, "unknown argument %s\n", argv[i]); return 2; }
     }
+    // --device picks the GPU (default 0) before any other CUDA call; with --fork, each
+    // process sets it itself, after the fork.
+    if (!fork_child) CHECK(cudaSetDevice(device));
     if (hog_free >= 0) {
         size_t free_b, total_b; CHECK(cudaMemGetInfo(&free_b, &total_b));
         size_t want = free_b - (size_t)hog_free * 1024 * 1024;

@@ -53,22 +53,22 @@ mp_req, mp_ans = ctx.Queue(), ctx.Queue()
 mp_proc = ctx.Process(target=mp_child, args=(mp_req, mp_ans), daemon=True)
 mp_proc.start()
 
-to_child, from_parent = os.pipe()
-to_parent, from_child = os.pipe()
+down_r, down_w = os.pipe()  # parent -> child
+up_r, up_w = os.pipe()  # child -> parent
 fork_pid = os.fork()
 if fork_pid == 0:
-    os.close(to_child)
-    os.close(to_parent)
+    os.close(down_w)
+    os.close(up_r)
     counter = 0
-    with os.fdopen(from_parent, "r") as inp, os.fdopen(from_child, "w") as out:
+    with os.fdopen(down_r, "r") as inp, os.fdopen(up_w, "w") as out:
         for line in inp:
             counter += 1
             out.write(f"{word('fork', counter, int(line))}\n")
             out.flush()
     os._exit(0)
-os.close(from_parent)
-os.close(from_child)
-fork_in, fork_out = os.fdopen(to_child, "w"), os.fdopen(to_parent, "r")
+os.close(down_r)
+os.close(up_w)
+fork_in, fork_out = os.fdopen(down_w, "w"), os.fdopen(up_r, "r")
 
 POPEN_CHILD = """
 import hashlib, sys

@@ -231,6 +231,14 @@ pub fn ancestors_of(pid: i32) -> Vec<i32> {
     out
 }
 
+/// A variable of a process's initial environment (what it was started with: a later
+/// setenv inside the process is not seen).
+pub fn env_var(pid: i32, key: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let key = format!("{key}=");
+    env.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(key.as_bytes())).map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
 pub fn exists(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }

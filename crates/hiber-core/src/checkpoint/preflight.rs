@@ -36,6 +36,18 @@ pub enum Undumpable {
     AnonInode { fd: i32, kind: String },
     /// A device file (open or mapped) that no engine takes care of.
     Device { path: String },
+    /// An NCCL communicator, known by the shared memory of its proxy (`/dev/shm/nccl-*`).
+    Collective { path: String },
+}
+
+/// The path of NCCL's shared memory (`/dev/shm/nccl-XXXXXX`, from `ncclShmOpen`) that
+/// process `pid` maps or holds open: every communicator with a peer in another process
+/// has one for its proxy (NCCL's `src/misc/shmutils.cc`, `src/proxy.cc`).
+fn nccl_shared_memory(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
+    const PREFIX: &str = "/dev/shm/nccl-";
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mapped = maps.lines().filter_map(|l| l.split_whitespace().nth(5));
+    fds.iter().map(|f| f.target.as_str()).chain(mapped).find(|p| p.starts_with(PREFIX)).map(|p| p.trim_end_matches(" (deleted)").to_string())
 }
 
 /// The first thing of `p` that CRIU cannot dump; `device_of` gives a device file's
@@ -76,8 +88,16 @@ pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), C
     Ok(())
 }
 
-/// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]).
+/// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]), or
+/// takes part in an NCCL communicator: its peer mappings (CUDA IPC) and proxy connections
+/// are state that neither CRIU nor the driver can take, and the driver's checkpoint of such
+/// a process cannot always be undone (driver 580 answers CUDA_ERROR_NOT_SUPPORTED).
 pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
+    for p in tree {
+        if let Some(path) = nccl_shared_memory(p.pid, &p.fds) {
+            return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what: Undumpable::Collective { path } });
+        }
+    }
     for p in tree {
         if let Some(what) = undumpable(p, claimed.contains(&p.pid), char_device) {
             return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what });
@@ -95,6 +115,9 @@ impl std::fmt::Display for Undumpable {
                 "{path}, and no engine here checkpoints its device state (a process forked after CUDA started inherits CUDA's mappings without a context), which CRIU cannot dump"
             ),
             Undumpable::Device { path } => write!(f, "{path}, a device no engine of this hiber checkpoints"),
+            Undumpable::Collective { path } => {
+                write!(f, "an NCCL communicator ({path}), whose peer memory and proxy connections this hiber cannot checkpoint")
+            }
         }
     }
 }
@@ -106,6 +129,7 @@ impl Undumpable {
             Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
+            Undumpable::Collective { .. } => "multi-process NCCL jobs are not supported yet: save a checkpoint from the application (torch.save), or run on one GPU without NCCL".into(),
         }
     }
 }
@@ -134,6 +158,26 @@ mod tests {
             "/dev/kvm" => Some((10, 232)),
             _ => None,
         }
+    }
+
+    #[test]
+    fn nccl_shared_memory_is_found_open_or_mapped() {
+        use std::os::fd::AsRawFd;
+        let me = std::process::id() as i32;
+        let path = format!("/dev/shm/nccl-hibertest{me}");
+        let f = std::fs::OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&path).unwrap();
+        f.set_len(4096).unwrap();
+        let fds = vec![OpenFd { fd: f.as_raw_fd(), target: path.clone(), size: None }];
+        assert_eq!(nccl_shared_memory(me, &fds), Some(path.clone()), "held open");
+        // SAFETY: maps the file just created (4096 bytes) shared, read-only; unmapped below.
+        let at = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        assert_ne!(at, libc::MAP_FAILED);
+        std::fs::remove_file(&path).unwrap();
+        drop(f);
+        assert_eq!(nccl_shared_memory(me, &[]), Some(path), "mapped, unlinked (as NCCL leaves it)");
+        // SAFETY: unmaps the mapping made above.
+        unsafe { libc::munmap(at, 4096) };
+        assert_eq!(nccl_shared_memory(me, &[]), None);
     }
 
     #[test]

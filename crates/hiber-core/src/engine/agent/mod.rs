@@ -218,9 +218,7 @@ fn cuda_fail(gpus: &Gpus, what: &str, code: ffi::CuResult) -> EngineError {
 
 /// The agent token in a process's environment, as `hiber run` set it.
 fn agent_token(pid: i32) -> Option<String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let key = format!("{}=", hiber_wire::TOKEN_ENV);
-    env.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(key.as_bytes())).map(|v| String::from_utf8_lossy(v).into_owned())
+    crate::proctree::env_var(pid, hiber_wire::TOKEN_ENV)
 }
 
 /// One control connection to the agent of host process `pid`.

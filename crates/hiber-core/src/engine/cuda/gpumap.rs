@@ -86,13 +86,63 @@ pub fn resolve_gpu_map(map: &[(String, String)], recorded: &[Gpu], here: &[Gpu],
             return Err(GpuMapError::Duplicate { old: old.uuid.clone() });
         }
     }
-    // The driver wants every checkpointed GPU in the map once any is mapped.
-    for u in used {
-        if !out.contains_key(*u) {
-            if !here.iter().any(|g| g.uuid == *u) {
-                return Err(GpuMapError::Missing { missing: vec![u.to_string()], available: here.iter().map(|g| format!("{} {}", g.index, g.uuid)).collect() });
+    complete(&mut out, recorded, here, used)?;
+    Ok(out)
+}
+
+/// Completes a user's map into what the driver takes (CUDA 13.0 / r580).
+///
+/// The rules of `cuCheckpointProcessRestore`'s `gpuPairs`: cuda.h says the array "must
+/// contain every checkpointed GPU", each target "of the same chip type" with enough memory.
+/// In practice (driver 580; NVIDIA/cuda-checkpoint#35, where `-d U0=U1` alone fails with
+/// CUDA_ERROR_INVALID_VALUE and `U0=U1,U1=U0` works) "checkpointed GPU" means every GPU the
+/// process could see, not only those it used, and the pairs must form a bijection. So a map
+/// that moves GPU 0 onto GPU 1 of a two-GPU machine must also say where GPU 1 goes.
+///
+/// Every GPU of the image's machine that the user left out keeps its own UUID when that
+/// is here and no other GPU moves onto it; else it takes the first GPU here, by index, of
+/// the same type that nothing else was mapped onto. A GPU the image's processes used that
+/// finds no place is an error; an unused one is left out (a process that could see it
+/// cannot then be restored, and the driver says so).
+fn complete(out: &mut BTreeMap<String, String>, recorded: &[Gpu], here: &[Gpu], used: &[&str]) -> Result<(), GpuMapError> {
+    let mut left: Vec<&Gpu> = recorded.iter().filter(|g| !out.contains_key(&g.uuid)).collect();
+    // Used GPUs that are not on the image's list (an older image) are completed too.
+    let extra: Vec<Gpu> = used
+        .iter()
+        .filter(|u| !recorded.iter().any(|g| g.uuid == **u) && !out.contains_key(**u))
+        .map(|u| Gpu {
+            index: u32::MAX,
+            uuid: u.to_string(),
+            name: here.iter().find(|g| g.uuid == *u).map(|g| g.name.clone()).unwrap_or_default(),
+            memory_total: 0,
+            memory_free: 0,
+        })
+        .collect();
+    left.extend(extra.iter());
+    let taken = |out: &BTreeMap<String, String>, uuid: &str| out.values().any(|v| v == uuid);
+    // Identity first, so that a GPU moves only where it must.
+    left.retain(|g| {
+        if here.iter().any(|h| h.uuid == g.uuid) && !taken(out, &g.uuid) {
+            out.insert(g.uuid.clone(), g.uuid.clone());
+            false
+        } else {
+            true
+        }
+    });
+    let mut free: Vec<&Gpu> = here.iter().collect();
+    free.sort_by_key(|g| g.index);
+    for g in left {
+        match free.iter().find(|h| h.name == g.name && !taken(out, &h.uuid)) {
+            Some(h) => {
+                out.insert(g.uuid.clone(), h.uuid.clone());
             }
-            out.insert(u.to_string(), u.to_string());
+            None if used.contains(&g.uuid.as_str()) => {
+                return Err(GpuMapError::Missing {
+                    missing: vec![g.uuid.clone()],
+                    available: here.iter().map(|g| format!("{} {}", g.index, g.uuid)).collect(),
+                });
+            }
+            None => {}
         }
     }
     let mut targets: Vec<&String> = out.values().collect();
@@ -100,7 +150,41 @@ pub fn resolve_gpu_map(map: &[(String, String)], recorded: &[Gpu], here: &[Gpu],
     if let Some(w) = targets.windows(2).find(|w| w[0] == w[1]) {
         return Err(GpuMapError::Collision { new: w[0].clone() });
     }
-    Ok(out)
+    Ok(())
+}
+
+/// The GPUs a process can see, by UUID, from its `CUDA_VISIBLE_DEVICES` (`None`: unset, so
+/// every GPU of the machine). Entries are indices (in NVML's order, which is CUDA's on a
+/// machine of one GPU type) or UUIDs or unique UUID prefixes; as in CUDA, the list ends at
+/// the first entry that names no GPU.
+pub fn visible_gpus(value: Option<&str>, gpus: &[Gpu]) -> Vec<String> {
+    let Some(value) = value else { return gpus.iter().map(|g| g.uuid.clone()).collect() };
+    let mut out = Vec::new();
+    for item in value.split(',').map(str::trim) {
+        let found = match item.parse::<u32>() {
+            Ok(i) => gpus.iter().find(|g| g.index == i),
+            Err(_) if item.starts_with("GPU-") => {
+                let mut m = gpus.iter().filter(|g| g.uuid.to_ascii_lowercase().starts_with(&item.to_ascii_lowercase()));
+                match (m.next(), m.next()) {
+                    (Some(g), None) => Some(g),
+                    _ => None,
+                }
+            }
+            Err(_) => None,
+        };
+        match found {
+            Some(g) if !out.contains(&g.uuid) => out.push(g.uuid.clone()),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    out
+}
+
+/// The pairs of a completed map that concern a process that sees `visible` (all of the
+/// map when that is not known).
+pub fn pairs_for(map: &BTreeMap<String, String>, visible: &[String]) -> Vec<(String, String)> {
+    map.iter().filter(|(old, _)| visible.is_empty() || visible.contains(old)).map(|(o, n)| (o.clone(), n.clone())).collect()
 }
 
 /// "GPU-8c6e4f0e-1d2b-..." → the 16 bytes of a `CUuuid`.

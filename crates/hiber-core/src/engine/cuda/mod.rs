@@ -22,7 +22,7 @@ use super::{CheckpointOptions, CheckpointSession, DeviceEngine, DeviceRestoreOpt
 use crate::image::ImageSink;
 use crate::proctree::ProcessInfo;
 pub use ffi::{CuUuid, GpuPair};
-pub use gpumap::{parse_gpu_map, resolve_gpu_map, GpuMapError};
+pub use gpumap::{parse_gpu_map, resolve_gpu_map, visible_gpus, GpuMapError};
 pub use hiber_cuda_sys::abi_layout;
 
 pub const ENGINE: &str = "cuda";
@@ -228,6 +228,10 @@ pub struct CudaProcess {
     pub gpus: Vec<String>,
     /// Device memory it held, per NVML, when checkpointed.
     pub memory_bytes: u64,
+    /// UUIDs of the GPUs it could see (its CUDA_VISIBLE_DEVICES); empty in images before
+    /// this was recorded, meaning every GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub visible: Vec<String>,
 }
 
 /// The engine's manifest section.
@@ -325,9 +329,9 @@ impl DriverEngine {
         Ok((here, map))
     }
 
-    /// The driver's GPU pairs for a resolved map: none for an empty map, else every
-    /// checkpointed GPU (the driver requires all of them once any is given).
-    fn pairs(&self, map: &BTreeMap<String, String>) -> Result<Vec<GpuPair>, EngineError> {
+    /// The driver's GPU pairs for a process that saw `visible`, from a resolved map: none for
+    /// an empty map, else every GPU the process could see (see `gpumap::complete`).
+    fn pairs(&self, map: &BTreeMap<String, String>, visible: &[String]) -> Result<Vec<GpuPair>, EngineError> {
         if map.is_empty() {
             return Ok(Vec::new());
         }
@@ -337,7 +341,8 @@ impl DriverEngine {
                 Some("restore without --gpu-map on the same GPUs, or upgrade the driver"),
             ));
         }
-        map.iter()
+        gpumap::pairs_for(map, visible)
+            .iter()
             .map(|(old, new)| Ok(GpuPair { old_uuid: gpumap::uuid_bytes(old)?, new_uuid: gpumap::uuid_bytes(new)? }))
             .collect::<Result<_, GpuMapError>>()
             .map_err(|e| Self::fail(e.to_string(), None))
@@ -379,7 +384,7 @@ impl DeviceEngine for DriverEngine {
     fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
         let section = Self::section(value)?;
         let (here, map) = self.resolve(&section, opts)?;
-        let pairs = self.pairs(&map)?;
+        let pairs = section.processes.iter().map(|p| self.pairs(&map, &p.visible)).collect::<Result<Vec<_>, _>>()?;
         // Memory each target GPU must take.
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for p in &section.processes {
@@ -440,13 +445,22 @@ impl CheckpointSession for DriverCheckpoint {
         let start = std::time::Instant::now();
         e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| DriverEngine::driver_fail("checkpoint", pid, &err)))?;
         let checkpoint_seconds = start.elapsed().as_secs_f64();
+        let machine: Vec<Gpu> = gpus.iter().map(|(g, _)| g.clone()).collect();
         let processes = self
             .pids
             .iter()
             .map(|&pid| {
                 let info = tree.iter().find(|p| p.pid == pid);
-                let (gpus, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
-                CudaProcess { ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid), pid, comm: info.map(|p| p.comm.clone()).unwrap_or_default(), gpus, memory_bytes }
+                let (gpus_used, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
+                let visible = visible_gpus(crate::proctree::env_var(pid, "CUDA_VISIBLE_DEVICES").as_deref(), &machine);
+                CudaProcess {
+                    ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid),
+                    pid,
+                    comm: info.map(|p| p.comm.clone()).unwrap_or_default(),
+                    gpus: gpus_used,
+                    memory_bytes,
+                    visible,
+                }
             })
             .collect();
         let section = Section { driver_version: e.api.driver_version(), gpus: gpus.into_iter().map(|(g, _)| g).collect(), processes, checkpoint_seconds };
@@ -461,25 +475,28 @@ impl CheckpointSession for DriverCheckpoint {
     }
 }
 
-/// The driver's share of one restore: the section, and the GPU pairs it was checked with.
+/// The driver's share of one restore: the section, and the GPU pairs it was checked with
+/// (one list per process of the section).
 struct DriverRestore {
     engine: DriverEngine,
     section: Section,
-    pairs: Vec<GpuPair>,
+    pairs: Vec<Vec<GpuPair>>,
 }
 
 impl RestoreSession for DriverRestore {
     fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
         let mut targets = Vec::new();
-        for p in &self.section.processes {
+        let mut pairs_of = BTreeMap::new();
+        for (p, pairs) in self.section.processes.iter().zip(&self.pairs) {
             let now = pids
                 .iter()
                 .find(|r| r.ns_pid == p.ns_pid)
                 .ok_or_else(|| DriverEngine::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
             targets.push(now.pid);
+            pairs_of.insert(now.pid, pairs.as_slice());
         }
-        let (e, pairs) = (&self.engine, &self.pairs);
-        e.parallel(&targets, |pid| e.resume_one(pid, pairs))
+        let e = &self.engine;
+        e.parallel(&targets, |pid| e.resume_one(pid, pairs_of[&pid]))
     }
 }
 

@@ -247,7 +247,7 @@ fn missing_gpu_names_it_and_suggests_a_map() {
     let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())], ..Default::default() };
     e2.begin_restore(&v, &opts).unwrap();
     let (_, map) = e2.resolve(&DriverEngine::section(&v).unwrap(), &opts).unwrap();
-    assert_eq!(e2.pairs(&map).unwrap().len(), 1);
+    assert_eq!(e2.pairs(&map, &[]).unwrap().len(), 1);
 }
 
 #[test]
@@ -268,8 +268,12 @@ fn gpu_map_parsing_and_resolution() {
     assert!(parse_gpu_map("=1").is_err());
     let recorded = vec![gpu(0, UUID_A, H100, 0), gpu(1, UUID_B, H100, 0)];
     let here = vec![gpu(0, UUID_B, H100, 70), gpu(1, UUID_A, H100, 70), gpu(2, "GPU-99999999-9999-9999-9999-999999999999", "NVIDIA H200", 100)];
-    let m = resolve_gpu_map(&[("0".into(), "0".into())], &recorded, &here, &[UUID_A, UUID_B]).unwrap_err();
-    assert!(matches!(m, GpuMapError::Collision { .. }), "B is kept by identity and A lands on it: {m:?}");
+    // A lands where B is; B, left out, takes the GPU nothing else went to (A's): a swap.
+    let m = resolve_gpu_map(&[("0".into(), "0".into())], &recorded, &here, &[UUID_A]).unwrap();
+    assert_eq!((m[UUID_A].as_str(), m[UUID_B].as_str()), (UUID_B, UUID_A));
+    // Two GPUs onto one is refused.
+    let m = resolve_gpu_map(&[("0".into(), "0".into()), ("1".into(), "0".into())], &recorded, &here, &[UUID_A]).unwrap_err();
+    assert!(matches!(m, GpuMapError::Collision { .. }), "{m:?}");
     let m = resolve_gpu_map(&[("0".into(), "0".into()), ("1".into(), "1".into())], &recorded, &here, &[UUID_A, UUID_B]).unwrap();
     assert_eq!(m[UUID_A], UUID_B);
     assert_eq!(m[UUID_B], UUID_A);
@@ -277,6 +281,27 @@ fn gpu_map_parsing_and_resolution() {
     assert!(matches!(resolve_gpu_map(&[("7".into(), "0".into())], &recorded, &here, &[UUID_A]), Err(GpuMapError::UnknownOld(_))));
     assert!(matches!(resolve_gpu_map(&[("0".into(), "9".into())], &recorded, &here, &[UUID_A]), Err(GpuMapError::UnknownNew(_))));
     assert!(resolve_gpu_map(&[], &recorded, &here, &[UUID_A]).unwrap().is_empty());
+}
+
+/// The driver takes a bijection over every GPU the process could see: `--gpu-map 0=1` on a
+/// two-GPU machine becomes the swap, a four-GPU machine keeps the other two where they are.
+#[test]
+fn a_partial_map_is_completed_into_a_bijection() {
+    let uuids: Vec<String> = (0..4).map(|i| format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-2222-3333-4444-555555555555")).collect();
+    let four: Vec<Gpu> = uuids.iter().enumerate().map(|(i, u)| gpu(i as u32, u, H100, 70)).collect();
+    let m = resolve_gpu_map(&[("0".into(), "1".into())], &four[..2], &four[..2], &[&uuids[0]]).unwrap();
+    assert_eq!(m.len(), 2);
+    assert_eq!((m[&uuids[0]].as_str(), m[&uuids[1]].as_str()), (uuids[1].as_str(), uuids[0].as_str()));
+    let m = resolve_gpu_map(&[("0".into(), "1".into())], &four, &four, &[&uuids[0]]).unwrap();
+    let want: BTreeMap<String, String> = [(0, 1), (1, 0), (2, 2), (3, 3)].iter().map(|&(a, b): &(usize, usize)| (uuids[a].clone(), uuids[b].clone())).collect();
+    assert_eq!(m, want);
+    // A swap given whole stays as it is.
+    let m = resolve_gpu_map(&[("0".into(), "1".into()), ("1".into(), "0".into())], &four[..2], &four[..2], &[&uuids[0], &uuids[1]]).unwrap();
+    assert_eq!((m[&uuids[0]].as_str(), m[&uuids[1]].as_str()), (uuids[1].as_str(), uuids[0].as_str()));
+    // Onto another machine: the GPUs left out take the free ones of their type.
+    let other: Vec<Gpu> = (0..2).map(|i| gpu(i, &format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-9999-3333-4444-555555555555"), H100, 70)).collect();
+    let m = resolve_gpu_map(&[("1".into(), "0".into())], &four[..2], &other, &[&uuids[1]]).unwrap();
+    assert_eq!((m[&uuids[1]].as_str(), m[&uuids[0]].as_str()), (other[0].uuid.as_str(), other[1].uuid.as_str()));
 }
 
 #[test]
@@ -287,4 +312,19 @@ fn uuid_parsing() {
     assert!(gpumap::uuid_bytes("GPU-123").is_err());
     assert!(gpumap::uuid_bytes("GPU-zz111111-2222-3333-4444-555555555555").is_err());
     assert!(gpumap::uuid_bytes("GPU-ééééééééééééééé11111111111111").is_err(), "multi-byte characters, no panic");
+}
+
+#[test]
+fn visible_gpus_follow_cuda_visible_devices() {
+    let two = vec![gpu(0, UUID_A, H100, 70), gpu(1, UUID_B, H100, 70)];
+    assert_eq!(visible_gpus(None, &two), vec![UUID_A, UUID_B], "unset: all of them");
+    assert_eq!(visible_gpus(Some("1"), &two), vec![UUID_B]);
+    assert_eq!(visible_gpus(Some("1,0"), &two), vec![UUID_B, UUID_A]);
+    assert_eq!(visible_gpus(Some("GPU-aaaa"), &two), vec![UUID_B], "a unique UUID prefix");
+    assert_eq!(visible_gpus(Some("0,7,1"), &two), vec![UUID_A], "the list ends at an entry that names no GPU");
+    assert!(visible_gpus(Some(""), &two).is_empty());
+    assert!(visible_gpus(Some("GPU-"), &two).is_empty(), "an ambiguous prefix names none");
+    let map: BTreeMap<String, String> = [(UUID_A.to_string(), UUID_B.to_string()), (UUID_B.to_string(), UUID_A.to_string())].into();
+    assert_eq!(gpumap::pairs_for(&map, &[UUID_B.to_string()]), vec![(UUID_B.to_string(), UUID_A.to_string())]);
+    assert_eq!(gpumap::pairs_for(&map, &[]).len(), 2, "unknown: every pair");
 }
