@@ -9,6 +9,9 @@ deps=${HIBER_DEPS:-$repo/.deps}
 criu_version=4.1.1
 criu_sha256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 criu_dir=$deps/criu-$criu_version
+# hiber's patches to CRIU (scripts/criu-patches/*.patch, each says why); the build is redone
+# when they change.
+patches_dir=$repo/scripts/criu-patches
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -20,7 +23,7 @@ packages=(
     build-essential pkg-config protobuf-compiler protobuf-c-compiler libprotobuf-c-dev
     libprotobuf-dev libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev
     libnftables-dev libaio-dev python3-protobuf uuid-dev libdrm-dev iproute2 procps
-    util-linux xz-utils
+    util-linux xz-utils patch
 )
 
 install_packages() {
@@ -68,8 +71,13 @@ SRC
     echo "$criu_sha256  $tarball" | sha256sum -c --quiet || { log "checksum mismatch for $tarball"; exit 1; }
 }
 
+patches_sum() {
+    cat "$patches_dir"/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1
+}
+
 build_criu() {
-    if [ -x "$criu_dir/criu" ] && "$criu_dir/criu" --version 2>/dev/null | grep -q "Version: $criu_version"; then
+    if [ -x "$criu_dir/criu" ] && "$criu_dir/criu" --version 2>/dev/null | grep -q "Version: $criu_version" &&
+        [ "$(cat "$criu_dir/patches.sha256" 2>/dev/null)" = "$(patches_sum)" ]; then
         return
     fi
     fetch_criu_tarball
@@ -77,12 +85,17 @@ build_criu() {
     local work=$deps/criu-build
     rm -rf "$work" && mkdir -p "$work"
     tar -xf "$deps/criu_$criu_version.orig.tar.xz" -C "$work" --strip-components=1
+    for p in "$patches_dir"/*.patch; do
+        [ -e "$p" ] || continue
+        patch -d "$work" -p1 --quiet --forward <"$p" || { log "could not apply $(basename "$p")"; exit 1; }
+    done
     make -C "$work" -j"$(nproc)" criu >"$deps/criu-build.log" 2>&1 ||
         { log "CRIU build failed; see $deps/criu-build.log"; tail -n 20 "$deps/criu-build.log" >&2; exit 1; }
     mkdir -p "$criu_dir"
     install -m 0755 "$work/criu/criu" "$criu_dir/criu"
     # Kept for the GPU suite, which builds its own client of the same protocol.
     install -m 0644 "$work/images/rpc.proto" "$criu_dir/rpc.proto"
+    patches_sum >"$criu_dir/patches.sha256"
     rm -rf "$work"
 }
 

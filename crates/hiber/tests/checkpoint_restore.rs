@@ -230,3 +230,40 @@ fn six_checkpoint_restore_cycles_of_one_job() {
     assert_ne!(net(h.pid_of(&prev)), net(std::process::id() as i32), "copies of an isolated copy stay isolated");
     h.assert_verified(&prev, LONG);
 }
+
+/// A job talking to itself over an established loopback TCP connection (the shape of a
+/// launcher and its store, or a server and its client): CRIU dumps the sockets (which needs
+/// hiber's CRIU patch on Linux 6.16 and newer, where SO_PASSCRED and SO_PASSSEC cannot be
+/// read from a TCP socket) and restores the connection, with the job's own state: every
+/// answer after restore is the one the exchange's running sum says it must be.
+#[test]
+fn established_tcp_connection_survives() {
+    let h = Hiber::new("tcp");
+    let script = [
+        "import socket, time",
+        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)",
+        "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()",
+        "total = 0",
+        "for n in range(1, 100000):",
+        "    cli.sendall(n.to_bytes(8, 'little'))",
+        "    got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), 'little')",
+        "    total += got",
+        "    conn.sendall(total.to_bytes(8, 'little'))",
+        "    back = int.from_bytes(cli.recv(8, socket.MSG_WAITALL), 'little')",
+        "    ok = got == n and back == n * (n + 1) // 2",
+        "    print('tick', n, 'ok' if ok else f'BAD {got} {back}', flush=True)",
+        "    time.sleep(0.02)",
+    ]
+    .join("\n");
+    h.ok(&["run", "--name", "tcp", "--", "python3", "-c", &script]);
+    let ticks = |h: &Hiber, job: &str| h.log(job).lines().filter(|l| l.starts_with("tick ")).map(str::to_string).collect::<Vec<_>>();
+    wait("ticks", Duration::from_secs(20), || ticks(&h, "tcp").len() >= 10);
+    let img = h.images_dir().join("tcp");
+    h.ok(&["checkpoint", "tcp", "--out", img.to_str().unwrap()]);
+    let last: u64 = ticks(&h, "tcp").last().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    h.ok(&["restore", img.to_str().unwrap(), "--name", "tcp-r"]);
+    wait("ticks after restore", Duration::from_secs(20), || ticks(&h, "tcp-r").len() >= 10);
+    let after = ticks(&h, "tcp-r");
+    assert!(after.iter().all(|l| l.ends_with(" ok")), "{after:?}");
+    assert_eq!(after[0], format!("tick {} ok", last + 1), "the exchange goes on from where it stopped");
+}

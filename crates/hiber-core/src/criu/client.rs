@@ -14,6 +14,10 @@ use crate::sys;
 
 /// CRIU's standard error, in the work directory beside its log.
 const STDERR_FILE: &str = "criu.stderr";
+/// How CRIU keeps TCP connections quiet while it dumps and restores them: nftables,
+/// through the libnftables CRIU is built with (its default, iptables, needs the iptables
+/// program, which neither Debian's minimal images nor the GPU machines have).
+const NETWORK_LOCK: rpc::CriuNetworkLockMethod = rpc::CriuNetworkLockMethod::Nftables;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CriuError {
@@ -206,7 +210,7 @@ impl Criu {
             ext_sharing: Some(opts.external_mounts),
             ext_masters: Some(opts.external_mounts),
             external: opts.external_files.clone(),
-            network_lock: opts.skip_network_lock.then_some(rpc::CriuNetworkLockMethod::Skip as i32),
+            network_lock: Some(if opts.skip_network_lock { rpc::CriuNetworkLockMethod::Skip } else { NETWORK_LOCK } as i32),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("dump.log".into()),
             log_level: Some(4),
@@ -234,6 +238,7 @@ impl Criu {
             ext_sharing: Some(opts.external_mounts),
             ext_masters: Some(opts.external_mounts),
             root: opts.external_mounts.then(|| "/".to_string()),
+            network_lock: Some(NETWORK_LOCK as i32),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("restore.log".into()),
             log_level: Some(4),
