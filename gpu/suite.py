@@ -897,7 +897,7 @@ def main():
     rows = ["| scenario | result | time | checkpoint | driver ckpt | restore | GPU mem | image |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         g = lambda k, u="": f"{r[k]}{u}" if k in r else ""  # noqa: E731
-        rows.append(f"| {r['scenario']} | {r['status']}{(': ' + r['reason'][:120]) if r['status'] != 'passed' else ''} | {r['seconds']}s | {g('checkpoint_s', 's')} | {g('driver_checkpoint_s', 's')} | {g('restore_s', 's')} | {g('gpu_mib', ' MiB')} | {g('image_mib', ' MiB')} |")
+        rows.append(f"| {r['scenario']} | {r['status']}{(': ' + ' '.join(r['reason'].split())[:160]) if r['status'] != 'passed' else ''} | {r['seconds']}s | {g('checkpoint_s', 's')} | {g('driver_checkpoint_s', 's')} | {g('restore_s', 's')} | {g('gpu_mib', ' MiB')} | {g('image_mib', ' MiB')} |")
     counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "skipped")}
     head = f"## GPU suite run {info['date']}\n\n- GPU: {'; '.join(info['gpus'])}\n- kernel {info['kernel']}, {info['criu']}, {info['nvcc']}\n- hiber commit {info['commit']}\n\n"
     md = head + "\n".join(rows) + f"\n\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped\n"
