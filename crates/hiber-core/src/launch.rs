@@ -84,6 +84,9 @@ pub struct RestoreTask {
     pub external_mounts: bool,
     /// Restore into a new network namespace with only loopback up.
     pub isolate_net: bool,
+    /// See [`RestoreOptions::leave_stopped`].
+    #[serde(default)]
+    pub leave_stopped: bool,
 }
 
 impl ShimTask {
@@ -249,7 +252,13 @@ fn restore(task: RestoreTask) -> Started {
             return Started::Failed { message: format!("cannot create a network namespace: {e}"), hint: None, log: None };
         }
     }
-    let opts = RestoreOptions { images_dir: &task.images_dir, work_dir: &task.work_dir, inherit: task.inherit, external_mounts: task.external_mounts };
+    let opts = RestoreOptions {
+        images_dir: &task.images_dir,
+        work_dir: &task.work_dir,
+        inherit: task.inherit,
+        external_mounts: task.external_mounts,
+        leave_stopped: task.leave_stopped,
+    };
     match Criu::at(task.criu).restore(&opts, &mut |_| Ok(())) {
         Ok(pid) => Started::Running { pid },
         // Hints that need the image are made by the caller, from the message and the log.
@@ -513,6 +522,7 @@ mod tests {
             inherit: vec![("tmp/out".into(), 7)],
             external_mounts: true,
             isolate_net: false,
+            leave_stopped: false,
         });
         let back: ShimTask = serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
         assert_eq!(back.fds(), vec![7]);
@@ -535,6 +545,7 @@ mod tests {
             inherit: vec![("k".into(), 1)],
             external_mounts: false,
             isolate_net: false,
+            leave_stopped: false,
         });
         assert!(matches!(spawn_shim(Path::new("/nonexistent"), &task), Err(LaunchError::Start(_))));
     }

@@ -239,6 +239,14 @@ pub fn env_var(pid: i32, key: &str) -> Option<String> {
     env.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(key.as_bytes())).map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
+/// Whether the process is stopped by a signal (state `T` in /proc/PID/stat).
+pub fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st == "T")))
+        .unwrap_or(false)
+}
+
 pub fn exists(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }

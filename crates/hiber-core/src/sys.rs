@@ -415,3 +415,90 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// Running one thread of a stopped process while its other threads stay stopped.
+pub mod ptrace {
+    use std::io;
+    use std::time::{Duration, Instant};
+
+    use super::cvt;
+
+    /// How long a traced thread may take to report a stop.
+    const STOP_WAIT: Duration = Duration::from_secs(10);
+
+    /// A thread of a process that a signal stopped (SIGSTOP: every thread in group-stop),
+    /// seized by the calling thread and running alone, with every signal blocked so that it
+    /// handles none meanwhile. Every call on it must come from the thread that started it.
+    #[derive(Debug)]
+    pub struct RunningThread {
+        tid: i32,
+        mask: u64,
+    }
+
+    fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<()> {
+        // SAFETY: the requests used here (SEIZE, INTERRUPT, CONT, DETACH, GET/SETSIGMASK)
+        // read or write at most `addr` bytes at `data`, which the callers point at a u64 of
+        // their own for the mask requests, and take no pointer otherwise.
+        cvt(unsafe { libc::ptrace(req, tid, addr as *mut libc::c_void, data as *mut libc::c_void) } as i32)?;
+        Ok(())
+    }
+
+    /// Reaps the stop `tid` reports, waiting at most `STOP_WAIT` (`must`: an error if none
+    /// comes; else a stop reported already or not at all is fine).
+    fn wait_stop(tid: i32, must: bool) -> io::Result<()> {
+        let start = Instant::now();
+        loop {
+            let mut status = 0;
+            // SAFETY: `status` is a valid out-pointer.
+            let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if r == tid {
+                if libc::WIFSTOPPED(status) {
+                    return Ok(());
+                }
+                return Err(io::Error::other(format!("thread {tid} ended while traced (status {status:#x})")));
+            }
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if !must || start.elapsed() > STOP_WAIT {
+                return if must { Err(io::Error::other(format!("thread {tid} did not stop within {STOP_WAIT:?}"))) } else { Ok(()) };
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    impl RunningThread {
+        pub fn start(tid: i32) -> io::Result<RunningThread> {
+            // Seizing a thread in group-stop makes the kernel move it into a ptrace stop
+            // before PTRACE_SEIZE returns; the notification of that stop is reaped if there.
+            ptrace(libc::PTRACE_SEIZE, tid, 0, 0)?;
+            let run = || -> io::Result<u64> {
+                wait_stop(tid, false)?;
+                let mut mask: u64 = 0;
+                ptrace(libc::PTRACE_GETSIGMASK, tid, 8, &mut mask as *mut u64 as usize)?;
+                let all: u64 = !0;
+                ptrace(libc::PTRACE_SETSIGMASK, tid, 8, &all as *const u64 as usize)?;
+                ptrace(libc::PTRACE_CONT, tid, 0, 0)?;
+                Ok(mask)
+            };
+            match run() {
+                Ok(mask) => Ok(RunningThread { tid, mask }),
+                Err(e) => {
+                    let _ = ptrace(libc::PTRACE_DETACH, tid, 0, 0);
+                    Err(e)
+                }
+            }
+        }
+
+        /// Stops the thread again, gives it its signal mask back and detaches: it returns to
+        /// the group-stop of its process, to run when the process is continued.
+        pub fn stop(self) -> io::Result<()> {
+            let tid = self.tid;
+            ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0)?;
+            wait_stop(tid, true)?;
+            let restored = ptrace(libc::PTRACE_SETSIGMASK, tid, 8, &self.mask as *const u64 as usize);
+            ptrace(libc::PTRACE_DETACH, tid, 0, 0)?;
+            restored
+        }
+    }
+}

@@ -238,6 +238,7 @@ pub mod fns {
     pub type cuCheckpointProcessCheckpoint = unsafe extern "C" fn(c_int, *mut CUcheckpointCheckpointArgs) -> CUresult;
     pub type cuCheckpointProcessRestore = unsafe extern "C" fn(c_int, *mut CUcheckpointRestoreArgs) -> CUresult;
     pub type cuCheckpointProcessUnlock = unsafe extern "C" fn(c_int, *mut CUcheckpointUnlockArgs) -> CUresult;
+    pub type cuCheckpointProcessGetRestoreThreadId = unsafe extern "C" fn(c_int, *mut c_int) -> CUresult;
 }
 
 /// The layout of every struct above, in the format the GPU suite's `abi.c` prints from

@@ -113,6 +113,9 @@ pub struct RestoreOptions<'a> {
     pub inherit: Vec<(String, RawFd)>,
     /// See [`DumpOptions::external_mounts`]; the namespace is rebuilt on `/`.
     pub external_mounts: bool,
+    /// Leave every restored process stopped (SIGSTOP), for device state to be restored
+    /// before any of its threads runs.
+    pub leave_stopped: bool,
 }
 
 /// A located CRIU binary.
@@ -239,6 +242,7 @@ impl Criu {
             ext_masters: Some(opts.external_mounts),
             root: opts.external_mounts.then(|| "/".to_string()),
             network_lock: Some(NETWORK_LOCK as i32),
+            leave_stopped: Some(opts.leave_stopped),
             work_dir_fd: Some(work.as_raw_fd()),
             log_file: Some("restore.log".into()),
             log_level: Some(4),

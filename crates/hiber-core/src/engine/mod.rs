@@ -190,6 +190,12 @@ pub trait CheckpointSession: Send {
 pub trait RestoreSession: Send {
     /// After CRIU restored the tree: restores device state into `pids` and resumes them.
     fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError>;
+
+    /// Whether this session restores into a tree that CRIU left stopped (its sessions run
+    /// first, then the tree is continued, then the others run).
+    fn wants_stopped_tree(&self) -> bool {
+        false
+    }
 }
 
 /// The engines this machine can run, in [`KINDS`] order.

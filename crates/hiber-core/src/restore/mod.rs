@@ -214,6 +214,7 @@ fn restore_into_job(
         inherit,
         external_mounts: src.mount_namespace,
         isolate_net: req.isolate_net,
+        leave_stopped: sessions.iter().any(|s| s.wants_stopped_tree()),
     };
     let root = match launch::spawn_shim(job.dir, &launch::ShimTask::Restore(task))? {
         Started::Running { pid } => pid,
@@ -263,7 +264,18 @@ fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32) -> Result
     ctx.phase("restoring GPU state");
     let tree = proctree::discover_tree(root)?;
     let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
-    for s in sessions.iter_mut().rev() {
+    // Sessions that restore into the stopped tree (the driver's), then the tree runs, then
+    // the others (the agent's, which talk to a thread of the process).
+    let stopped = sessions.iter().any(|s| s.wants_stopped_tree());
+    for s in sessions.iter_mut().rev().filter(|s| s.wants_stopped_tree()) {
+        s.restore(&pids)?;
+    }
+    if stopped {
+        for p in &tree {
+            sys::kill(p.pid, libc::SIGCONT)?;
+        }
+    }
+    for s in sessions.iter_mut().rev().filter(|s| !s.wants_stopped_tree()) {
         s.restore(&pids)?;
     }
     Ok(())

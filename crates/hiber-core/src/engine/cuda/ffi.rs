@@ -23,6 +23,7 @@ pub struct CheckpointFns {
     checkpoint: fns::cuCheckpointProcessCheckpoint,
     restore: fns::cuCheckpointProcessRestore,
     unlock: fns::cuCheckpointProcessUnlock,
+    restore_thread: Option<fns::cuCheckpointProcessGetRestoreThreadId>,
 }
 
 /// A loaded libcuda. The library handle is kept for as long as the function pointers.
@@ -71,6 +72,7 @@ impl CudaLib {
                 checkpoint: sym(&lib, "cuCheckpointProcessCheckpoint")?,
                 restore: sym(&lib, "cuCheckpointProcessRestore")?,
                 unlock: sym(&lib, "cuCheckpointProcessUnlock")?,
+                restore_thread: sym(&lib, "cuCheckpointProcessGetRestoreThreadId").ok(),
             })
         })()
         .ok();
@@ -136,6 +138,16 @@ impl CudaLib {
         // SAFETY: `args` is valid and zero-reserved; `gpu_pairs` points at `pairs.len()`
         // pairs that outlive the call (or is NULL with a count of 0).
         check(unsafe { (fns.restore)(pid, &mut args) })
+    }
+
+    /// The thread of `pid` that carries out the driver's restore (`None` when this driver
+    /// lacks the entry point).
+    pub fn restore_thread(&self, pid: i32) -> Result<Option<i32>, CuResult> {
+        let fns = self.fns()?;
+        let Some(f) = fns.restore_thread else { return Ok(None) };
+        let mut tid: c_int = 0;
+        // SAFETY: `tid` is a valid out-pointer.
+        check(unsafe { f(pid, &mut tid) }).map(|_| Some(tid))
     }
 
     pub fn unlock(&self, pid: i32) -> Result<(), CuResult> {

@@ -82,6 +82,10 @@ pub trait CheckpointApi: Send + Sync {
     fn unlock(&self, pid: i32) -> Result<(), CuError>;
     /// GPUs with their processes' memory use: (host pid, bytes) per GPU.
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)>;
+    /// The thread that carries out the driver's restore in `pid`, where the driver says.
+    fn restore_thread(&self, _pid: i32) -> Result<Option<i32>, CuError> {
+        Ok(None)
+    }
     /// Whether the process still exists (one that died mid-checkpoint needs no undo).
     fn alive(&self, pid: i32) -> bool {
         crate::proctree::exists(pid)
@@ -117,6 +121,9 @@ impl CheckpointApi for RealApi {
     }
     fn unlock(&self, pid: i32) -> Result<(), CuError> {
         self.cuda.unlock(pid).map_err(|c| self.err(c))
+    }
+    fn restore_thread(&self, pid: i32) -> Result<Option<i32>, CuError> {
+        self.cuda.restore_thread(pid).map_err(|c| self.err(c))
     }
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
         let Some(nvml) = &self.nvml else { return Vec::new() };
@@ -316,6 +323,27 @@ impl DriverEngine {
         self.api.unlock(pid).map_err(|e| Self::driver_fail("unlock", pid, &e))
     }
 
+    /// Restores and unlocks a process that CRIU left stopped, with only the driver's restore
+    /// thread running, as CRIU's own CUDA plugin does: until the driver has mapped the
+    /// process's device and UVM memory again, any other thread that touches it would die
+    /// of SIGSEGV (one of XLA's does, at once). A process that runs is resumed as it is.
+    fn resume_restored(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), EngineError> {
+        if !crate::proctree::is_stopped(pid) {
+            return self.resume_one(pid, pairs);
+        }
+        let tid = match self.api.restore_thread(pid) {
+            Ok(Some(tid)) => tid,
+            Ok(None) => return Err(Self::fail(format!("the driver names no restore thread for process {pid}"), None)),
+            Err(e) => return Err(Self::driver_fail("restore thread query", pid, &e)),
+        };
+        let running = crate::sys::ptrace::RunningThread::start(tid)
+            .map_err(|e| Self::fail(format!("cannot run the driver's restore thread {tid} of process {pid}: {e}"), None))?;
+        let resumed = self.resume_one(pid, pairs);
+        let stopped = running.stop();
+        resumed?;
+        stopped.map_err(|e| Self::fail(format!("cannot stop the driver's restore thread {tid} of process {pid} again: {e}"), None))
+    }
+
     fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
         serde_json::from_value(value.clone()).map_err(|e| Self::fail(format!("unreadable cuda section in the manifest: {e}"), None))
     }
@@ -496,7 +524,11 @@ impl RestoreSession for DriverRestore {
             pairs_of.insert(now.pid, pairs.as_slice());
         }
         let e = &self.engine;
-        e.parallel(&targets, |pid| e.resume_one(pid, pairs_of[&pid]))
+        e.parallel(&targets, |pid| e.resume_restored(pid, pairs_of[&pid]))
+    }
+
+    fn wants_stopped_tree(&self) -> bool {
+        !self.section.processes.is_empty()
     }
 }
 
