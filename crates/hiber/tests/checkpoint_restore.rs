@@ -267,3 +267,21 @@ fn established_tcp_connection_survives() {
     assert!(after.iter().all(|l| l.ends_with(" ok")), "{after:?}");
     assert_eq!(after[0], format!("tick {} ok", last + 1), "the exchange goes on from where it stopped");
 }
+
+/// The path a GPU image's restore takes (CRIU leaves the tree stopped, device state is
+/// restored, then the tree is continued), forced on a CPU job with HIBER_RESTORE_STOPPED:
+/// both processes of a pipe-connected pair continue whole, from where they were.
+#[test]
+fn restore_through_a_stopped_tree() {
+    let h = Hiber::new("stopped");
+    h.start("stopped", &["pipe", "--steps", "120"]);
+    h.wait_step("stopped", 20);
+    let image = h.images_dir().join("stopped");
+    h.ok(&["checkpoint", "stopped", "--out", image.to_str().unwrap()]);
+    let before = h.progress("stopped");
+    let out = h.command(&["restore", image.to_str().unwrap(), "--name", "stopped-r"]).env("HIBER_RESTORE_STOPPED", "1").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let log = h.assert_verified("stopped-r", LONG);
+    assert!(log.contains("reader ok received 120 of 120"), "{}", tail(&log));
+    assert_continues(&before, &h.progress("stopped-r"), before.last().unwrap().0 + 1);
+}

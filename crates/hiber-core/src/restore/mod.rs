@@ -205,6 +205,8 @@ fn restore_into_job(
     }
     let work = ctx.criu_work_dir("restore")?;
     let criu_dir = image.criu_dir();
+    // `HIBER_RESTORE_STOPPED=1` takes the stopped-tree path with any image, for tests.
+    let leave_stopped = sessions.iter().any(|s| s.wants_stopped_tree()) || std::env::var_os("HIBER_RESTORE_STOPPED").is_some_and(|v| v == "1");
     let criu_start = Instant::now();
     ctx.phase("restoring process state (CRIU)");
     let task = launch::RestoreTask {
@@ -214,7 +216,7 @@ fn restore_into_job(
         inherit,
         external_mounts: src.mount_namespace,
         isolate_net: req.isolate_net,
-        leave_stopped: sessions.iter().any(|s| s.wants_stopped_tree()),
+        leave_stopped,
     };
     let root = match launch::spawn_shim(job.dir, &launch::ShimTask::Restore(task))? {
         Started::Running { pid } => pid,
@@ -231,7 +233,7 @@ fn restore_into_job(
     let finished = coord
         .barrier(Phase::ProcessesRestored)
         .map_err(RestoreError::from)
-        .and_then(|()| restore_devices(ctx, sessions, root))
+        .and_then(|()| restore_devices(ctx, sessions, root, leave_stopped))
         .and_then(|()| coord.barrier(Phase::DevicesRestored).map_err(RestoreError::from))
         .and_then(|()| record_job(image, job, root));
     match finished {
@@ -257,16 +259,18 @@ fn restore_into_job(
 
 /// After CRIU restored the tree: each engine restores its device state, in reverse order
 /// (engines that quiesced first, the agent before the driver, resume last).
-fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32) -> Result<(), RestoreError> {
-    if sessions.is_empty() {
+/// CRIU left the tree stopped when `stopped`: the sessions that want it so (the driver's)
+/// restore first, then the tree is continued, then the others (the agent's, which talk to a
+/// thread of the process) restore.
+fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: bool) -> Result<(), RestoreError> {
+    if sessions.is_empty() && !stopped {
         return Ok(());
     }
-    ctx.phase("restoring GPU state");
+    if !sessions.is_empty() {
+        ctx.phase("restoring GPU state");
+    }
     let tree = proctree::discover_tree(root)?;
     let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
-    // Sessions that restore into the stopped tree (the driver's), then the tree runs, then
-    // the others (the agent's, which talk to a thread of the process).
-    let stopped = sessions.iter().any(|s| s.wants_stopped_tree());
     for s in sessions.iter_mut().rev().filter(|s| s.wants_stopped_tree()) {
         s.restore(&pids)?;
     }

@@ -331,17 +331,26 @@ impl DriverEngine {
         if !crate::proctree::is_stopped(pid) {
             return self.resume_one(pid, pairs);
         }
-        let tid = match self.api.restore_thread(pid) {
-            Ok(Some(tid)) => tid,
-            Ok(None) => return Err(Self::fail(format!("the driver names no restore thread for process {pid}"), None)),
-            Err(e) => return Err(Self::driver_fail("restore thread query", pid, &e)),
+        // Where the driver names no restore thread, or it cannot be run alone, the process
+        // is restored running, as before this was done (most programs touch no device
+        // memory from a thread of their own while they wait for CUDA).
+        let alone = match self.api.restore_thread(pid) {
+            Ok(Some(tid)) => crate::sys::ptrace::RunningThread::start(tid).map_err(|e| format!("cannot run its restore thread {tid} alone: {e}")),
+            Ok(None) => Err("the driver names no restore thread".to_string()),
+            Err(e) => Err(format!("restore thread query: {e}")),
         };
-        let running = crate::sys::ptrace::RunningThread::start(tid)
-            .map_err(|e| Self::fail(format!("cannot run the driver's restore thread {tid} of process {pid}: {e}"), None))?;
+        let running = match alone {
+            Ok(r) => r,
+            Err(why) => {
+                tracing::warn!(pid, %why, "restoring the CUDA state of a running process");
+                crate::sys::kill(pid, libc::SIGCONT).map_err(|e| Self::fail(format!("cannot continue process {pid}: {e}"), None))?;
+                return self.resume_one(pid, pairs);
+            }
+        };
         let resumed = self.resume_one(pid, pairs);
         let stopped = running.stop();
         resumed?;
-        stopped.map_err(|e| Self::fail(format!("cannot stop the driver's restore thread {tid} of process {pid} again: {e}"), None))
+        stopped.map_err(|e| Self::fail(format!("cannot stop the driver's restore thread of process {pid} again: {e}"), None))
     }
 
     fn section(value: &serde_json::Value) -> Result<Section, EngineError> {

@@ -21,6 +21,7 @@ struct FakeDriver {
     fail_checkpoint: Option<i32>,
     gpus: Vec<(Gpu, Vec<(i32, u64)>)>,
     version: i32,
+    restore_tid: Option<i32>,
 }
 
 impl FakeDriver {
@@ -32,6 +33,7 @@ impl FakeDriver {
             fail_checkpoint: None,
             gpus: vec![(gpu(0, UUID_A, H100, 70), pids.iter().map(|&p| (p, 1 << 30)).collect())],
             version: 13000,
+            restore_tid: None,
         }
     }
     fn state_of(&self, pid: i32) -> ProcessState {
@@ -77,6 +79,9 @@ impl CheckpointApi for FakeDriver {
     }
     fn gpus(&self) -> Vec<(Gpu, Vec<(i32, u64)>)> {
         self.gpus.clone()
+    }
+    fn restore_thread(&self, _pid: i32) -> Result<Option<i32>, CuError> {
+        Ok(self.restore_tid)
     }
     fn alive(&self, pid: i32) -> bool {
         self.states.lock().unwrap().contains_key(&pid)
@@ -327,4 +332,59 @@ fn visible_gpus_follow_cuda_visible_devices() {
     let map: BTreeMap<String, String> = [(UUID_A.to_string(), UUID_B.to_string()), (UUID_B.to_string(), UUID_A.to_string())].into();
     assert_eq!(gpumap::pairs_for(&map, &[UUID_B.to_string()]), vec![(UUID_B.to_string(), UUID_A.to_string())]);
     assert_eq!(gpumap::pairs_for(&map, &[]).len(), 2, "unknown: every pair");
+}
+
+/// A restored process CRIU left stopped, for which the driver names no restore thread (an
+/// older driver): it is continued and restored running, as before the stopped-tree restore.
+#[test]
+fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
+    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = child.id() as i32;
+    crate::sys::kill(pid, libc::SIGSTOP).unwrap();
+    let start = std::time::Instant::now();
+    while !crate::proctree::is_stopped(pid) {
+        assert!(start.elapsed().as_secs() < 10, "the child stops");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let d = Arc::new(FakeDriver::new(&[pid]));
+    d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
+    let e = engine(&d);
+    e.resume_restored(pid, &[]).unwrap();
+    assert_eq!(d.states.lock().unwrap()[&pid], ProcessState::Running);
+    assert!(!crate::proctree::is_stopped(pid), "continued");
+    let log = d.log.lock().unwrap().join(" ");
+    assert!(log.contains("restore") && log.contains("unlock"), "{log}");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A restored process CRIU left stopped: the driver's restore thread runs alone for the
+/// restore and unlock, and the process is left stopped for the tree to be continued whole.
+#[test]
+fn a_stopped_process_is_restored_with_its_restore_thread_alone() {
+    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = child.id() as i32;
+    crate::sys::kill(pid, libc::SIGSTOP).unwrap();
+    let start = std::time::Instant::now();
+    while !crate::proctree::is_stopped(pid) {
+        assert!(start.elapsed().as_secs() < 10, "the child stops");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let mut d = FakeDriver::new(&[pid]);
+    d.restore_tid = Some(pid);
+    let d = Arc::new(d);
+    d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
+    let restored = engine(&d).resume_restored(pid, &[]);
+    // Detached, the thread goes back into its process's stop (the kernel moves it there
+    // before it returns to user code).
+    let start = std::time::Instant::now();
+    while !crate::proctree::is_stopped(pid) && start.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let stopped = crate::proctree::is_stopped(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    restored.unwrap();
+    assert_eq!(d.states.lock().unwrap()[&pid], ProcessState::Running);
+    assert!(stopped, "still stopped, for the tree to be continued");
 }
