@@ -102,6 +102,67 @@ gated! {
     cuMemFreeAsync cuMemFreeAsync_ptsz
 }
 
+/// Sharing between processes and GPUs, which no checkpoint of one process can take: each
+/// successful call moves a counter (see [`sharing`]); the calls are not gated.
+macro_rules! counted {
+    ($($name:ident => $counter:ident $delta:literal;)*) => {
+        $(
+            #[no_mangle]
+            #[allow(non_snake_case)]
+            /// # Safety
+            /// Called by the application with the driver entry point's own arguments.
+            pub unsafe extern "C" fn $name(
+                a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize, a6: usize,
+                a7: usize, a8: usize, a9: usize, a10: usize, a11: usize, a12: usize, a13: usize,
+            ) -> CuResult {
+                static REAL: AtomicUsize = AtomicUsize::new(0);
+                // SAFETY: as in `gated!`: an identifier and the NUL `concat!` appends.
+                let name = unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($name), "\0").as_bytes()) };
+                let f = cuda::resolve(&REAL, name);
+                if f == 0 {
+                    return cuda::ERROR_NOT_FOUND;
+                }
+                // SAFETY: as in `gated!`: libcuda's entry point of this name, whose
+                // arguments are integers, pointers, or (cuIpcOpenMemHandle's 64-byte
+                // CUipcMemHandle) a struct passed by value that both ABIs pass where the
+                // generic signature's arguments sit: in eight stack slots on x86_64 (a6 to
+                // a13, as no register is left to it), by reference on aarch64.
+                let f: Generic = unsafe { std::mem::transmute::<usize, Generic>(f) };
+                // SAFETY: the caller's arguments, forwarded unchanged (see `gated!`).
+                let r = unsafe { f(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13) };
+                if r == cuda::SUCCESS {
+                    sharing::$counter.fetch_add($delta as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                r
+            }
+        )*
+        fn counted() -> Vec<(&'static str, usize)> {
+            vec![$((concat!(stringify!($name), "\0"), $name as *const () as usize)),*]
+        }
+    };
+}
+
+/// How much a process shares with other processes and GPUs, as the counted entry points
+/// saw it (a decrement is an addition of `u64::MAX`, wrapping).
+pub mod sharing {
+    use std::sync::atomic::AtomicU64;
+    /// Memory of another process opened through legacy CUDA IPC, not yet closed.
+    pub static IPC: AtomicU64 = AtomicU64::new(0);
+    /// Peer access enabled between contexts, not yet disabled.
+    pub static PEER: AtomicU64 = AtomicU64::new(0);
+    /// Allocations imported from a shareable handle (another process's VMM memory), ever.
+    pub static IMPORTS: AtomicU64 = AtomicU64::new(0);
+}
+
+counted! {
+    cuIpcOpenMemHandle => IPC 1u64;
+    cuIpcOpenMemHandle_v2 => IPC 1u64;
+    cuIpcCloseMemHandle => IPC 18446744073709551615u64;
+    cuCtxEnablePeerAccess => PEER 1u64;
+    cuCtxDisablePeerAccess => PEER 18446744073709551615u64;
+    cuMemImportFromShareableHandle => IMPORTS 1u64;
+}
+
 /// Resolves a typed real entry point once.
 macro_rules! real {
     ($name:expr => $ty:ty) => {{
@@ -158,7 +219,7 @@ pub fn redirect(p: *mut c_void) -> *mut c_void {
             }
             BY_REAL.get_or_init(|| {
                 let mut m = HashMap::new();
-                for (name, wrapper) in gated().into_iter().chain(typed()) {
+                for (name, wrapper) in gated().into_iter().chain(counted()).chain(typed()) {
                     let name = CStr::from_bytes_with_nul(name.as_bytes()).expect("table names end in NUL");
                     let real = cuda::real_symbol(name);
                     if real != 0 {
@@ -697,7 +758,7 @@ mod tests {
     #[test]
     fn table_names_are_nul_terminated_and_unique() {
         let mut seen = std::collections::HashSet::new();
-        for (name, w) in gated().into_iter().chain(typed()) {
+        for (name, w) in gated().into_iter().chain(counted()).chain(typed()) {
             assert!(name.ends_with('\0') && name.starts_with("cu"), "{name}");
             assert!(seen.insert(name), "{name} twice");
             assert!(w != 0);

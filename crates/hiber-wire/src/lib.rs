@@ -83,6 +83,12 @@ pub struct Status {
     pub stream_ordered: u64,
     pub managed: u64,
     pub vmm_not_exportable: u64,
+    /// Legacy CUDA IPC memory of another process, open now.
+    pub ipc_imports: u64,
+    /// Peer access between contexts, enabled now.
+    pub peer_access: u64,
+    /// Allocations ever imported from a shareable handle (another process's VMM memory).
+    pub shared_imports: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,7 +133,7 @@ impl Request {
 }
 
 impl Status {
-    fn fields(&self) -> [(&'static str, u64); 11] {
+    fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("tracked", self.tracked),
             ("bytes", self.tracked_bytes),
@@ -140,6 +146,9 @@ impl Status {
             ("stream_ordered", self.stream_ordered),
             ("managed", self.managed),
             ("vmm_not_exportable", self.vmm_not_exportable),
+            ("ipc", self.ipc_imports),
+            ("peer", self.peer_access),
+            ("imports", self.shared_imports),
         ]
     }
 }
@@ -191,6 +200,9 @@ impl Reply {
                         "stream_ordered" => s.stream_ordered = v,
                         "managed" => s.managed = v,
                         "vmm_not_exportable" => s.vmm_not_exportable = v,
+                        "ipc" => s.ipc_imports = v,
+                        "peer" => s.peer_access = v,
+                        "imports" => s.shared_imports = v,
                         _ => {} // newer agents may say more
                     }
                 }
@@ -224,7 +236,17 @@ mod tests {
 
     #[test]
     fn replies_round_trip() {
-        let s = Status { tracked: 3, tracked_bytes: 1 << 30, gate_closed: true, stream_ordered: 2, passthrough_bytes: 99, ..Status::default() };
+        let s = Status {
+            tracked: 3,
+            tracked_bytes: 1 << 30,
+            gate_closed: true,
+            stream_ordered: 2,
+            passthrough_bytes: 99,
+            ipc_imports: 1,
+            peer_access: 2,
+            shared_imports: 3,
+            ..Status::default()
+        };
         for r in [
             Reply::Status(s),
             Reply::Alloc { id: 1, size: 2 << 20, device: 0 },

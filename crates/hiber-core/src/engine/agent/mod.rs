@@ -216,6 +216,20 @@ fn cuda_fail(gpus: &Gpus, what: &str, code: ffi::CuResult) -> EngineError {
     EngineError::Cuda { engine: ENGINE, what: what.into(), result: CuError { code, name: gpus.cuda.error_name(code) }, hint: None }
 }
 
+/// What a process shares with other processes or GPUs, as its agent counted it: state no
+/// checkpoint of one process can take (and the driver cannot always undo its checkpoint of).
+fn shared_state(s: &Status) -> Option<String> {
+    if s.ipc_imports > 0 {
+        Some(format!("has {} allocations of another process open through CUDA IPC (cuIpcOpenMemHandle)", s.ipc_imports))
+    } else if s.shared_imports > 0 {
+        Some(format!("imported {} allocations of another process (cuMemImportFromShareableHandle)", s.shared_imports))
+    } else {
+        // Peer access within the process (which PyTorch enables for copies between GPUs)
+        // is the process's own state; it is counted, not refused.
+        None
+    }
+}
+
 /// The agent token in a process's environment, as `hiber run` set it.
 fn agent_token(pid: i32) -> Option<String> {
     crate::proctree::env_var(pid, hiber_wire::TOKEN_ENV)
@@ -357,6 +371,12 @@ impl DeviceEngine for AgentEngine {
                 return Err(fail(
                     format!("the agent of process {} ({}) is in the middle of a checkpoint", p.pid, p.comm),
                     Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
+                ));
+            }
+            if let Some(what) = shared_state(&status) {
+                return Err(fail(
+                    format!("process {} ({}) {what}, which the driver cannot checkpoint", p.pid, p.comm),
+                    Some("jobs whose processes share GPU memory (torch.multiprocessing CUDA tensors, NCCL) cannot be checkpointed yet"),
                 ));
             }
             targets.push(Target { pid: p.pid, name, ns_pid: p.ns_pid, comm: p.comm.clone(), status });
@@ -734,6 +754,14 @@ pub fn describe(value: &serde_json::Value) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sharing_between_processes_is_named() {
+        assert_eq!(shared_state(&Status::default()), None);
+        assert!(shared_state(&Status { ipc_imports: 2, ..Status::default() }).unwrap().contains("cuIpcOpenMemHandle"));
+        assert!(shared_state(&Status { shared_imports: 1, ..Status::default() }).unwrap().contains("cuMemImportFromShareableHandle"));
+        assert_eq!(shared_state(&Status { peer_access: 1, ..Status::default() }), None, "peer access within one process is its own state");
+    }
 
     #[test]
     fn mode_keeps_its_manifest_spelling() {
