@@ -33,8 +33,15 @@ pub fn start() {
     LISTENER.store(listener.as_raw_fd(), Ordering::SeqCst);
     let spawned = std::thread::Builder::new().name("hiber-agent".into()).spawn(move || serve(listener));
     if let Err(e) = spawned {
+        // The listener was dropped (closed) with the closure.
+        LISTENER.store(-1, Ordering::SeqCst);
         log(&format!("pid {pid}: cannot start the control thread: {e}"));
     }
+}
+
+/// Whether this process has initialized CUDA through the agent.
+pub(crate) fn started() -> bool {
+    STARTED_IN.load(Ordering::SeqCst) == std::process::id() as i32
 }
 
 /// In a forked child: closes the parent's control socket, whose thread did not come along.

@@ -18,7 +18,8 @@
 //!
 //! A program exec'd from such a child (or after a vfork, where no handler runs) inherits
 //! the descriptors but not the mappings: the agent, preloaded into it as well, points them
-//! at /dev/null when it is loaded, before the program runs.
+//! at /dev/null when it is loaded, before the program runs (only those without
+//! close-on-exec, which is what a descriptor that survived exec looks like).
 //!
 //! The handler runs in the child of a possibly multithreaded process, before the child
 //! returns from fork: it takes no lock but the C library's allocator (which glibc makes
@@ -47,7 +48,22 @@ pub fn install() {
 /// Runs when the agent is loaded into a program: descriptors of the driver that it holds
 /// now came from a parent (no code of this program has run yet).
 extern "C" fn at_load() {
-    let _ = std::panic::catch_unwind(|| detach_descriptors(&driver_descriptors()));
+    let _ = std::panic::catch_unwind(|| {
+        // A library loaded before the agent may have initialized CUDA in its own
+        // constructor: its descriptors are live, and close-on-exec (as libcuda opens
+        // them), which no descriptor carried across exec can be.
+        if crate::control::started() {
+            return;
+        }
+        let inherited: Vec<c_int> = driver_descriptors().into_iter().filter(|&fd| !close_on_exec(fd)).collect();
+        detach_descriptors(&inherited);
+    });
+}
+
+fn close_on_exec(fd: c_int) -> bool {
+    // SAFETY: F_GETFD on a descriptor number has no memory effects.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    flags >= 0 && flags & libc::FD_CLOEXEC != 0
 }
 
 #[used]

@@ -283,21 +283,37 @@ pub struct Command {
 }
 
 /// The seccomp program that keeps a job off io_uring: `io_uring_setup`, `io_uring_enter`
-/// and `io_uring_register` fail with ENOSYS, as on a kernel without io_uring.
+/// and `io_uring_register` fail with ENOSYS, as on a kernel without io_uring, and every
+/// other system call passes.
 ///
 /// CRIU cannot dump an io_uring instance, and libuv (in Node.js, and in libtorch's TCPStore,
 /// which torchrun's launcher runs) opens one for every event loop whatever `UV_USE_IO_URING`
 /// says (libuv 1.50 and newer). Every user of io_uring falls back to other system calls when
-/// the kernel lacks it (libuv to epoll), and Docker's default seccomp profile refuses it the
-/// same way, so what the job computes does not change.
-pub fn io_uring_filter() -> Result<seccompiler::BpfProgram, String> {
-    use seccompiler::{SeccompAction, SeccompFilter};
-    let arch = std::env::consts::ARCH.try_into().map_err(|e| format!("seccomp: {e}"))?;
-    let calls = [libc::SYS_io_uring_setup, libc::SYS_io_uring_enter, libc::SYS_io_uring_register];
-    let filter =
-        SeccompFilter::new(calls.into_iter().map(|c| (c, Vec::new())).collect(), SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch)
-            .map_err(|e| format!("seccomp: {e}"))?;
-    filter.try_into().map_err(|e: seccompiler::BackendError| format!("seccomp: {e}"))
+/// the kernel lacks it (libuv to epoll; Docker's default seccomp profile refuses io_uring
+/// too, with EPERM), so what the job computes does not change.
+///
+/// Six instructions, written out rather than built with a filter compiler: the calls have
+/// the numbers 425 to 427 in every system call table Linux has (they came after the tables
+/// were unified), so one program serves every architecture and ABI a job may use (32-bit
+/// programs included, which a compiler's architecture check would kill), with the x32 bit
+/// masked off.
+pub fn io_uring_filter() -> Vec<libc::sock_filter> {
+    const IO_URING_SETUP: u32 = 425;
+    const IO_URING_REGISTER: u32 = 427;
+    const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+    let stmt = |code: u32, k: u32| libc::sock_filter { code: code as u16, jt: 0, jf: 0, k };
+    let jump = |code: u32, k: u32, jt: u8, jf: u8| libc::sock_filter { code: code as u16, jt, jf, k };
+    vec![
+        // A = seccomp_data.nr, the x32 bit cleared.
+        stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0),
+        stmt(libc::BPF_ALU | libc::BPF_AND | libc::BPF_K, !X32_SYSCALL_BIT),
+        // Below io_uring_setup: allow (skip 2); else go on.
+        jump(libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K, IO_URING_SETUP, 0, 2),
+        // Above io_uring_register: allow (skip 1); else refuse.
+        jump(libc::BPF_JMP | libc::BPF_JGT | libc::BPF_K, IO_URING_REGISTER, 1, 0),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+    ]
 }
 
 impl Command {
@@ -344,7 +360,7 @@ impl Command {
             stdout: path(&self.stdout, "the log path")?,
             stderr: path(&self.stderr, "the log path")?,
             env: self.env.iter().map(|(k, v)| Ok((c(k, "an environment variable")?, c(v, "an environment variable")?))).collect::<Result<_, String>>()?,
-            seccomp: if self.allow_io_uring { None } else { Some(io_uring_filter()?) },
+            seccomp: if self.allow_io_uring { None } else { Some(io_uring_filter()) },
         })
     }
 }
@@ -357,7 +373,7 @@ struct Exec {
     stderr: CString,
     env: Vec<(CString, CString)>,
     /// Installed last before exec.
-    seccomp: Option<seccompiler::BpfProgram>,
+    seccomp: Option<Vec<libc::sock_filter>>,
 }
 
 /// Runs inside the shim: makes a PID namespace and starts `cmd` as its init. Returns once
@@ -464,7 +480,7 @@ unsafe fn exec_job(cmd: &Exec, keep: RawFd) -> std::io::Error {
     }
     if let Some(program) = &cmd.seccomp {
         if let Err(e) = sys::install_seccomp_filter(program) {
-            return std::io::Error::new(e.kind(), format!("keeping the job off io_uring (seccomp): {e}"));
+            return e;
         }
     }
     sys::execvp(&cmd.argv)

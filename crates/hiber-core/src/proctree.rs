@@ -247,6 +247,18 @@ pub fn is_stopped(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether every thread of the process is stopped by a signal (a process that is gone
+/// counts as stopped: it has nothing left to run).
+pub fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    dir.filter_map(Result::ok).all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st == "T" || st == "t")))
+            .unwrap_or(true)
+    })
+}
+
 pub fn exists(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }

@@ -217,12 +217,11 @@ pub fn exit_now(code: i32) -> ! {
 /// Installs a seccomp filter on the calling thread (and so on everything it execs and
 /// forks). Needs CAP_SYS_ADMIN (hiber runs as root), so that no_new_privs is left alone
 /// and setuid programs of the job work as before.
-pub fn install_seccomp_filter(program: &[seccompiler::sock_filter]) -> io::Result<()> {
+pub fn install_seccomp_filter(program: &[libc::sock_filter]) -> io::Result<()> {
     let len = u16::try_from(program.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "seccomp program too long"))?;
     let prog = libc::sock_fprog { len, filter: program.as_ptr() as *mut libc::sock_filter };
-    // SAFETY: seccompiler's sock_filter is the kernel's struct sock_filter (repr(C), the
-    // same fields as libc's); `prog` points at `len` of them, which outlive the call (the
-    // kernel copies the program).
+    // SAFETY: `prog` points at `len` filter instructions, which outlive the call (the
+    // kernel copies and checks the program).
     cvt(unsafe { libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &prog as *const libc::sock_fprog) } as i32)?;
     Ok(())
 }
@@ -473,7 +472,8 @@ pub mod ptrace {
             // before PTRACE_SEIZE returns; the notification of that stop is reaped if there.
             ptrace(libc::PTRACE_SEIZE, tid, 0, 0)?;
             let run = || -> io::Result<u64> {
-                wait_stop(tid, false)?;
+                // The caller saw the thread stopped, so that stop is reported now.
+                wait_stop(tid, true)?;
                 let mut mask: u64 = 0;
                 ptrace(libc::PTRACE_GETSIGMASK, tid, 8, &mut mask as *mut u64 as usize)?;
                 let all: u64 = !0;

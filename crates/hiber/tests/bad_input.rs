@@ -295,6 +295,11 @@ fn jobs_are_kept_off_io_uring_through_checkpoint_and_restore() {
         "    r = libc.syscall(425, 4, ctypes.create_string_buffer(120))  # io_uring_setup(4 entries)",
         "    return f'{r} errno {ctypes.get_errno()}'",
         "child = subprocess.run([sys.executable, '-c', 'import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.syscall(425, 4, ctypes.create_string_buffer(120)), ctypes.get_errno())'], capture_output=True, text=True).stdout.strip()",
+        "def errno_of(nr, *args):",
+        "    libc.syscall(nr, *args)",
+        "    return ctypes.get_errno()",
+        "# Its neighbours pass the filter: pidfd_send_signal (424) and open_tree (428) fail on their bad arguments.",
+        "print('neighbours', errno_of(424, -1, 0, None, 0), errno_of(428, -1, b'', 0), flush=True)",
         "print('ring', ring(), 'child', child, flush=True)",
         "n = 0",
         "while True:",
@@ -310,6 +315,8 @@ fn jobs_are_kept_off_io_uring_through_checkpoint_and_restore() {
     let enosys = "38"; // ENOSYS on x86_64 and aarch64
     let first = h.log("noring").lines().find(|l| l.starts_with("ring ")).unwrap().to_string();
     assert_eq!(first, format!("ring -1 errno {enosys} child -1 {enosys}"), "the job and its child get ENOSYS");
+    let neighbours = h.log("noring").lines().find(|l| l.starts_with("neighbours ")).unwrap().to_string();
+    assert!(neighbours.split_whitespace().skip(1).all(|e| e != enosys && e != "0"), "only io_uring is refused: {neighbours}");
     let img = h.images_dir().join("noring");
     h.ok(&["checkpoint", "noring", "--out", img.to_str().unwrap()]);
     h.ok(&["restore", img.to_str().unwrap(), "--name", "noring-r"]);

@@ -271,6 +271,17 @@ fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: 
     }
     let tree = proctree::discover_tree(root)?;
     let pids: Vec<RestoredPid> = tree.iter().map(|p| RestoredPid { ns_pid: p.ns_pid, pid: p.pid }).collect();
+    if stopped {
+        // CRIU sends SIGSTOP as it lets the processes go; each thread enters the stop on
+        // its own, a moment later.
+        let start = Instant::now();
+        while !tree.iter().all(|p| proctree::all_threads_stopped(p.pid)) {
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(RestoreError::Io(std::io::Error::other("the restored processes did not stop within 10 s")));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
     for s in sessions.iter_mut().rev().filter(|s| s.wants_stopped_tree()) {
         s.restore(&pids)?;
     }

@@ -119,6 +119,8 @@ fn complete(out: &mut BTreeMap<String, String>, recorded: &[Gpu], here: &[Gpu], 
         })
         .collect();
     left.extend(extra.iter());
+    // GPUs the processes used take free GPUs before those they did not.
+    left.sort_by_key(|g| !used.contains(&g.uuid.as_str()));
     let taken = |out: &BTreeMap<String, String>, uuid: &str| out.values().any(|v| v == uuid);
     // Identity first, so that a GPU moves only where it must.
     left.retain(|g| {

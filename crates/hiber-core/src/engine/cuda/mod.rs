@@ -489,7 +489,13 @@ impl CheckpointSession for DriverCheckpoint {
             .map(|&pid| {
                 let info = tree.iter().find(|p| p.pid == pid);
                 let (gpus_used, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
-                let visible = visible_gpus(crate::proctree::env_var(pid, "CUDA_VISIBLE_DEVICES").as_deref(), &machine);
+                // The variable as the process was started with it: a program that sets it
+                // itself (os.environ, before CUDA starts) is not seen. Where the GPUs it
+                // used say otherwise, what it could see is left unknown (every pair).
+                let mut visible = visible_gpus(crate::proctree::env_var(pid, "CUDA_VISIBLE_DEVICES").as_deref(), &machine);
+                if !gpus_used.iter().all(|g| visible.contains(g)) {
+                    visible.clear();
+                }
                 CudaProcess {
                     ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid),
                     pid,

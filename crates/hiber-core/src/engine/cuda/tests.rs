@@ -307,6 +307,10 @@ fn a_partial_map_is_completed_into_a_bijection() {
     let other: Vec<Gpu> = (0..2).map(|i| gpu(i, &format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-9999-3333-4444-555555555555"), H100, 70)).collect();
     let m = resolve_gpu_map(&[("1".into(), "0".into())], &four[..2], &other, &[&uuids[1]]).unwrap();
     assert_eq!((m[&uuids[1]].as_str(), m[&uuids[0]].as_str()), (other[0].uuid.as_str(), other[1].uuid.as_str()));
+    // A used GPU finds a place before unused ones do: three GPUs onto two, the third used.
+    let m = resolve_gpu_map(&[("0".into(), "0".into())], &four[..3], &other, &[&uuids[2]]).unwrap();
+    assert_eq!((m[&uuids[0]].as_str(), m[&uuids[2]].as_str()), (other[0].uuid.as_str(), other[1].uuid.as_str()));
+    assert!(!m.contains_key(&uuids[1]), "the unused one is left out");
 }
 
 #[test]
