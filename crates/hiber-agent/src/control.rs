@@ -104,9 +104,9 @@ fn status() -> Status {
         stream_ordered: t.passthrough.stream_ordered,
         managed: t.passthrough.managed,
         vmm_not_exportable: t.passthrough.vmm_not_exportable,
-        ipc_imports: crate::hooks::sharing::IPC.load(Ordering::Relaxed),
-        peer_access: crate::hooks::sharing::PEER.load(Ordering::Relaxed),
-        shared_imports: crate::hooks::sharing::IMPORTS.load(Ordering::Relaxed),
+        ipc_imports: crate::sharing::IPC.load(Ordering::Relaxed),
+        peer_access: crate::sharing::PEER.load(Ordering::Relaxed),
+        shared_imports: crate::sharing::IMPORTS.load(Ordering::Relaxed),
     })
 }
 

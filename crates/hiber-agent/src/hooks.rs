@@ -103,7 +103,7 @@ gated! {
 }
 
 /// Sharing between processes and GPUs, which no checkpoint of one process can take: each
-/// successful call moves a counter (see [`sharing`]); the calls are not gated.
+/// successful call moves a counter of [`crate::sharing`]; the calls are not gated.
 macro_rules! counted {
     ($($name:ident => $counter:ident $delta:literal;)*) => {
         $(
@@ -131,7 +131,7 @@ macro_rules! counted {
                 // SAFETY: the caller's arguments, forwarded unchanged (see `gated!`).
                 let r = unsafe { f(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13) };
                 if r == cuda::SUCCESS {
-                    sharing::$counter.fetch_add($delta as u64, std::sync::atomic::Ordering::Relaxed);
+                    crate::sharing::$counter.fetch_add($delta as u64, std::sync::atomic::Ordering::Relaxed);
                 }
                 r
             }
@@ -140,18 +140,6 @@ macro_rules! counted {
             vec![$((concat!(stringify!($name), "\0"), $name as *const () as usize)),*]
         }
     };
-}
-
-/// How much a process shares with other processes and GPUs, as the counted entry points
-/// saw it (a decrement is an addition of `u64::MAX`, wrapping).
-pub mod sharing {
-    use std::sync::atomic::AtomicU64;
-    /// Memory of another process opened through legacy CUDA IPC, not yet closed.
-    pub static IPC: AtomicU64 = AtomicU64::new(0);
-    /// Peer access enabled between contexts, not yet disabled.
-    pub static PEER: AtomicU64 = AtomicU64::new(0);
-    /// Allocations imported from a shareable handle (another process's VMM memory), ever.
-    pub static IMPORTS: AtomicU64 = AtomicU64::new(0);
 }
 
 counted! {

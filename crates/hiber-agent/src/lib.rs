@@ -19,6 +19,7 @@ pub mod fork;
 pub mod gate;
 pub mod hooks;
 pub mod memory;
+pub mod sharing;
 
 use std::io::Write;
 
