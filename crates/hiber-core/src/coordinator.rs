@@ -66,11 +66,22 @@ impl Coordinator for Local {
     }
 }
 
-/// A coordinator that fails the barrier of the phase named in `$HIBER_FAIL_AT` (for
-/// fault-injection tests of whole hiber commands), else passes every barrier.
+/// A coordinator that fails the barrier of the phase named in `$HIBER_FAIL_AT`, or holds
+/// hiber forever at the one named in `$HIBER_PAUSE_AT` (for fault-injection tests of whole
+/// hiber commands, which kill it there), else passes every barrier.
 pub fn from_env() -> Local {
-    match std::env::var("HIBER_FAIL_AT").ok().and_then(|v| serde_json::from_value::<Phase>(serde_json::Value::String(v)).ok()) {
-        Some(at) => Local::with_hook(move |p| if p == at { Err(BarrierError(format!("injected failure at {p:?} (HIBER_FAIL_AT)"))) } else { Ok(()) }),
-        None => Local::default(),
+    let phase = |var: &str| std::env::var(var).ok().and_then(|v| serde_json::from_value::<Phase>(serde_json::Value::String(v)).ok());
+    match (phase("HIBER_FAIL_AT"), phase("HIBER_PAUSE_AT")) {
+        (Some(at), _) => Local::with_hook(move |p| if p == at { Err(BarrierError(format!("injected failure at {p:?} (HIBER_FAIL_AT)"))) } else { Ok(()) }),
+        (None, Some(at)) => Local::with_hook(move |p| {
+            if p == at {
+                eprintln!("hiber: paused at {p:?} (HIBER_PAUSE_AT)");
+                loop {
+                    std::thread::park();
+                }
+            }
+            Ok(())
+        }),
+        (None, None) => Local::default(),
     }
 }

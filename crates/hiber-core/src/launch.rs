@@ -105,6 +105,9 @@ struct Request {
     #[serde(with = "wire_path")]
     job_dir: PathBuf,
     task: ShimTask,
+    /// The hiber that asked: (PID, start time).
+    #[serde(default)]
+    hiber: Option<(i32, u64)>,
 }
 
 /// Starts a detached shim (hiber executed again, see the module's doc) that starts `task`
@@ -121,7 +124,9 @@ pub fn spawn_shim(job_dir: &Path, task: &ShimTask) -> Result<Started, LaunchErro
     if let Some(fd) = keep.iter().find(|&&fd| fd < 3) {
         return Err(LaunchError::Start(format!("descriptor {fd} cannot be passed to a job's shim (0 to 2 are its standard ones)")));
     }
-    let request = serde_json::to_vec(&Request { job_dir: job_dir.to_path_buf(), task: task.clone() }).expect("a shim request serializes");
+    let me = sys::getpid();
+    let hiber = crate::proctree::stat(me).ok().map(|s| (me, s.start_time));
+    let request = serde_json::to_vec(&Request { job_dir: job_dir.to_path_buf(), task: task.clone(), hiber }).expect("a shim request serializes");
     // The running executable itself, even if its path was replaced since it started: the
     // shim speaks this hiber's protocol.
     let mut cmd = std::process::Command::new("/proc/self/exe");
@@ -200,6 +205,7 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
             return 1;
         }
     }
+    let stopped = matches!(&request.task, ShimTask::Restore(t) if t.leave_stopped);
     let started = match request.task {
         // SAFETY: a child forked from a single-threaded process has one thread too.
         ShimTask::Run(cmd) => unsafe { start_in_namespace(&cmd) },
@@ -207,6 +213,9 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
     };
     send(&mut report, &started);
     drop(report);
+    if let (Started::Running { pid }, true, Some(hiber)) = (&started, stopped, request.hiber) {
+        watch_stopped_tree(*pid, hiber);
+    }
     if let Started::Running { pid } = started {
         // Record the exit before reaping: while the root is a zombie the job still counts
         // as running, so nobody sees it gone with no exit status.
@@ -216,6 +225,28 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
         let _ = sys::waitpid(pid);
     }
     0
+}
+
+/// A tree CRIU left stopped waits for hiber to restore its device state and continue it.
+/// Should hiber go away first (killed, say), the tree can never run as it should: the
+/// shim kills it, and records its end as for any job, rather than leave it stopped forever.
+fn watch_stopped_tree(root: i32, (hiber_pid, hiber_start): (i32, u64)) {
+    let poll = std::time::Duration::from_millis(50);
+    // CRIU queued the SIGSTOP as it let the tree go: the root stops a moment later.
+    let start = std::time::Instant::now();
+    while !crate::proctree::is_stopped(root) {
+        if start.elapsed() > std::time::Duration::from_secs(10) || !crate::proctree::exists(root) {
+            return;
+        }
+        std::thread::sleep(poll);
+    }
+    while crate::proctree::is_stopped(root) {
+        if !crate::proctree::is_same_process(hiber_pid, hiber_start) {
+            let _ = sys::kill(root, libc::SIGKILL);
+            return;
+        }
+        std::thread::sleep(poll);
+    }
 }
 
 fn send(report: &mut File, started: &Started) {

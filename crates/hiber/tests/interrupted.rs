@@ -45,3 +45,35 @@ fn sigkill_during_checkpoint_then_recover() {
     // The application finishes with its state intact.
     h.assert_verified("victim", Duration::from_secs(120));
 }
+
+/// hiber killed while a restored tree waits, stopped, for its device state (the path GPU
+/// images take; HIBER_RESTORE_STOPPED forces it for a CPU job, HIBER_PAUSE_AT holds hiber
+/// there): the job's shim kills the tree instead of leaving it stopped forever, and records
+/// how it ended.
+#[test]
+fn sigkill_while_a_restored_tree_waits_stopped() {
+    let h = Hiber::new("stopwait");
+    h.start("sw", &["pipe", "--steps", "400"]);
+    h.wait_step("sw", 5);
+    let image = h.images_dir().join("sw");
+    h.ok(&["checkpoint", "sw", "--out", image.to_str().unwrap()]);
+    let mut hiber = h
+        .command(&["restore", image.to_str().unwrap(), "--name", "sw-r"])
+        .env("HIBER_RESTORE_STOPPED", "1")
+        .env("HIBER_PAUSE_AT", "processes_restored")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(hiber.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("paused at") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut err, &mut line).unwrap() > 0, "hiber ended before it paused");
+    }
+    hiber.kill().unwrap();
+    hiber.wait().unwrap();
+    let exit = h.state.join("jobs").join("sw-r").join("exit.json");
+    wait("the shim to kill the stopped tree and record it", Duration::from_secs(20), || exit.exists());
+    let status: serde_json::Value = serde_json::from_slice(&std::fs::read(&exit).unwrap()).unwrap();
+    assert_eq!(status, serde_json::json!({ "signal": 9 }), "killed, not run without its state");
+}
