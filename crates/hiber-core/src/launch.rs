@@ -555,7 +555,7 @@ mod tests {
     fn requests_round_trip_any_path() {
         let odd = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(b"/tmp/\xff\xfe".to_vec()));
         let cmd = Command::new(&["sleep".into(), "1".into()], &odd, Path::new("/j/stdout.log"), Path::new("/j/stderr.log")).unwrap().env("A", "b c").unwrap();
-        let text = serde_json::to_string(&Request { job_dir: "/j".into(), task: ShimTask::Run(cmd) }).unwrap();
+        let text = serde_json::to_string(&Request { job_dir: "/j".into(), task: ShimTask::Run(cmd), hiber: None }).unwrap();
         assert!(text.contains(r#""job_dir":"/j""#) && text.contains(r#""argv":["sleep","1"]"#), "{text}");
         let back: Request = serde_json::from_str(&text).unwrap();
         let ShimTask::Run(cmd) = back.task else { panic!("a run task") };
