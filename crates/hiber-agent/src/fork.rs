@@ -135,13 +135,10 @@ fn detach_descriptors(fds: &[c_int]) {
         return;
     }
     for &fd in fds {
-        // SAFETY: fcntl and dup3 on descriptor numbers; `fd` is one of the driver's, which
-        // nothing in this process may use, and replacing it closes the driver file.
-        unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFD);
-            let cloexec = if flags >= 0 && flags & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
-            libc::dup3(null, fd, cloexec);
-        }
+        let cloexec = if close_on_exec(fd) { libc::O_CLOEXEC } else { 0 };
+        // SAFETY: dup3 on descriptor numbers; `fd` is one of the driver's, which nothing in
+        // this process may use, and replacing it closes the driver file.
+        unsafe { libc::dup3(null, fd, cloexec) };
     }
     // SAFETY: `null` was opened above and is not used after this.
     unsafe { libc::close(null) };

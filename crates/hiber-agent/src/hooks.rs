@@ -30,6 +30,23 @@ use crate::{gate, memory};
 /// Every gated entry point takes at most this many integer or pointer arguments.
 type Generic = unsafe extern "C" fn(usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize) -> CuResult;
 
+/// libcuda's entry point `name` (resolved once into `slot`), typed as [`Generic`].
+fn generic(slot: &AtomicUsize, name: &CStr) -> Option<Generic> {
+    match cuda::resolve(slot, name) {
+        0 => None,
+        // SAFETY: a non-zero address is libcuda's own entry point of this name. Every entry
+        // point called through `Generic` takes integers or pointers (no floats) or structs
+        // passed by value that both ABIs pass where `Generic`'s arguments sit: the 8-byte
+        // CUmemLocation of cuMemPrefetchAsync_v2 is classed as one integer register;
+        // cuIpcOpenMemHandle's 64-byte CUipcMemHandle goes in eight stack slots on x86_64
+        // (a6 to a13, as no register is left to it) and by reference on aarch64. The C
+        // calling conventions of x86_64 and aarch64 pass such arguments in the same
+        // registers and 8-byte stack slots whatever their declared types; the callee reads
+        // the ones it declares and the caller cleans the stack.
+        f => Some(unsafe { std::mem::transmute::<usize, Generic>(f) }),
+    }
+}
+
 macro_rules! gated {
     ($($name:ident)*) => {
         $(
@@ -45,19 +62,8 @@ macro_rules! gated {
                 // SAFETY: the bytes are an identifier followed by the one NUL that `concat!`
                 // appends; an identifier holds no NUL of its own.
                 let name = unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($name), "\0").as_bytes()) };
-                let f = cuda::resolve(&REAL, name);
-                if f == 0 {
-                    return cuda::ERROR_NOT_FOUND;
-                }
+                let Some(f) = generic(&REAL, name) else { return cuda::ERROR_NOT_FOUND };
                 let _pass = gate::enter();
-                // SAFETY: `f` is non-zero, so it is libcuda's own entry point of this name.
-                // Its arguments are all integers or pointers (no floats; the one struct
-                // passed by value, the 8-byte CUmemLocation of cuMemPrefetchAsync_v2, is
-                // classed as one integer register by both ABIs), which the C calling
-                // conventions of x86_64 and aarch64 pass in the same registers and 8-byte
-                // stack slots whatever their declared types; the callee reads the ones it
-                // declares and the caller cleans the stack.
-                let f: Generic = unsafe { std::mem::transmute::<usize, Generic>(f) };
                 // SAFETY: the caller (the application) passes the arguments cuda.h specifies
                 // for this entry point, and they are forwarded unchanged, in the registers
                 // and stack slots they arrived in, to the real entry point of the same name.
@@ -118,16 +124,7 @@ macro_rules! counted {
                 static REAL: AtomicUsize = AtomicUsize::new(0);
                 // SAFETY: as in `gated!`: an identifier and the NUL `concat!` appends.
                 let name = unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($name), "\0").as_bytes()) };
-                let f = cuda::resolve(&REAL, name);
-                if f == 0 {
-                    return cuda::ERROR_NOT_FOUND;
-                }
-                // SAFETY: as in `gated!`: libcuda's entry point of this name, whose
-                // arguments are integers, pointers, or (cuIpcOpenMemHandle's 64-byte
-                // CUipcMemHandle) a struct passed by value that both ABIs pass where the
-                // generic signature's arguments sit: in eight stack slots on x86_64 (a6 to
-                // a13, as no register is left to it), by reference on aarch64.
-                let f: Generic = unsafe { std::mem::transmute::<usize, Generic>(f) };
+                let Some(f) = generic(&REAL, name) else { return cuda::ERROR_NOT_FOUND };
                 // SAFETY: the caller's arguments, forwarded unchanged (see `gated!`).
                 let r = unsafe { f(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13) };
                 if r == cuda::SUCCESS {

@@ -241,22 +241,15 @@ pub fn env_var(pid: i32, key: &str) -> Option<String> {
 
 /// Whether the process is stopped by a signal (state `T` in /proc/PID/stat).
 pub fn is_stopped(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st == "T")))
-        .unwrap_or(false)
+    matches!(stat(pid), Ok(s) if s.state == 'T')
 }
 
-/// Whether every thread of the process is stopped by a signal (a process that is gone
-/// counts as stopped: it has nothing left to run).
+/// Whether every thread of the process is stopped by a signal or a tracer (a process that
+/// is gone counts as stopped: it has nothing left to run).
 pub fn all_threads_stopped(pid: i32) -> bool {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
-    dir.filter_map(Result::ok).all(|t| {
-        std::fs::read_to_string(t.path().join("stat"))
-            .ok()
-            .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st == "T" || st == "t")))
-            .unwrap_or(true)
-    })
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    dir.filter_map(Result::ok)
+        .all(|t| fs::read_to_string(t.path().join("stat")).ok().and_then(|text| parse_stat(&text)).is_none_or(|s| matches!(s.state, 'T' | 't')))
 }
 
 pub fn exists(pid: i32) -> bool {

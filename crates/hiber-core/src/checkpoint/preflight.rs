@@ -162,6 +162,7 @@ mod tests {
 
     #[test]
     fn nccl_shared_memory_is_found_open_or_mapped() {
+        let _own = OWN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
         use std::os::fd::AsRawFd;
         let me = std::process::id() as i32;
         let path = format!("/dev/shm/nccl-hibertest{me}");
@@ -207,8 +208,13 @@ mod tests {
         assert_eq!(undumpable(&process(&[], &["/dev/nvidia0"]), true, devices), None, "a claimed process's devices are its engine's");
     }
 
+    /// Held by the tests that check this test process itself, while one of them maps a file
+    /// that the others would see.
+    static OWN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn claimed_processes_are_checked_only_for_what_no_engine_releases() {
+        let _own = OWN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
         let mut p = process(&[], &[]);
         p.device_files = vec!["/dev/null".into()];
         // A real /dev/null (major 1) is dumpable; an unclaimed process passes.

@@ -338,11 +338,9 @@ fn visible_gpus_follow_cuda_visible_devices() {
     assert_eq!(gpumap::pairs_for(&map, &[]).len(), 2, "unknown: every pair");
 }
 
-/// A restored process CRIU left stopped, for which the driver names no restore thread (an
-/// older driver): it is continued and restored running, as before the stopped-tree restore.
-#[test]
-fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
-    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+/// A real process, stopped by SIGSTOP as CRIU leaves a restored one: (child, pid).
+fn stopped_child() -> (std::process::Child, i32) {
+    let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
     let pid = child.id() as i32;
     crate::sys::kill(pid, libc::SIGSTOP).unwrap();
     let start = std::time::Instant::now();
@@ -350,6 +348,14 @@ fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
         assert!(start.elapsed().as_secs() < 10, "the child stops");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    (child, pid)
+}
+
+/// A restored process CRIU left stopped, for which the driver names no restore thread (an
+/// older driver): it is continued and restored running, as before the stopped-tree restore.
+#[test]
+fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
+    let (mut child, pid) = stopped_child();
     let d = Arc::new(FakeDriver::new(&[pid]));
     d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
     let e = engine(&d);
@@ -366,14 +372,7 @@ fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
 /// restore and unlock, and the process is left stopped for the tree to be continued whole.
 #[test]
 fn a_stopped_process_is_restored_with_its_restore_thread_alone() {
-    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-    let pid = child.id() as i32;
-    crate::sys::kill(pid, libc::SIGSTOP).unwrap();
-    let start = std::time::Instant::now();
-    while !crate::proctree::is_stopped(pid) {
-        assert!(start.elapsed().as_secs() < 10, "the child stops");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    let (mut child, pid) = stopped_child();
     let mut d = FakeDriver::new(&[pid]);
     d.restore_tid = Some(pid);
     let d = Arc::new(d);
