@@ -24,6 +24,9 @@ packages=(
     libprotobuf-dev libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev
     libnftables-dev libaio-dev python3-protobuf uuid-dev libdrm-dev iproute2 procps
     util-linux xz-utils patch
+    # OpenCL: the ICD loader and its headers, and PoCL's CPU devices, on which the tests
+    # run real OpenCL programs.
+    ocl-icd-libopencl1 ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
 )
 
 install_packages() {

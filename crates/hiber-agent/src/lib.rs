@@ -16,7 +16,7 @@
 pub mod control;
 pub mod cuda;
 pub mod fork;
-pub mod gate;
+pub use hiber_wire::gate;
 pub mod hooks;
 pub mod memory;
 pub mod sharing;

@@ -303,6 +303,65 @@ pub fn getpid() -> i32 {
 }
 
 /// Bytes available to an unprivileged writer on the filesystem holding `path`.
+/// A new anonymous memory file of `size` bytes (close-on-exec).
+pub fn memfd(name: &std::ffi::CStr, size: u64) -> io::Result<OwnedFd> {
+    // SAFETY: `name` is NUL-terminated; the new descriptor is owned below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and nobody else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sizing the file owned above.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// A shared mapping of a whole file, unmapped on drop.
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; access goes through & and &mut.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared access is read-only.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `fd`, read-only or read-write.
+    pub fn new(fd: BorrowedFd<'_>, len: usize, writable: bool) -> io::Result<Mapping> {
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        // SAFETY: a shared mapping of `len` bytes of an open file at an address the kernel
+        // picks; unmapped once, in Drop.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { ptr: ptr as *mut u8, len })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` mapped bytes, alive as long as self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable (a mapping made read-only faults on write).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` mapped bytes, borrowed mutably through self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1)) };
+    }
+}
+
 pub fn available_bytes(path: &Path) -> io::Result<u64> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
     // SAFETY: statvfs is plain old data; all-zero is a valid value.

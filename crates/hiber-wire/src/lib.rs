@@ -25,6 +25,8 @@
 //! `list` asks an agent whose hiber died mid-checkpoint what it released: one `evacuated`
 //! (id, bytes, GPU UUID) per allocation, then `done`; `hiber recover` loads them back.
 
+pub mod gate;
+pub mod opencl;
 pub mod socket;
 
 use std::fmt;
@@ -91,6 +93,43 @@ pub struct Status {
     pub shared_imports: u64,
 }
 
+/// A message of one of the control protocols, as one line of text.
+pub trait Message: Sized {
+    fn encode(&self) -> String;
+    fn parse(line: &str) -> Result<Self, ParseError>;
+}
+
+/// A reply, which may say that the request failed.
+pub trait Answer: Message {
+    /// The layer's reason, when the reply is an error.
+    fn error(&self) -> Option<&str>;
+}
+
+macro_rules! message {
+    ($($t:ty),*) => {$(
+        impl $crate::Message for $t {
+            fn encode(&self) -> String {
+                <$t>::encode(self)
+            }
+            fn parse(line: &str) -> Result<Self, $crate::ParseError> {
+                <$t>::parse(line)
+            }
+        }
+    )*};
+}
+pub(crate) use message;
+
+message!(Request, Reply);
+
+impl Answer for Reply {
+    fn error(&self) -> Option<&str> {
+        match self {
+            Reply::Err(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseError(pub String);
 
@@ -102,7 +141,19 @@ impl fmt::Display for ParseError {
 
 impl std::error::Error for ParseError {}
 
-fn num<T: std::str::FromStr>(s: Option<&str>, line: &str) -> Result<T, ParseError> {
+/// `text` as one line of at most `max` bytes (control characters dropped, cut at a
+/// character boundary).
+pub fn one_line(text: &str, max: usize) -> String {
+    let mut m: String = text.chars().filter(|c| !c.is_control()).collect();
+    let mut cut = m.len().min(max);
+    while !m.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    m.truncate(cut);
+    m
+}
+
+pub(crate) fn num<T: std::str::FromStr>(s: Option<&str>, line: &str) -> Result<T, ParseError> {
     s.and_then(|v| v.parse().ok()).ok_or_else(|| ParseError(line.into()))
 }
 
@@ -167,15 +218,7 @@ impl Reply {
             Reply::Evacuated { id, size, gpu } => format!("evacuated {id} {size} {gpu}"),
             Reply::Done { count } => format!("done {count}"),
             Reply::Ok => "ok".into(),
-            Reply::Err(m) => {
-                let mut m: String = m.chars().filter(|c| !c.is_control()).collect();
-                let mut cut = m.len().min(MAX_MESSAGE - 8);
-                while !m.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                m.truncate(cut);
-                format!("err {m}")
-            }
+            Reply::Err(m) => format!("err {}", one_line(m, MAX_MESSAGE - 8)),
         }
     }
 

@@ -17,6 +17,8 @@
 
 pub mod agent;
 pub mod cuda;
+mod layer;
+pub mod opencl;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -26,7 +28,7 @@ use crate::proctree::ProcessInfo;
 
 /// Every engine hiber knows, most specific first: this order is the order in which
 /// engines quiesce and capture; they resume and restore in reverse.
-pub static KINDS: &[&dyn EngineKind] = &[&agent::KIND, &cuda::KIND];
+pub static KINDS: &[&dyn EngineKind] = &[&opencl::KIND, &agent::KIND, &cuda::KIND];
 
 /// Why a device engine step failed. The variants keep their causes: `-v` shows the chain.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +91,9 @@ pub struct DeviceRestoreOptions {
     /// stream their own files and check them on the way).
     pub image_dir: PathBuf,
     pub checksums: HashMap<String, String>,
+    /// `--opencl-device`: the OpenCL device to move the processes to (`cpu`, `gpu`,
+    /// `PLATFORM:DEVICE`); `None` keeps each on the device it had.
+    pub opencl_device: Option<String>,
 }
 
 /// How a checkpoint ends, as the engines need to know it.
@@ -216,7 +221,24 @@ pub fn for_section<'a>(engines: &'a [Box<dyn DeviceEngine>], name: &str) -> Opti
 /// The environment every engine wants for a job `hiber run` starts in `job_dir`, but
 /// those named in `skip` (`hiber run --no-agent` skips "agent").
 pub fn launch_env(job_dir: &Path, skip: &[&str]) -> Vec<(String, String)> {
-    KINDS.iter().filter(|k| !skip.contains(&k.name())).flat_map(|k| k.launch_env(job_dir)).collect()
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (k, v) in KINDS.iter().filter(|k| !skip.contains(&k.name())).flat_map(|k| k.launch_env(job_dir)) {
+        match out.iter_mut().find(|(name, _)| *name == k) {
+            // Two layers preloaded: both, each once, the first engine's first.
+            Some((_, old)) if k == "LD_PRELOAD" => {
+                let mut libs: Vec<&str> = old.split(':').collect();
+                for lib in v.split(':') {
+                    if !libs.contains(&lib) {
+                        libs.push(lib);
+                    }
+                }
+                *old = libs.join(":");
+            }
+            Some((_, old)) => *old = v,
+            None => out.push((k, v)),
+        }
+    }
+    out
 }
 
 /// Checks a section's version against what its engine reads.
@@ -234,14 +256,14 @@ mod tests {
     #[test]
     fn every_engine_is_registered_once_and_described_without_a_driver() {
         let names: Vec<&str> = KINDS.iter().map(|k| k.name()).collect();
-        assert_eq!(names, ["agent", "cuda"], "quiesce order: the agent before the driver");
+        assert_eq!(names, ["opencl", "agent", "cuda"], "quiesce order: the layers before the driver");
         for k in KINDS {
             assert!(kind(k.name()).is_some());
             // An unreadable section is described as such, never a panic.
             assert!(!k.describe(&serde_json::json!({"nonsense": true})).is_empty());
             assert!(!k.unavailable_hint().is_empty());
         }
-        assert!(kind("opencl").is_none());
+        assert!(kind("rocm").is_none());
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! image that looks complete. Directories are 0700 and files 0600: an image holds process
 //! memory, secrets included.
 
+pub mod chunks;
 mod manifest;
 mod sink;
 mod writer;

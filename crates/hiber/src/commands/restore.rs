@@ -18,6 +18,11 @@ pub struct Args {
     /// image's on the left, this machine's on the right).
     #[arg(long, value_name = "OLD=NEW,...")]
     gpu_map: Option<String>,
+    /// Re-create the job's OpenCL objects on another device: `cpu`, `gpu` (the first of
+    /// that type) or PLATFORM:DEVICE, numbered as `clinfo -l` lists them. Without it each
+    /// process gets the device it had.
+    #[arg(long, value_name = "DEVICE")]
+    opencl_device: Option<String>,
     /// Restore into a new network namespace with only loopback, so a copy does not clash
     /// with the sockets of an original that still runs.
     #[arg(long)]
@@ -37,7 +42,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let req = RestoreRequest {
         image: image_path(&ctx.state, &args.image),
         name: args.name,
-        devices: DeviceRestoreOptions { gpu_map, ..Default::default() },
+        devices: DeviceRestoreOptions { gpu_map, opencl_device: args.opencl_device, ..Default::default() },
         isolate_net: args.isolate_net,
     };
     let report = restore(&ctx, &req);

@@ -19,6 +19,10 @@ pub struct Args {
     /// driver alone (slower; see the README).
     #[arg(long)]
     no_agent: bool,
+    /// Do not preload hiber's OpenCL layer into the job: its OpenCL state is then left to
+    /// CRIU alone (which works only for CPU platforms such as PoCL, on the same device).
+    #[arg(long)]
+    no_opencl: bool,
     /// Let the job use io_uring. hiber otherwise keeps its jobs off it (the kernel answers
     /// ENOSYS, as without io_uring, and programs fall back), because CRIU cannot checkpoint
     /// an io_uring: a job that holds one cannot be checkpointed.
@@ -36,6 +40,8 @@ pub struct Args {
 pub struct JobOptions {
     /// Preload the agent.
     pub agent: bool,
+    /// Preload the OpenCL layer.
+    pub opencl: bool,
     pub allow_io_uring: bool,
 }
 
@@ -53,8 +59,14 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         let mut cmd = cmd.allow_io_uring(opts.allow_io_uring);
         // What the device engines prepare for a job: the agent's preload, say.
-        let skip: &[&str] = if opts.agent { &[] } else { &[hiber_core::engine::agent::ENGINE] };
-        for (k, v) in hiber_core::engine::launch_env(&dir, skip) {
+        let mut skip = Vec::new();
+        if !opts.agent {
+            skip.push(hiber_core::engine::agent::ENGINE);
+        }
+        if !opts.opencl {
+            skip.push(hiber_core::engine::opencl::ENGINE);
+        }
+        for (k, v) in hiber_core::engine::launch_env(&dir, &skip) {
             cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
         match launch::spawn_shim(&dir, &launch::ShimTask::Run(cmd)) {
@@ -91,7 +103,8 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
 
 pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&StateDir::from_env());
-    let job = start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, allow_io_uring: args.allow_io_uring })?;
+    let job =
+        start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring })?;
     if args.quiet {
         println!("{}", job.name);
     } else {

@@ -3,19 +3,15 @@
 //! the GPU and the image's chunk files through small pinned buffers, in parallel.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{Read, Write};
 use std::os::fd::BorrowedFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Stream};
 use crate::image::{FileEntry, ImageSink};
 
-/// Bytes per chunk file: large enough for full-speed copies, small enough that a few
-/// pinned buffers of this size are cheap to allocate.
-pub const CHUNK: u64 = 64 << 20;
+pub use crate::image::chunks::{chunk_files, CHUNK};
 const WORKERS: usize = 8;
 
 /// The CUDA library plus the primary context hiber uses on each device.
@@ -131,11 +127,6 @@ impl Drop for DeviceMem {
     }
 }
 
-/// The chunk files of an allocation of `size` bytes, relative to the image.
-pub fn chunk_files(prefix: &str, size: u64) -> Vec<String> {
-    (0..size.div_ceil(CHUNK)).map(|k| format!("{prefix}.{k:05}")).collect()
-}
-
 struct Task {
     dev: i32,
     va: u64,
@@ -210,47 +201,14 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
     Ok(r.into_iter().map(|(_, v)| v).collect())
 }
 
-/// Whether every byte of `data` is zero.
-fn is_zero(data: &[u8]) -> bool {
-    // SAFETY: every bit pattern is a valid u128; align_to only splits off unaligned ends.
-    let (head, words, tail) = unsafe { data.align_to::<u128>() };
-    head.iter().all(|&b| b == 0) && words.chunks(64).all(|c| c.iter().fold(0, |acc, &w| acc | w) == 0) && tail.iter().all(|&b| b == 0)
-}
-
-/// blake3 of `len` zero bytes, computed once for a whole chunk.
-fn zero_hash(len: usize) -> String {
-    static FULL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    let hash = || blake3::hash(&vec![0u8; len]).to_hex().to_string();
-    if len as u64 == CHUNK {
-        FULL.get_or_init(hash).clone()
-    } else {
-        hash()
-    }
-}
-
-/// Streams each memory into chunk files `PREFIX.NNNNN` of the image (created 0600 by the
-/// sink, made durable), hashing as it goes. Returns the files' manifest entries.
-///
-/// A chunk of zeros (memory the application never wrote: most of a pool that JAX or an
-/// inference server reserves up front) becomes a sparse file of the same length: it reads
-/// back as the same zeros under the same checksum, and takes no disk space or write time.
+/// Streams each memory into chunk files `PREFIX.NNNNN` of the image (see
+/// [`crate::image::chunks`]). Returns the files' manifest entries.
 pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
     let tasks = tasks(mems);
     parallel(gpus, &tasks, |t, buf, stream| {
         // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`).
         unsafe { gpus.cuda.copy_to_host(buf, t.len, t.va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
-        let data = &buf.as_mut_slice()[..t.len];
-        let io = |e: std::io::Error| format!("{}: {e}", t.rel);
-        let mut f = sink.create_file(&t.rel).map_err(io)?;
-        let blake3 = if is_zero(data) {
-            f.set_len(t.len as u64).map_err(io)?;
-            zero_hash(t.len)
-        } else {
-            f.write_all(data).map_err(io)?;
-            blake3::hash(data).to_hex().to_string()
-        };
-        f.sync_all().map_err(io)?;
-        Ok(FileEntry { path: t.rel.clone(), size: t.len as u64, blake3 })
+        crate::image::chunks::write(sink, &t.rel, &buf.as_mut_slice()[..t.len])
     })
 }
 
@@ -260,52 +218,10 @@ pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) ->
 pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option<&HashMap<String, String>>) -> Result<(), String> {
     let tasks = tasks(mems);
     parallel(gpus, &tasks, |t, buf, stream| {
-        let path: PathBuf = dir.join(&t.rel);
-        let io = |e: std::io::Error| format!("{}: {e}", path.display());
-        let mut f = File::open(&path).map_err(io)?;
-        let len = f.metadata().map_err(io)?.len();
-        if len != t.len as u64 {
-            return Err(format!("{} has {len} bytes, expected {}", path.display(), t.len));
-        }
-        let data = &mut buf.as_mut_slice()[..t.len];
-        f.read_exact(data).map_err(io)?;
-        if let Some(sums) = sums {
-            let want = sums.get(&t.rel).ok_or_else(|| format!("{} is not in the manifest", t.rel))?;
-            if blake3::hash(data).to_hex().as_str() != want {
-                return Err(format!("{} does not match its checksum", path.display()));
-            }
-        }
+        crate::image::chunks::read(dir, &t.rel, &mut buf.as_mut_slice()[..t.len], sums)?;
         // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`),
         // which no one else writes while hiber loads it.
         unsafe { gpus.cuda.copy_to_device(t.va, buf, t.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
     })
     .map(|_| ())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn zero_detection_sees_every_byte() {
-        let mut v = vec![0u8; (1 << 20) + 3];
-        assert!(is_zero(&v));
-        assert!(is_zero(&v[1..]));
-        for at in [0, 1, 15, 16, 4095, 1 << 19, (1 << 20) + 2] {
-            v[at] = 1;
-            assert!(!is_zero(&v), "a set byte at {at}");
-            assert!(!is_zero(&v[1..]) || at == 0, "a set byte at {at}, unaligned");
-            v[at] = 0;
-        }
-        assert_eq!(zero_hash(CHUNK as usize), blake3::hash(&vec![0u8; CHUNK as usize]).to_hex().to_string());
-        assert_eq!(zero_hash(5), blake3::hash(&[0u8; 5]).to_hex().to_string());
-    }
-
-    #[test]
-    fn chunking_covers_the_allocation() {
-        assert_eq!(chunk_files("agent/1/7", 1), vec!["agent/1/7.00000"]);
-        assert_eq!(chunk_files("agent/1/7", CHUNK).len(), 1);
-        assert_eq!(chunk_files("agent/1/7", CHUNK + 1).len(), 2);
-        assert_eq!(chunk_files("a", 32 << 30).len(), 512);
-    }
 }

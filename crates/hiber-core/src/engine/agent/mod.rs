@@ -23,7 +23,7 @@
 mod device;
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,6 +32,7 @@ use hiber_wire::{socket, Reply, Request, Status};
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{self, ffi, Gpu};
+use super::layer::Conn;
 use super::{CheckpointOptions, CheckpointSession, CuError, DeviceEngine, DeviceRestoreOptions, EngineError, EngineKind, RestoreSession, RestoredPid};
 use crate::image::{FileEntry, ImageSink};
 use crate::proctree::ProcessInfo;
@@ -85,23 +86,14 @@ fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
     if !Path::new("/dev/nvidiactl").exists() {
         return None;
     }
-    let lib = match std::env::var_os("HIBER_AGENT_LIB") {
-        Some(p) => PathBuf::from(p),
-        None => std::env::current_exe().ok()?.parent()?.join("libhiber_agent.so"),
-    };
+    let lib = super::layer::library("HIBER_AGENT_LIB", "libhiber_agent.so")?;
     if !lib.exists() {
         tracing::warn!(lib = %lib.display(), "the agent library is missing; the job runs without the agent (GPU memory goes the driver's slower way)");
         return None;
     }
-    let mut token = [0u8; 8];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut token)).ok()?;
-    let token: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    let preload = match std::env::var("LD_PRELOAD") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
-        _ => lib.display().to_string(),
-    };
+    let token = super::layer::token()?;
     Some(vec![
-        ("LD_PRELOAD".into(), preload),
+        super::layer::preload(&lib),
         (hiber_wire::TOKEN_ENV.into(), token),
         (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
     ])
@@ -235,71 +227,22 @@ fn agent_token(pid: i32) -> Option<String> {
     crate::proctree::env_var(pid, hiber_wire::TOKEN_ENV)
 }
 
-/// One control connection to the agent of host process `pid`.
-struct Conn {
-    sock: OwnedFd,
-    pid: i32,
-}
-
-impl Conn {
-    fn open(pid: i32, name: &str) -> Result<Conn, EngineError> {
-        let name = name.to_string();
-        let sock = crate::sys::in_network_namespace_of(pid, move || socket::connect(&name)).and_then(|r| r).map_err(|source| EngineError::Io {
-            engine: ENGINE,
-            what: format!("cannot reach the agent of process {pid}"),
-            source,
-            hint: None,
-        })?;
-        Ok(Conn { sock, pid })
-    }
-
-    fn send(&self, r: &Request, fd: Option<&OwnedFd>) -> Result<(), EngineError> {
-        socket::send(&self.sock, &r.encode(), fd.map(|f| f.as_raw_fd())).map_err(|source| EngineError::Io {
-            engine: ENGINE,
-            what: format!("agent of process {}", self.pid),
-            source,
-            hint: None,
-        })
-    }
-
-    fn recv(&self) -> Result<(Reply, Option<OwnedFd>), EngineError> {
-        match socket::recv(&self.sock) {
-            Ok(Some((msg, fd))) => Ok((Reply::parse(&msg).map_err(|e| fail(format!("agent of process {}: {e}", self.pid), None))?, fd)),
-            Ok(None) => Err(fail(format!("the agent of process {} closed the connection", self.pid), None)),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Err(fail(
-                format!("the agent of process {} could not quiesce it: device work still running after the timeout; the application keeps running", self.pid),
-                Some("retry later, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
-            )),
-            Err(source) => Err(EngineError::Io { engine: ENGINE, what: format!("agent of process {}", self.pid), source, hint: None }),
-        }
-    }
-
-    fn call(&self, r: &Request, fd: Option<&OwnedFd>) -> Result<Reply, EngineError> {
-        self.send(r, fd)?;
-        let reply = self.recv()?.0;
-        if let Reply::Err(m) = &reply {
-            return Err(fail(format!("agent of process {}: {m}", self.pid), None));
-        }
-        Ok(reply)
-    }
-
-    /// Waits for the agent to close its end (it does after `release`).
-    fn wait_closed(&self) {
-        while let Ok(Some(_)) = socket::recv(&self.sock) {}
-    }
+/// A control connection to the agent of host process `pid`.
+fn connect(pid: i32, name: &str) -> Result<Conn, EngineError> {
+    Conn::open(ENGINE, "agent", ("device work still running after the timeout", "retry later, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"), pid, name)
 }
 
 /// Hands `held` back over `conn` and opens the agent's gate.
 fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
     for h in held {
-        conn.call(&Request::Load { id: h.id }, Some(&h.fd))?;
+        conn.call::<Reply>(&Request::Load { id: h.id }, Some(&h.fd))?;
     }
-    conn.call(&Request::Resume, None).map(|_| ())
+    conn.call::<Reply>(&Request::Resume, None).map(|_| ())
 }
 
 /// Hands `held` back to the agent of `pid` and opens its gate.
 fn give_back(pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
-    give_back_on(&Conn::open(pid, name)?, held)
+    give_back_on(&connect(pid, name)?, held)
 }
 
 impl AgentEngine {
@@ -318,12 +261,12 @@ impl AgentEngine {
     fn recover_one(&self, pid: i32, dirs: &[&Path]) -> Result<(), EngineError> {
         let Some(name) = recovered_name(pid) else { return Ok(()) };
         // No agent answering: it never started (no CUDA), so there is nothing to undo.
-        let Ok(conn) = Conn::open(pid, &name) else { return Ok(()) };
+        let Ok(conn) = connect(pid, &name) else { return Ok(()) };
         let ns_pid = crate::proctree::read_process(pid).map(|p| p.ns_pid).unwrap_or(pid);
         conn.send(&Request::List, None)?;
         let mut released = Vec::new();
         loop {
-            match conn.recv()?.0 {
+            match conn.recv::<Reply>()?.0 {
                 Reply::Evacuated { id, size, gpu } => released.push((id, size, gpu)),
                 Reply::Done { .. } => break,
                 other => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
@@ -344,9 +287,9 @@ impl AgentEngine {
             let mem = DeviceMem::create(&self.gpus, size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
             device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref()).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
             let fd = mem.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
-            conn.call(&Request::Load { id }, Some(&fd))?;
+            conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
         }
-        conn.call(&Request::Resume, None).map(|_| ())
+        conn.call::<Reply>(&Request::Resume, None).map(|_| ())
     }
 }
 
@@ -360,7 +303,7 @@ impl DeviceEngine for AgentEngine {
         for p in tree.iter().filter(|p| p.holds_device("/dev/nvidia")) {
             let Some(token) = agent_token(p.pid) else { continue };
             let name = hiber_wire::socket_name(&token, p.ns_pid);
-            let status = match Conn::open(p.pid, &name).and_then(|c| c.call(&Request::Status, None)) {
+            let status = match connect(p.pid, &name).and_then(|c| c.call::<Reply>(&Request::Status, None)) {
                 Ok(Reply::Status(s)) => s,
                 Ok(_) | Err(_) => {
                     tracing::debug!(pid = p.pid, "no agent answers; the driver engine covers it");
@@ -459,7 +402,7 @@ impl AgentCheckpoint {
     /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
     fn take(&self, t: &Target, sink: &dyn ImageSink, snapshot: bool) -> Result<Taken, (EngineError, Vec<Held>)> {
         let pid = t.pid;
-        let conn = Conn::open(pid, &t.name).map_err(|e| (e, Vec::new()))?;
+        let conn = connect(pid, &t.name).map_err(|e| (e, Vec::new()))?;
         // The agent bounds its wait for calls in flight; a kernel still running when it
         // synchronizes is bounded here. Timing out closes the connection, and the agent,
         // finding no one to hand its memory to, opens its gate again.
@@ -469,7 +412,7 @@ impl AgentCheckpoint {
         let mut timed_out = false;
         let taken = (|| {
             loop {
-                let msg = conn.recv().inspect_err(|_| timed_out = true)?;
+                let msg = conn.recv::<Reply>().inspect_err(|_| timed_out = true)?;
                 match msg {
                     (Reply::Alloc { id, size, .. }, Some(fd)) => {
                         let mem =
@@ -500,7 +443,7 @@ impl AgentCheckpoint {
                 let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
                 device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
             };
-            conn.call(&Request::Release, None)?;
+            conn.call::<Reply>(&Request::Release, None)?;
             conn.wait_closed();
             Ok(written)
         })();
@@ -634,8 +577,8 @@ impl CheckpointSession for AgentCheckpoint {
                     r
                 }
                 // Nothing held (an undo before the handover): open the gate.
-                None => match Conn::open(t.pid, &t.name) {
-                    Ok(c) => c.call(&Request::Resume, None).map(|_| ()),
+                None => match connect(t.pid, &t.name) {
+                    Ok(c) => c.call::<Reply>(&Request::Resume, None).map(|_| ()),
                     Err(_) => Ok(()),
                 },
             };
@@ -688,12 +631,12 @@ impl RestoreSession for AgentRestore {
             device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums))
                 .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
             let t2 = Instant::now();
-            let conn = Conn::open(now.pid, &name)?;
+            let conn = connect(now.pid, &name)?;
             for (id, m) in &mems {
                 let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
-                conn.call(&Request::Load { id: *id }, Some(&fd))?;
+                conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
             }
-            conn.call(&Request::Resume, None)?;
+            conn.call::<Reply>(&Request::Resume, None)?;
             tracing::info!(
                 pid = now.pid,
                 create_s = (t1 - t0).as_secs_f64(),

@@ -1,5 +1,5 @@
-//! The gate every intercepted driver call passes: open while the application runs,
-//! closed while hiber checkpoints it.
+//! The gate every intercepted call of a preloaded layer (the CUDA agent, the OpenCL
+//! layer) passes: open while the application runs, closed while hiber checkpoints it.
 //!
 //! A call counts itself in before it checks the gate, so once [`close`] has seen the count
 //! at zero no application thread is inside the driver through an intercepted entry point,

@@ -1,0 +1,552 @@
+//! The OpenCL engine: OpenCL state moved by record and replay, with the help of the
+//! layer preloaded into the application (crate `hiber-opencl`).
+//!
+//! Checkpoint, per process whose layer saw OpenCL calls:
+//! 1. **prepare** ([`DeviceEngine::begin_checkpoint`]): the layer's status. A process that
+//!    used a feature hiber cannot re-create (shared virtual memory, pipes, interop, ...),
+//!    or holds a memory object mapped, is refused here, before anything is stopped.
+//! 2. **quiesce**: the layer closes its gate, drains every queue (bounded by the timeout),
+//!    and sends each memory object's bytes in a memfd. hiber writes them to the image as
+//!    checksummed chunks, now (stopping checkpoint) or after the application runs again
+//!    (`--leave-running`, from the memfds it holds). Then the layer releases every real
+//!    OpenCL object and closes the connection: the platform keeps no object of the
+//!    application when CRIU dumps it.
+//! 3. **resume** (the undo, or `--leave-running`'s end): the layer re-creates every object
+//!    from its record (`replay`), hiber writes the bytes back (`load`), the gate opens.
+//!
+//! Restore: CRIU brings the process back with its gate still closed; the layer replays on
+//! the device it had, or on the one `--opencl-device` names, and hiber streams the chunks
+//! back (checking each), then opens the gate.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use hiber_wire::opencl::{MemKind, Reply, Request, Status};
+use hiber_wire::socket;
+use serde::{Deserialize, Serialize};
+
+use super::layer::Conn;
+use super::{CheckpointOptions, CheckpointSession, DeviceEngine, DeviceRestoreOptions, EngineError, EngineKind, RestoreSession, RestoredPid};
+use crate::image::chunks::{self, CHUNK};
+use crate::image::{FileEntry, ImageSink};
+use crate::proctree::ProcessInfo;
+
+pub const ENGINE: &str = "opencl";
+const SECTION_VERSION: u32 = 1;
+const DEFAULT_TIMEOUT_MS: u64 = 10_000;
+
+pub struct Kind;
+pub static KIND: Kind = Kind;
+
+impl EngineKind for Kind {
+    fn name(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn section_version(&self) -> u32 {
+        SECTION_VERSION
+    }
+
+    /// Always here: the engine talks to layers, not to a platform of its own.
+    fn load(&self) -> Option<Box<dyn DeviceEngine>> {
+        let timeout_ms = std::env::var("HIBER_OPENCL_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_TIMEOUT_MS);
+        Some(Box::new(OpenClEngine { timeout_ms }))
+    }
+
+    fn describe(&self, section: &serde_json::Value) -> Vec<String> {
+        describe(section)
+    }
+
+    /// Preloads the layer into jobs on a machine with an OpenCL ICD loader, when the
+    /// library is beside the hiber binary (`HIBER_OPENCL_LIB` overrides where).
+    fn launch_env(&self, job_dir: &Path) -> Vec<(String, String)> {
+        layer_env(job_dir).unwrap_or_default()
+    }
+
+    fn streamed_dir(&self) -> Option<&'static str> {
+        Some(ENGINE)
+    }
+
+    fn unavailable_hint(&self) -> &'static str {
+        "every hiber has the OpenCL engine; this should not happen"
+    }
+}
+
+/// Whether this machine has an OpenCL ICD loader with vendors to load.
+fn icd_here() -> bool {
+    std::env::var_os("OCL_ICD_VENDORS").is_some() || Path::new("/etc/OpenCL/vendors").is_dir()
+}
+
+fn layer_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
+    if !icd_here() {
+        return None;
+    }
+    let lib = super::layer::library("HIBER_OPENCL_LIB", "libhiber_opencl.so")?;
+    if !lib.exists() {
+        tracing::warn!(lib = %lib.display(), "the OpenCL layer library is missing; OpenCL jobs run without it (hiber cannot checkpoint their OpenCL state)");
+        return None;
+    }
+    let token = super::layer::token()?;
+    Some(vec![
+        super::layer::preload(&lib),
+        (hiber_wire::opencl::TOKEN_ENV.into(), token),
+        (hiber_wire::opencl::LOG_ENV.into(), job_dir.join("opencl.log").display().to_string()),
+    ])
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClDevice {
+    /// `cpu`, `gpu` or `other`.
+    pub kind: String,
+    /// "PLATFORM / DEVICE".
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClMem {
+    pub id: u64,
+    pub size: u64,
+    /// `buffer` or `image`.
+    pub kind: String,
+    pub files: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClObjects {
+    pub contexts: u64,
+    pub queues: u64,
+    pub programs: u64,
+    pub kernels: u64,
+    pub samplers: u64,
+    pub events: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClProcess {
+    pub ns_pid: i32,
+    pub comm: String,
+    pub devices: Vec<ClDevice>,
+    pub objects: ClObjects,
+    pub bytes: u64,
+    pub mems: Vec<ClMem>,
+}
+
+/// The engine's manifest section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Section {
+    pub chunk_bytes: u64,
+    pub processes: Vec<ClProcess>,
+    /// Gate, drain and reading the memory objects, all processes.
+    pub quiesce_seconds: f64,
+}
+
+/// Where memory object `id` of the process with namespace PID `ns_pid` lives in an image.
+pub fn chunk_prefix(ns_pid: i32, id: u64) -> String {
+    format!("{ENGINE}/{ns_pid}/{id}")
+}
+
+fn fail(message: impl Into<String>, hint: Option<&str>) -> EngineError {
+    EngineError::failed(ENGINE, message, hint)
+}
+
+fn connect(pid: i32, name: &str) -> Result<Conn, EngineError> {
+    Conn::open(ENGINE, "OpenCL layer", ("its queues did not drain in time", "retry later, or raise HIBER_OPENCL_TIMEOUT_MS"), pid, name)
+}
+
+/// The layer's socket name for host process `pid`, from its environment and namespace PID.
+fn layer_name(pid: i32) -> Option<String> {
+    let token = crate::proctree::env_var(pid, hiber_wire::opencl::TOKEN_ENV)?;
+    let ns_pid = crate::proctree::read_process(pid).ok()?.ns_pid;
+    Some(hiber_wire::opencl::socket_name(&token, ns_pid))
+}
+
+pub struct OpenClEngine {
+    timeout_ms: u64,
+}
+
+struct Target {
+    pid: i32,
+    ns_pid: i32,
+    comm: String,
+    name: String,
+    status: Status,
+}
+
+/// A memory object's bytes as the layer sent them.
+struct HeldMem {
+    id: u64,
+    size: u64,
+    kind: MemKind,
+    fd: OwnedFd,
+}
+
+impl OpenClEngine {
+    /// `hiber recover` of one process: a layer that released its objects re-creates them,
+    /// and gets its bytes back from the image hiber was writing.
+    fn recover_one(&self, pid: i32, dirs: &[&Path]) -> Result<(), EngineError> {
+        let Some(name) = layer_name(pid) else { return Ok(()) };
+        let Ok(conn) = connect(pid, &name) else { return Ok(()) };
+        let status = match conn.call::<Reply>(&Request::Status, None)? {
+            Reply::Status(s) => s,
+            other => return Err(fail(format!("OpenCL layer of process {pid}: unexpected {other:?}"), None)),
+        };
+        if !status.released {
+            return conn.call::<Reply>(&Request::Resume, None).map(|_| ());
+        }
+        let ns_pid = crate::proctree::read_process(pid).map(|p| p.ns_pid).unwrap_or(pid);
+        let dir = dirs.iter().find(|d| d.join(ENGINE).join(ns_pid.to_string()).is_dir()).ok_or_else(|| {
+            fail(
+                format!("the OpenCL memory objects of process {pid} were only in the hiber that died; they are lost"),
+                Some("stop the application and restore an earlier image"),
+            )
+        })?;
+        let image = crate::image::Image::open(dir).ok();
+        let sums: Option<HashMap<String, String>> = image.map(|i| i.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect());
+        conn.call::<Reply>(&Request::Replay { device: None }, None)?;
+        let prefix = format!("{ENGINE}/{ns_pid}/");
+        let mut ids: Vec<(u64, u64)> = Vec::new();
+        for e in std::fs::read_dir(dir.join(ENGINE).join(ns_pid.to_string())).map_err(|e| fail(format!("{}: {e}", dir.display()), None))?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some((id, _)) = name.split_once('.') else { continue };
+            let Ok(id) = id.parse::<u64>() else { continue };
+            let len = e.metadata().map(|m| m.len()).unwrap_or(0);
+            match ids.iter_mut().find(|(i, _)| *i == id) {
+                Some((_, size)) => *size += len,
+                None => ids.push((id, len)),
+            }
+        }
+        for (id, size) in ids {
+            let fd = load_chunks(dir, &format!("{prefix}{id}"), size, sums.as_ref())?;
+            conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
+        }
+        conn.call::<Reply>(&Request::Resume, None).map(|_| ())
+    }
+}
+
+impl DeviceEngine for OpenClEngine {
+    fn kind(&self) -> &'static dyn EngineKind {
+        &KIND
+    }
+
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
+        let mut targets = Vec::new();
+        for p in tree {
+            let Some(token) = crate::proctree::env_var(p.pid, hiber_wire::opencl::TOKEN_ENV) else { continue };
+            let name = hiber_wire::opencl::socket_name(&token, p.ns_pid);
+            // No layer answers: the process never called OpenCL.
+            let Ok(conn) = connect(p.pid, &name) else { continue };
+            let status = match conn.call::<Reply>(&Request::Status, None) {
+                Ok(Reply::Status(s)) => s,
+                _ => continue,
+            };
+            if !status.active {
+                continue;
+            }
+            if !status.refused.is_empty() {
+                return Err(fail(
+                    format!("process {} ({}) used {}, which hiber cannot checkpoint", p.pid, p.comm, status.refused.join(", ")),
+                    Some("run the job with `hiber run --no-opencl` (then only a CPU platform such as PoCL can be checkpointed, by CRIU alone)"),
+                ));
+            }
+            if status.mapped > 0 {
+                return Err(fail(
+                    format!("process {} ({}) holds {} OpenCL memory objects mapped (clEnqueueMapBuffer/clEnqueueMapImage)", p.pid, p.comm, status.mapped),
+                    Some("checkpoint it when its memory objects are unmapped"),
+                ));
+            }
+            if status.gate_closed || status.released {
+                return Err(fail(
+                    format!("the OpenCL layer of process {} ({}) is in the middle of a checkpoint", p.pid, p.comm),
+                    Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
+                ));
+            }
+            targets.push(Target { pid: p.pid, ns_pid: p.ns_pid, comm: p.comm.clone(), name, status });
+        }
+        if targets.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(OpenClCheckpoint {
+            timeout_ms: self.timeout_ms,
+            opts,
+            pids: targets.iter().map(|t| t.pid).collect(),
+            targets,
+            held: HashMap::new(),
+            released: Vec::new(),
+            written: Vec::new(),
+            section: None,
+        })))
+    }
+
+    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
+        let mut first = None;
+        for &pid in pids {
+            if let Err(e) = self.recover_one(pid, dirs) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
+        let section = section(value)?;
+        if let Some(d) = &opts.opencl_device {
+            let ok = matches!(d.as_str(), "cpu" | "gpu") || d.split_once(':').is_some_and(|(p, x)| p.parse::<u32>().is_ok() && x.parse::<u32>().is_ok());
+            if !ok {
+                return Err(fail(format!("--opencl-device {d}: not a device"), Some("say cpu, gpu, or PLATFORM:DEVICE as `clinfo -l` numbers them")));
+            }
+        }
+        Ok(Box::new(OpenClRestore { section, device: opts.opencl_device.clone(), image_dir: opts.image_dir.clone(), checksums: opts.checksums.clone() }))
+    }
+}
+
+struct OpenClCheckpoint {
+    timeout_ms: u64,
+    opts: CheckpointOptions,
+    pids: Vec<i32>,
+    targets: Vec<Target>,
+    /// The bytes of each process's memory objects, until the session ends.
+    held: HashMap<i32, Vec<HeldMem>>,
+    /// Processes whose layer released its objects (they need a replay to run again).
+    released: Vec<i32>,
+    written: Vec<FileEntry>,
+    section: Option<Section>,
+}
+
+/// Writes one memory object's bytes as chunks.
+fn save(sink: &dyn ImageSink, prefix: &str, m: &HeldMem) -> Result<Vec<FileEntry>, EngineError> {
+    let map = crate::sys::Mapping::new(m.fd.as_fd(), m.size as usize, false).map_err(|e| fail(format!("reading memory object {}: {e}", m.id), None))?;
+    let data = map.as_slice();
+    let mut out = Vec::new();
+    for (k, rel) in chunks::chunk_files(prefix, m.size).into_iter().enumerate() {
+        let off = k * CHUNK as usize;
+        let end = (off + CHUNK as usize).min(data.len());
+        out.push(chunks::write(sink, &rel, &data[off..end]).map_err(|e| fail(format!("writing OpenCL memory: {e}"), None))?);
+    }
+    Ok(out)
+}
+
+/// A memfd holding the `size` bytes of chunks `prefix.NNNNN`, each checked.
+fn load_chunks(dir: &Path, prefix: &str, size: u64, sums: Option<&HashMap<String, String>>) -> Result<OwnedFd, EngineError> {
+    let io = |e: std::io::Error| fail(format!("memory for OpenCL object {prefix}: {e}"), None);
+    let fd = crate::sys::memfd(c"hiber-opencl", size).map_err(io)?;
+    let mut map = crate::sys::Mapping::new(fd.as_fd(), size as usize, true).map_err(io)?;
+    let data = map.as_mut_slice();
+    for (k, rel) in chunks::chunk_files(prefix, size).into_iter().enumerate() {
+        let off = k * CHUNK as usize;
+        let end = (off + CHUNK as usize).min(data.len());
+        chunks::read(dir, &rel, &mut data[off..end], sums)
+            .map_err(|e| fail(format!("loading OpenCL memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+    }
+    Ok(fd)
+}
+
+impl OpenClCheckpoint {
+    /// Quiesces one process and takes its memory objects' bytes; on error the layer has
+    /// reopened its gate (it does when the connection ends before `release`).
+    fn take(&self, t: &Target) -> Result<(Vec<ClDevice>, Vec<HeldMem>, Conn), EngineError> {
+        let conn = connect(t.pid, &t.name)?;
+        // The layer bounds its own waits by the timeout; reading the memory objects into
+        // memfds takes what it takes, so each message may take longer.
+        let _ = socket::set_recv_timeout(&conn.sock, Some(Duration::from_millis(self.timeout_ms + 60_000)));
+        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None)?;
+        let mut devices = Vec::new();
+        let mut mems = Vec::new();
+        loop {
+            match conn.recv::<Reply>()? {
+                (Reply::Device { kind, name }, _) => devices.push(ClDevice { kind, name }),
+                (Reply::Mem { id, size, kind }, Some(fd)) => mems.push(HeldMem { id, size, kind, fd }),
+                (Reply::Mem { id, .. }, None) => {
+                    return Err(fail(format!("OpenCL layer of process {}: memory object {id} came without its bytes", t.pid), None))
+                }
+                (Reply::Done { .. }, _) => break,
+                (Reply::Err(m), _) => return Err(fail(format!("process {} ({}): {m}; it keeps running", t.pid, t.comm), None)),
+                (other, _) => return Err(fail(format!("OpenCL layer of process {}: unexpected {other:?}", t.pid), None)),
+            }
+        }
+        let _ = socket::set_recv_timeout(&conn.sock, None);
+        Ok((devices, mems, conn))
+    }
+}
+
+impl CheckpointSession for OpenClCheckpoint {
+    fn pids(&self) -> &[i32] {
+        &self.pids
+    }
+
+    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let start = Instant::now();
+        let mut processes = Vec::new();
+        for t in &self.targets {
+            let (devices, mems, conn) = self.take(t)?;
+            if !self.opts.leave_running {
+                // Durable before the layer lets go of the real objects.
+                for m in &mems {
+                    self.written.extend(save(sink, &chunk_prefix(t.ns_pid, m.id), m)?);
+                }
+            }
+            let s = &t.status;
+            processes.push(ClProcess {
+                ns_pid: t.ns_pid,
+                comm: t.comm.clone(),
+                devices,
+                objects: ClObjects { contexts: s.contexts, queues: s.queues, programs: s.programs, kernels: s.kernels, samplers: s.samplers, events: s.events },
+                bytes: mems.iter().map(|m| m.size).sum(),
+                mems: mems
+                    .iter()
+                    .map(|m| ClMem { id: m.id, size: m.size, kind: m.kind.to_string(), files: chunks::chunk_files(&chunk_prefix(t.ns_pid, m.id), m.size) })
+                    .collect(),
+            });
+            self.held.insert(t.pid, mems);
+            conn.call::<Reply>(&Request::Release, None)?;
+            self.released.push(t.pid);
+            conn.wait_closed();
+        }
+        self.section = Some(Section { chunk_bytes: CHUNK, processes, quiesce_seconds: start.elapsed().as_secs_f64() });
+        Ok(())
+    }
+
+    fn capture(&mut self, _tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError> {
+        let section = self.section.as_ref().ok_or_else(|| fail("capture before quiesce", None))?;
+        Ok(serde_json::to_value(section).expect("section serializes"))
+    }
+
+    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let mut first = None;
+        for t in &self.targets {
+            if !self.released.contains(&t.pid) || !crate::proctree::exists(t.pid) {
+                // Never released (its layer reopened its gate when the connection ended),
+                // or gone: nothing to undo.
+                continue;
+            }
+            let held = self.held.get(&t.pid).map(Vec::as_slice).unwrap_or_default();
+            let r = (|| {
+                let conn = connect(t.pid, &t.name)?;
+                conn.call::<Reply>(&Request::Replay { device: None }, None)?;
+                for m in held {
+                    conn.call::<Reply>(&Request::Load { id: m.id }, Some(&m.fd))?;
+                }
+                conn.call::<Reply>(&Request::Resume, None).map(|_| ())
+            })();
+            if let Err(e) = r {
+                // The bytes go where `hiber recover` looks for them (a stopping checkpoint
+                // wrote them already).
+                for m in held {
+                    let prefix = chunk_prefix(t.ns_pid, m.id);
+                    if !sink.has_file(&format!("{prefix}.00000")) {
+                        if let Ok(files) = save(sink, &prefix, m) {
+                            self.written.extend(files);
+                        }
+                    }
+                }
+                first.get_or_insert(e);
+            } else {
+                self.released.retain(|p| *p != t.pid);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
+        let mut written = std::mem::take(&mut self.written);
+        if self.opts.leave_running {
+            for t in &self.targets {
+                for m in self.held.get(&t.pid).map(Vec::as_slice).unwrap_or_default() {
+                    let prefix = chunk_prefix(t.ns_pid, m.id);
+                    if !written.iter().any(|f| f.path == format!("{prefix}.00000")) {
+                        written.extend(save(sink, &prefix, m)?);
+                    }
+                }
+            }
+        }
+        self.held.clear();
+        Ok(written)
+    }
+}
+
+struct OpenClRestore {
+    section: Section,
+    device: Option<String>,
+    image_dir: PathBuf,
+    checksums: HashMap<String, String>,
+}
+
+impl RestoreSession for OpenClRestore {
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+        for p in &self.section.processes {
+            let now = pids
+                .iter()
+                .find(|r| r.ns_pid == p.ns_pid)
+                .ok_or_else(|| fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
+            let name = layer_name(now.pid).ok_or_else(|| fail(format!("process {} has no OpenCL layer token in its environment", now.pid), None))?;
+            let t0 = Instant::now();
+            let conn = connect(now.pid, &name)?;
+            conn.call::<Reply>(&Request::Replay { device: self.device.clone() }, None).map_err(|e| {
+                let hint = if self.device.is_none() { Some("move it to a device here with --opencl-device cpu, gpu or PLATFORM:DEVICE") } else { None };
+                fail(format!("{e}"), hint)
+            })?;
+            for m in &p.mems {
+                let fd = load_chunks(&self.image_dir, &chunk_prefix(p.ns_pid, m.id), m.size, Some(&self.checksums))?;
+                conn.call::<Reply>(&Request::Load { id: m.id }, Some(&fd))?;
+            }
+            conn.call::<Reply>(&Request::Resume, None)?;
+            tracing::info!(pid = now.pid, seconds = t0.elapsed().as_secs_f64(), bytes = p.bytes, device = ?self.device, "OpenCL objects re-created");
+        }
+        Ok(())
+    }
+}
+
+fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
+    serde_json::from_value(value.clone()).map_err(|e| fail(format!("unreadable manifest section: {e}"), Some("the image was written by an incompatible hiber")))
+}
+
+pub fn describe(value: &serde_json::Value) -> Vec<String> {
+    let Ok(s) = section(value) else { return vec!["unreadable OpenCL section".into()] };
+    let mut out = Vec::new();
+    for p in &s.processes {
+        let o = &p.objects;
+        out.push(format!(
+            "process {} ({}): {} contexts, {} queues, {} programs, {} kernels, {} samplers, {} events; {} memory objects, {} bytes",
+            p.ns_pid,
+            p.comm,
+            o.contexts,
+            o.queues,
+            o.programs,
+            o.kernels,
+            o.samplers,
+            o.events,
+            p.mems.len(),
+            p.bytes
+        ));
+        for d in &p.devices {
+            out.push(format!("  on {} device {}", d.kind, d.name));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn describe_names_objects_and_devices() {
+        let s = Section {
+            chunk_bytes: CHUNK,
+            quiesce_seconds: 0.1,
+            processes: vec![ClProcess {
+                ns_pid: 2,
+                comm: "stencil".into(),
+                devices: vec![ClDevice { kind: "cpu".into(), name: "Portable Computing Language / pthread".into() }],
+                objects: ClObjects { contexts: 1, queues: 2, programs: 1, kernels: 3, samplers: 0, events: 4 },
+                bytes: 8192,
+                mems: vec![ClMem { id: 5, size: 8192, kind: "buffer".into(), files: chunks::chunk_files(&chunk_prefix(2, 5), 8192) }],
+            }],
+        };
+        let lines = describe(&serde_json::to_value(&s).unwrap());
+        assert!(lines[0].contains("2 queues") && lines[0].contains("1 memory objects, 8192 bytes"), "{lines:?}");
+        assert!(lines[1].contains("cpu device Portable Computing Language / pthread"), "{lines:?}");
+        assert_eq!(s.processes[0].mems[0].files, ["opencl/2/5.00000"]);
+    }
+}

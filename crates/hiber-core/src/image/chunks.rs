@@ -1,0 +1,107 @@
+//! Device data in an image: each memory object or allocation is a run of chunk files
+//! `PREFIX.NNNNN` of [`CHUNK`] bytes (the last one shorter), each listed in the manifest
+//! with its blake3. Engines write and read chunks through these helpers, so every engine's
+//! device data is checked the same way on the way back.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::Path;
+
+use super::{FileEntry, ImageSink};
+
+/// Bytes per chunk file: large enough for full-speed copies, small enough that a few
+/// pinned buffers of this size are cheap to allocate.
+pub const CHUNK: u64 = 64 << 20;
+
+/// The chunk files of an object of `size` bytes, relative to the image.
+pub fn chunk_files(prefix: &str, size: u64) -> Vec<String> {
+    (0..size.div_ceil(CHUNK)).map(|k| format!("{prefix}.{k:05}")).collect()
+}
+
+/// Whether every byte of `data` is zero.
+fn is_zero(data: &[u8]) -> bool {
+    // SAFETY: every bit pattern is a valid u128; align_to only splits off unaligned ends.
+    let (head, words, tail) = unsafe { data.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && words.chunks(64).all(|c| c.iter().fold(0, |acc, &w| acc | w) == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// blake3 of `len` zero bytes, computed once for a whole chunk.
+fn zero_hash(len: usize) -> String {
+    static FULL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let hash = || blake3::hash(&vec![0u8; len]).to_hex().to_string();
+    if len as u64 == CHUNK {
+        FULL.get_or_init(hash).clone()
+    } else {
+        hash()
+    }
+}
+
+/// Writes chunk `rel` (created 0600 by the sink, made durable) and returns its manifest
+/// entry.
+///
+/// A chunk of zeros (memory the application never wrote: most of a pool that JAX or an
+/// inference server reserves up front) becomes a sparse file of the same length: it reads
+/// back as the same zeros under the same checksum, and takes no disk space or write time.
+pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, String> {
+    let io = |e: std::io::Error| format!("{rel}: {e}");
+    let mut f = sink.create_file(rel).map_err(io)?;
+    let blake3 = if is_zero(data) {
+        f.set_len(data.len() as u64).map_err(io)?;
+        zero_hash(data.len())
+    } else {
+        f.write_all(data).map_err(io)?;
+        blake3::hash(data).to_hex().to_string()
+    };
+    f.sync_all().map_err(io)?;
+    Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3 })
+}
+
+/// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking it
+/// against its manifest checksum (`sums` is `None` only when recovering from a partial
+/// image, which has no manifest yet: then only the size is checked).
+pub fn read(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String, String>>) -> Result<(), String> {
+    let path = dir.join(rel);
+    let io = |e: std::io::Error| format!("{}: {e}", path.display());
+    let mut f = File::open(&path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    if len != buf.len() as u64 {
+        return Err(format!("{} has {len} bytes, expected {}", path.display(), buf.len()));
+    }
+    f.read_exact(buf).map_err(io)?;
+    if let Some(sums) = sums {
+        let want = sums.get(rel).ok_or_else(|| format!("{rel} is not in the manifest"))?;
+        if blake3::hash(buf).to_hex().as_str() != want {
+            return Err(format!("{} does not match its checksum", path.display()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection_sees_every_byte() {
+        let mut v = vec![0u8; (1 << 20) + 3];
+        assert!(is_zero(&v));
+        assert!(is_zero(&v[1..]));
+        for at in [0, 1, 15, 16, 4095, 1 << 19, (1 << 20) + 2] {
+            v[at] = 1;
+            assert!(!is_zero(&v), "a set byte at {at}");
+            assert!(!is_zero(&v[1..]) || at == 0, "a set byte at {at}, unaligned");
+            v[at] = 0;
+        }
+        assert_eq!(zero_hash(CHUNK as usize), blake3::hash(&vec![0u8; CHUNK as usize]).to_hex().to_string());
+        assert_eq!(zero_hash(5), blake3::hash(&[0u8; 5]).to_hex().to_string());
+    }
+
+    #[test]
+    fn chunking_covers_the_object() {
+        assert_eq!(chunk_files("agent/1/7", 1), vec!["agent/1/7.00000"]);
+        assert_eq!(chunk_files("agent/1/7", CHUNK).len(), 1);
+        assert_eq!(chunk_files("agent/1/7", CHUNK + 1).len(), 2);
+        assert_eq!(chunk_files("a", 32 << 30).len(), 512);
+    }
+}

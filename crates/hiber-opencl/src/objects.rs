@@ -1,0 +1,411 @@
+//! Virtual OpenCL objects: what the application holds instead of the platform's handles.
+//!
+//! Each handle the application gets is the address of an [`Obj`]: the real handle it stands
+//! for (swapped when hiber re-creates the object), the application's reference count, and
+//! a [`Record`] of how the object was made, which names the objects it was made from. A
+//! record keeps those alive, as OpenCL keeps a kernel's program alive, so every object
+//! still in use can be re-created in creation order after the real ones were released.
+//!
+//! Lock order: [`REGISTRY`], then an object's record. No `Arc<Obj>` is dropped while the
+//! registry is locked (a drop may release the object, which takes the registry).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::cl::{self, cl_int, ImageDesc, ImageFormat, H};
+
+const MAGIC: u64 = 0x3143_7265_6269_6821; // "!hiberC1"
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Platform,
+    Device,
+    Context,
+    Queue,
+    Mem,
+    Sampler,
+    Program,
+    Kernel,
+    Event,
+}
+
+impl Kind {
+    /// The error OpenCL gives for a bad handle of this kind.
+    pub fn invalid(self) -> cl_int {
+        match self {
+            Kind::Platform => cl::CL_INVALID_PLATFORM,
+            Kind::Device => cl::CL_INVALID_DEVICE,
+            Kind::Context => cl::CL_INVALID_CONTEXT,
+            Kind::Queue => cl::CL_INVALID_COMMAND_QUEUE,
+            Kind::Mem => cl::CL_INVALID_MEM_OBJECT,
+            Kind::Sampler => cl::CL_INVALID_SAMPLER,
+            Kind::Program => cl::CL_INVALID_PROGRAM,
+            Kind::Kernel => cl::CL_INVALID_KERNEL,
+            Kind::Event => cl::CL_INVALID_EVENT,
+        }
+    }
+}
+
+/// A kernel argument as the application set it.
+#[derive(Debug, Clone)]
+pub enum Arg {
+    Bytes(Vec<u8>),
+    /// `__local` memory of this size (`arg_value` NULL).
+    Local(usize),
+    /// A memory object or sampler, by its virtual object.
+    Object(Arc<Obj>),
+}
+
+#[derive(Debug, Clone)]
+pub enum ProgramSource {
+    Text(Vec<u8>),
+    Il(Vec<u8>),
+    /// One binary per device, as given.
+    Binary(Vec<(Arc<Obj>, Vec<u8>)>),
+}
+
+#[derive(Debug, Clone)]
+pub enum Shape {
+    Buffer,
+    Sub { parent: Arc<Obj>, origin: usize },
+    Image { format: ImageFormat, desc: ImageDesc, buffer: Option<Arc<Obj>>, element: usize },
+}
+
+/// How an object was made.
+#[derive(Debug)]
+pub enum Record {
+    Platform {
+        name: String,
+    },
+    Device {
+        platform: Arc<Obj>,
+        name: String,
+        device_type: u64,
+    },
+    Context {
+        devices: Vec<Arc<Obj>>,
+        platform: Option<Arc<Obj>>,
+        props: Vec<isize>,
+        notify: ContextNotify,
+        user_data: usize,
+    },
+    /// `props` is a zero-terminated `cl_queue_properties` list.
+    Queue {
+        context: Arc<Obj>,
+        device: Arc<Obj>,
+        props: Vec<u64>,
+    },
+    Mem {
+        context: Arc<Obj>,
+        flags: u64,
+        size: usize,
+        host_ptr: usize,
+        props: Vec<u64>,
+        shape: Shape,
+    },
+    /// `props` is a zero-terminated `cl_sampler_properties` list.
+    Sampler {
+        context: Arc<Obj>,
+        props: Vec<u64>,
+    },
+    Program {
+        context: Arc<Obj>,
+        source: ProgramSource,
+        build: Option<(Vec<Arc<Obj>>, CString)>,
+    },
+    Kernel {
+        program: Arc<Obj>,
+        name: CString,
+        args: BTreeMap<u32, Arg>,
+    },
+    /// `status` is read when the real event is released (and set by `clSetUserEventStatus`).
+    Event {
+        context: Arc<Obj>,
+        queue: Option<Arc<Obj>>,
+        command: u32,
+        user: bool,
+        status: Option<cl_int>,
+    },
+    /// Made by a feature hiber cannot re-create (named in the registry's `refused`).
+    Opaque {
+        what: &'static str,
+    },
+}
+
+/// The error callback an application gives a context (it takes no handles).
+pub type ContextNotify = Option<unsafe extern "C" fn(*const std::ffi::c_char, *const c_void, usize, *mut c_void)>;
+
+/// A destructor callback the application registered on a context, memory object or program.
+pub type Destructor = (unsafe extern "C" fn(H, *mut c_void), usize);
+
+/// One virtual object. `#[repr(C)]` keeps `magic` first, where handles are checked.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Obj {
+    magic: u64,
+    pub kind: Kind,
+    pub seq: u64,
+    real: AtomicPtr<c_void>,
+    app_refs: AtomicU32,
+    /// Outstanding maps of a memory object (clEnqueueMap* minus clEnqueueUnmapMemObject).
+    pub maps: AtomicI64,
+    pub rec: Mutex<Record>,
+    pub destructors: Mutex<Vec<Destructor>>,
+}
+
+impl Obj {
+    pub fn real(&self) -> H {
+        self.real.load(Ordering::Acquire)
+    }
+
+    pub fn set_real(&self, real: H) {
+        let old = self.real.swap(real, Ordering::AcqRel);
+        let mut reg = registry();
+        if !old.is_null() {
+            reg.by_real.remove(&(old as usize));
+        }
+        if !real.is_null() {
+            reg.by_real.insert(real as usize, (self.kind, self.handle() as usize));
+        }
+    }
+
+    pub fn rec(&self) -> MutexGuard<'_, Record> {
+        self.rec.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The handle the application holds.
+    pub fn handle(&self) -> H {
+        self as *const Obj as H
+    }
+
+    pub fn app_refs(&self) -> u32 {
+        self.app_refs.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Obj {
+    fn drop(&mut self) {
+        let real = *self.real.get_mut();
+        if !real.is_null() {
+            release_real(self.kind, real);
+        }
+        let mut reg = registry();
+        reg.live.remove(&self.seq);
+        if !real.is_null() {
+            reg.by_real.remove(&(real as usize));
+        }
+        drop(reg);
+        let me = self.handle();
+        for (f, data) in std::mem::take(self.destructors.get_mut().unwrap_or_else(|e| e.into_inner())).into_iter().rev() {
+            // SAFETY: the application registered `f` with `data` for this object's
+            // destruction, which is now; it gets the handle it knew the object by.
+            unsafe { f(me, data as *mut c_void) };
+        }
+    }
+}
+
+/// Releases the one reference the layer holds on a real object.
+pub(crate) fn release_real(kind: Kind, real: H) {
+    let Some(r) = cl::real() else { return };
+    let f = match kind {
+        Kind::Context => r.clReleaseContext,
+        Kind::Queue => r.clReleaseCommandQueue,
+        Kind::Mem => r.clReleaseMemObject,
+        Kind::Sampler => r.clReleaseSampler,
+        Kind::Program => r.clReleaseProgram,
+        Kind::Kernel => r.clReleaseKernel,
+        Kind::Event => r.clReleaseEvent,
+        Kind::Platform | Kind::Device => None,
+    };
+    if let Some(f) = f {
+        // SAFETY: `real` is a live object of this kind on which the layer holds one
+        // reference, given up here exactly once.
+        unsafe { f(real) };
+    }
+}
+
+#[derive(Default)]
+pub struct Registry {
+    next_seq: u64,
+    /// Every object not yet destroyed, by creation order.
+    pub live: BTreeMap<u64, Weak<Obj>>,
+    /// Real handle → (kind, virtual handle), for answers that name objects.
+    by_real: HashMap<usize, (Kind, usize)>,
+    /// Platforms and devices live as long as the process.
+    pub roots: Vec<Arc<Obj>>,
+    /// OpenCL features used that hiber cannot checkpoint.
+    pub refused: BTreeSet<&'static str>,
+    /// The real objects were released for a checkpoint and not yet re-created.
+    pub released: bool,
+    /// The process called OpenCL.
+    pub active: bool,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+pub struct RegistryGuard(MutexGuard<'static, Option<Registry>>);
+
+impl std::ops::Deref for RegistryGuard {
+    type Target = Registry;
+    fn deref(&self) -> &Registry {
+        self.0.as_ref().expect("initialized by registry()")
+    }
+}
+
+impl std::ops::DerefMut for RegistryGuard {
+    fn deref_mut(&mut self) -> &mut Registry {
+        self.0.as_mut().expect("initialized by registry()")
+    }
+}
+
+pub fn registry() -> RegistryGuard {
+    let mut g = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    g.get_or_insert_with(Registry::default);
+    RegistryGuard(g)
+}
+
+/// Marks a feature the process used that hiber cannot checkpoint.
+pub fn refuse(what: &'static str) {
+    let mut reg = registry();
+    if reg.refused.insert(what) {
+        drop(reg);
+        crate::log(&format!("the application used {what}: it runs on, but hiber will refuse to checkpoint it"));
+    }
+}
+
+/// A new object for `real`, held once by the application (roots are held by the registry).
+pub fn make(kind: Kind, real: H, rec: Record) -> Arc<Obj> {
+    let mut reg = registry();
+    reg.next_seq += 1;
+    let o = Arc::new(Obj {
+        magic: MAGIC,
+        kind,
+        seq: reg.next_seq,
+        real: AtomicPtr::new(real),
+        app_refs: AtomicU32::new(1),
+        maps: AtomicI64::new(0),
+        rec: Mutex::new(rec),
+        destructors: Mutex::new(Vec::new()),
+    });
+    reg.live.insert(o.seq, Arc::downgrade(&o));
+    if !real.is_null() {
+        reg.by_real.insert(real as usize, (kind, Arc::as_ptr(&o) as usize));
+    }
+    if matches!(kind, Kind::Platform | Kind::Device) {
+        reg.roots.push(o.clone());
+    }
+    o
+}
+
+/// Hands a new object to the application: the handle owns one strong count.
+pub fn give(o: Arc<Obj>) -> H {
+    Arc::into_raw(o) as H
+}
+
+/// The object behind an application handle, if it is one of ours of `kind`.
+pub fn get(h: H, kind: Kind) -> Option<Arc<Obj>> {
+    if h.is_null() {
+        return None;
+    }
+    let p = h as *const Obj;
+    // SAFETY: a non-null handle the application passes for an OpenCL object is either one
+    // of ours (an `Obj`, whose first field is `magic`) or a pointer to an implementation's
+    // object, which also starts with a pointer-sized field (its ICD dispatch table). Reading
+    // eight bytes is valid either way.
+    let magic = unsafe { std::ptr::read(p as *const u64) };
+    if magic != MAGIC {
+        return None;
+    }
+    // SAFETY: the magic says `p` is an `Obj` made by `give` or `make`+`roots`, alive while
+    // the application holds its handle; a second strong count keeps it alive for the call.
+    let o = unsafe {
+        Arc::increment_strong_count(p);
+        Arc::from_raw(p)
+    };
+    (o.kind == kind).then_some(o)
+}
+
+/// The real handle behind `h`, or OpenCL's error for a bad handle of `kind`.
+pub fn real_of(h: H, kind: Kind) -> Result<H, cl_int> {
+    let o = get(h, kind).ok_or(kind.invalid())?;
+    let r = o.real();
+    if r.is_null() {
+        return Err(kind.invalid());
+    }
+    Ok(r)
+}
+
+/// Real handles for a list of `n` virtual ones (a wait list, a device list).
+///
+/// # Safety
+/// `list` points to `n` handles, or is null with `n` 0.
+pub unsafe fn reals(list: *const H, n: u32, kind: Kind) -> Result<Vec<H>, cl_int> {
+    if list.is_null() || n == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the caller's contract.
+    let l = unsafe { std::slice::from_raw_parts(list, n as usize) };
+    l.iter().map(|&h| real_of(h, kind)).collect()
+}
+
+/// The objects for a list of `n` virtual handles.
+///
+/// # Safety
+/// As [`reals`].
+pub unsafe fn objs(list: *const H, n: u32, kind: Kind) -> Result<Vec<Arc<Obj>>, cl_int> {
+    if list.is_null() || n == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the caller's contract.
+    let l = unsafe { std::slice::from_raw_parts(list, n as usize) };
+    l.iter().map(|&h| get(h, kind).ok_or(kind.invalid())).collect()
+}
+
+/// The application's handle for a real one, when the layer knows it.
+pub fn virtual_of(real: H) -> Option<H> {
+    if real.is_null() {
+        return None;
+    }
+    registry().by_real.get(&(real as usize)).map(|&(_, v)| v as H)
+}
+
+/// `clRetain*`.
+pub fn retain(h: H, kind: Kind) -> cl_int {
+    match get(h, kind) {
+        Some(o) => {
+            o.app_refs.fetch_add(1, Ordering::Relaxed);
+            cl::CL_SUCCESS
+        }
+        None => kind.invalid(),
+    }
+}
+
+/// `clRelease*`: the application's last release lets the object go (now, or when the
+/// objects made from it go).
+pub fn release(h: H, kind: Kind) -> cl_int {
+    let Some(o) = get(h, kind) else { return kind.invalid() };
+    if matches!(kind, Kind::Platform | Kind::Device) {
+        return cl::CL_SUCCESS;
+    }
+    let last = o.app_refs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).map(|n| n == 1);
+    match last {
+        Ok(true) => {
+            let p = Arc::as_ptr(&o);
+            drop(o);
+            // SAFETY: the application's handle owned one strong count (see `give`), which
+            // its last release gives back, once.
+            unsafe { Arc::decrement_strong_count(p) };
+            cl::CL_SUCCESS
+        }
+        Ok(false) => cl::CL_SUCCESS,
+        Err(_) => kind.invalid(),
+    }
+}
+
+/// Every object not yet destroyed, in creation order.
+pub fn all_live() -> Vec<Arc<Obj>> {
+    let reg = registry();
+    reg.live.values().filter_map(Weak::upgrade).collect()
+}
