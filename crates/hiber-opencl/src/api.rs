@@ -1314,7 +1314,7 @@ pub unsafe extern "C" fn clSetKernelArg(k: H, index: cl_uint, size: usize, value
     if size == std::mem::size_of::<H>() && !value.is_null() {
         // SAFETY: `value` points to `size` bytes, a handle-sized value.
         let h = unsafe { std::ptr::read_unaligned(value as *const H) };
-        object = o::get(h, Kind::Mem).or_else(|| o::get(h, Kind::Sampler));
+        object = o::lookup(h, Kind::Mem).or_else(|| o::lookup(h, Kind::Sampler));
     }
     let r = match &object {
         Some(x) => {

@@ -193,6 +193,7 @@ impl Drop for Obj {
         }
         let mut reg = registry();
         reg.live.remove(&self.seq);
+        reg.handles.remove(&(self.handle() as usize));
         if !real.is_null() {
             reg.by_real.remove(&(real as usize));
         }
@@ -233,6 +234,8 @@ pub struct Registry {
     pub live: BTreeMap<u64, Weak<Obj>>,
     /// Real handle → (kind, virtual handle), for answers that name objects.
     by_real: HashMap<usize, (Kind, usize)>,
+    /// Every virtual handle not yet destroyed, and its kind.
+    handles: HashMap<usize, Kind>,
     /// Platforms and devices live as long as the process.
     pub roots: Vec<Arc<Obj>>,
     /// OpenCL features used that hiber cannot checkpoint.
@@ -290,6 +293,7 @@ pub fn make(kind: Kind, real: H, rec: Record) -> Arc<Obj> {
         destructors: Mutex::new(Vec::new()),
     });
     reg.live.insert(o.seq, Arc::downgrade(&o));
+    reg.handles.insert(Arc::as_ptr(&o) as usize, kind);
     if !real.is_null() {
         reg.by_real.insert(real as usize, (kind, Arc::as_ptr(&o) as usize));
     }
@@ -325,6 +329,15 @@ pub fn get(h: H, kind: Kind) -> Option<Arc<Obj>> {
         Arc::from_raw(p)
     };
     (o.kind == kind).then_some(o)
+}
+
+/// The object of `kind` whose handle is the value `h`, if there is one: for values that
+/// may be handles or plain data (a kernel argument), never read through.
+pub fn lookup(h: H, kind: Kind) -> Option<Arc<Obj>> {
+    if registry().handles.get(&(h as usize)) != Some(&kind) {
+        return None;
+    }
+    get(h, kind)
 }
 
 /// The real handle behind `h`, or OpenCL's error for a bad handle of `kind`.

@@ -513,9 +513,10 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
         }
         let real = recreate(x).map_err(|e| format!("re-creating {:?} {}: {e}", x.kind, x.seq))?;
         x.set_real(real);
-        if x.kind == Kind::Kernel {
-            set_args(x)?;
-        }
+    }
+    // Arguments last: a kernel's arguments may be objects made after it.
+    for k in objects.iter().filter(|x| x.kind == Kind::Kernel) {
+        set_args(k)?;
     }
     o::registry().released = false;
     Ok(())

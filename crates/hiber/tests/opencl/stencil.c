@@ -2,7 +2,9 @@
  * step, each step's kernel waiting on the previous step's event (kept across steps), and a
  * host reference computed beside it. Prints `step N checksum X t MS dev NAME`, then
  * `verify ok` when the device's state equals the host's after the last step.
- * Usage: stencil STEPS N DEVICE SLEEP_MS */
+ * Usage: stencil STEPS N DEVICE SLEEP_MS [map|svm]
+ *   map: keeps one more buffer mapped (clEnqueueMapBuffer) the whole run;
+ *   svm: allocates and frees shared virtual memory once (clSVMAlloc). */
 #include "common.h"
 
 static const char *SRC =
@@ -43,6 +45,17 @@ int main(int argc, char **argv) {
     CHECK(err);
     buf[1] = clCreateBuffer(ctx, CL_MEM_READ_WRITE, n * 4, NULL, &err);
     CHECK(err);
+    if (argc > 5 && strcmp(argv[5], "map") == 0) {
+        cl_mem m = clCreateBuffer(ctx, CL_MEM_READ_WRITE, 4096, NULL, &err);
+        CHECK(err);
+        void *p = clEnqueueMapBuffer(q, m, CL_TRUE, CL_MAP_WRITE, 0, 4096, 0, NULL, NULL, &err);
+        CHECK(err);
+        memset(p, 1, 4096);
+    }
+    if (argc > 5 && strcmp(argv[5], "svm") == 0) {
+        void *p = clSVMAlloc(ctx, CL_MEM_READ_WRITE, 4096, 0);
+        if (p) clSVMFree(ctx, p);
+    }
     cl_event prev = NULL;
     char name[256];
     for (int s = 1; s <= steps; s++) {

@@ -1,0 +1,232 @@
+//! The OpenCL engine end to end: real OpenCL programs (tests/opencl/*.c) on PoCL's two CPU
+//! devices (`POCL_DEVICES="basic pthread"`: two drivers), under `hiber run`, checkpointed
+//! and restored with a real CRIU. Each restored program checks its own device state against
+//! a host reference, and its trajectory is compared with an uninterrupted run's.
+//!
+//! A program on PoCL's CPU device would also round-trip through CRIU alone (its state is
+//! process memory), so these tests look for the engine's own work: the memory objects in
+//! the image, and restores onto the other device, which only a replay of the objects gives.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{assert_continues, wait, Hiber};
+
+const DEVICES: &str = "basic pthread";
+const BASIC: &str = "basic-";
+const PTHREAD: &str = "pthread-";
+
+/// Compiles test program `name` into the scratch directory.
+fn program(h: &Hiber, name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/opencl");
+    let out = h.scratch.join(name);
+    let st = Command::new("cc")
+        .args(["-O2", "-Wall", "-o"])
+        .arg(&out)
+        .arg(dir.join(format!("{name}.c")))
+        .arg("-lOpenCL")
+        .status()
+        .expect("run cc (scripts/setup.sh installs it with OpenCL's headers)");
+    assert!(st.success(), "cc {name}.c failed");
+    out
+}
+
+/// Progress of an uninterrupted run of the same program, without hiber.
+fn reference(bin: &PathBuf, args: &[&str]) -> Vec<(u64, String)> {
+    let mut a: Vec<&str> = args.to_vec();
+    a[3] = "0"; // no sleep
+    let out = Command::new(bin).args(&a).env("POCL_DEVICES", DEVICES).output().expect("run the reference");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("verify ok"), "the reference run failed: {text}");
+    text.lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w.first() == Some(&"step")).then(|| (w[1].parse().unwrap(), w[3].to_string()))
+        })
+        .collect()
+}
+
+/// The device names a job's log shows, in order of first appearance.
+fn devices_in(log: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for l in log.lines().filter(|l| l.starts_with("step ")) {
+        if let Some(d) = l.split(" dev ").nth(1) {
+            if !out.iter().any(|x| x == d) {
+                out.push(d.to_string());
+            }
+        }
+    }
+    out
+}
+
+fn start(h: &Hiber, name: &str, bin: &PathBuf, args: &[&str]) {
+    let mut cmd = h.command(&["run", "--name", name, "--"]);
+    cmd.arg(bin).args(args).env("POCL_DEVICES", DEVICES);
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn restore(h: &Hiber, image: &str, name: &str, extra: &[&str]) {
+    let mut args = vec!["restore", image, "--name", name];
+    args.extend_from_slice(extra);
+    let out = h.command(&args).env("POCL_DEVICES", DEVICES).output().unwrap();
+    assert!(out.status.success(), "hiber restore failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn opencl_section(h: &Hiber, image: &str) -> serde_json::Value {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(PathBuf::from(image).join("manifest.json")).unwrap()).unwrap();
+    let sections = m["devices"].as_array().cloned().unwrap_or_default();
+    let s = sections.iter().find(|s| s["engine"] == "opencl").unwrap_or_else(|| panic!("no opencl section in {image}: {m}"));
+    s["state"].clone()
+}
+
+#[test]
+fn stencil_moves_to_the_other_device_and_goes_on_identically() {
+    let h = Hiber::new("ocl-stencil");
+    let bin = program(&h, "stencil");
+    let args = ["300", "65536", "0", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "st", &bin, &args);
+    h.wait_step("st", 40);
+    let image = h.images_dir().join("st").display().to_string();
+    h.ok(&["checkpoint", "st", "--out", &image]);
+    let at = h.last_step("st").unwrap();
+
+    // The engine at work: both buffers' bytes are in the image, as checksummed chunks.
+    let s = opencl_section(&h, &image);
+    let p = &s["processes"][0];
+    assert_eq!(p["mems"].as_array().unwrap().len(), 2, "{s}");
+    assert_eq!(p["bytes"], 2 * 65536 * 4, "{s}");
+    assert!(p["devices"][0]["name"].as_str().unwrap().contains(BASIC), "{s}");
+    for m in p["mems"].as_array().unwrap() {
+        for f in m["files"].as_array().unwrap() {
+            assert!(PathBuf::from(&image).join(f.as_str().unwrap()).is_file(), "{f} missing");
+        }
+    }
+    let inspect = h.ok(&["inspect", &image]);
+    assert!(inspect.contains("2 memory objects, 524288 bytes"), "{inspect}");
+
+    restore(&h, &image, "st2", &["--opencl-device", "0:1"]);
+    h.assert_verified("st2", Duration::from_secs(60));
+    let log = h.log("st2");
+    assert_eq!(devices_in(&log).len(), 1, "{log}");
+    assert!(devices_in(&log)[0].starts_with(PTHREAD), "the restored program runs on the other device: {:?}", devices_in(&log));
+    assert!(devices_in(&h.log("st"))[0].starts_with(BASIC));
+    assert_continues(&want, &h.progress("st2"), at + 1);
+}
+
+#[test]
+fn two_queues_leave_running_then_two_restores() {
+    let h = Hiber::new("ocl-reduce");
+    let bin = program(&h, "reduce");
+    let args = ["200", "32768", "1", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "rd", &bin, &args);
+    h.wait_step("rd", 30);
+    let image = h.images_dir().join("rd").display().to_string();
+    h.ok(&["checkpoint", "rd", "--leave-running", "--out", &image]);
+    // The original re-created its objects and goes on, with the same trajectory.
+    h.assert_verified("rd", Duration::from_secs(60));
+    assert_continues(&want, &h.progress("rd"), 1);
+    let s = opencl_section(&h, &image);
+    // The data buffer, the partial sums and the result; the sub-buffer shares the data's.
+    assert_eq!(s["processes"][0]["mems"].as_array().unwrap().len(), 3, "{s}");
+    assert_eq!(s["processes"][0]["objects"]["queues"], 2, "{s}");
+    assert_eq!(s["processes"][0]["objects"]["kernels"], 3, "{s}");
+    // The image restores twice, side by side (the second copy in a network namespace of its
+    // own, as the layer's control socket name is taken by the first), once onto each
+    // device, each copy verifying on its own.
+    restore(&h, &image, "rd-a", &[]);
+    restore(&h, &image, "rd-b", &["--opencl-device", "0:0", "--isolate-net"]);
+    for (name, dev) in [("rd-a", PTHREAD), ("rd-b", BASIC)] {
+        h.assert_verified(name, Duration::from_secs(60));
+        let p = h.progress(name);
+        assert_continues(&want, &p, p[0].0);
+        assert!(devices_in(&h.log(name))[0].starts_with(dev), "{name}: {:?}", devices_in(&h.log(name)));
+    }
+}
+
+#[test]
+fn images_and_a_sampler_round_trip_and_move() {
+    let h = Hiber::new("ocl-image");
+    let bin = program(&h, "image");
+    let args = ["200", "96", "1", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "im", &bin, &args);
+    h.wait_step("im", 30);
+    let image = h.images_dir().join("im").display().to_string();
+    h.ok(&["checkpoint", "im", "--out", &image]);
+    let at = h.last_step("im").unwrap();
+    let s = opencl_section(&h, &image);
+    let mems = s["processes"][0]["mems"].as_array().unwrap().clone();
+    assert_eq!(mems.len(), 2, "{s}");
+    assert!(mems.iter().all(|m| m["kind"] == "image" && m["size"] == 96 * 96 * 4), "{s}");
+    assert_eq!(s["processes"][0]["objects"]["samplers"], 1, "{s}");
+    restore(&h, &image, "im2", &["--opencl-device", "cpu"]);
+    h.assert_verified("im2", Duration::from_secs(60));
+    assert!(devices_in(&h.log("im2"))[0].starts_with(BASIC), "`cpu` is the first CPU device: {:?}", devices_in(&h.log("im2")));
+    assert_continues(&want, &h.progress("im2"), at + 1);
+}
+
+#[test]
+fn a_chain_of_checkpoints_keeps_the_trajectory() {
+    let h = Hiber::new("ocl-chain");
+    let bin = program(&h, "stencil");
+    let args = ["400", "16384", "0", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "c0", &bin, &args);
+    let mut job = "c0".to_string();
+    for i in 1..=3 {
+        let step = h.last_step(&job).unwrap_or(0);
+        h.wait_step(&job, step + 15);
+        let image = h.images_dir().join(format!("c{i}")).display().to_string();
+        h.ok(&["checkpoint", &job, "--out", &image]);
+        let next = format!("c{i}");
+        // Back and forth between the two devices.
+        restore(&h, &image, &next, &["--opencl-device", if i % 2 == 1 { "0:1" } else { "0:0" }]);
+        job = next;
+    }
+    h.assert_verified(&job, Duration::from_secs(60));
+    let p = h.progress(&job);
+    assert_continues(&want, &p, p[0].0);
+}
+
+#[test]
+fn features_it_cannot_recreate_are_refused_before_anything_stops() {
+    let h = Hiber::new("ocl-refuse");
+    let bin = program(&h, "stencil");
+    for (job, mode, says) in [("mapped", "map", "mapped"), ("svm", "svm", "clSVMAlloc")] {
+        start(&h, job, &bin, &["100000", "4096", "0", "10", mode]);
+        h.wait_step(job, 5);
+        let image = h.images_dir().join(job).display().to_string();
+        let f = h.fails(&["checkpoint", job, "--out", &image]);
+        assert!(f.stderr.contains(says), "{job}: {}", f.stderr);
+        assert!(!PathBuf::from(&image).exists(), "no image is left behind");
+        // The job was never stopped: it goes on.
+        let at = h.last_step(job).unwrap();
+        h.wait_step(job, at + 5);
+        assert_eq!(h.state_of(job), "running");
+    }
+}
+
+#[test]
+fn a_device_that_is_not_here_is_refused_with_the_list() {
+    let h = Hiber::new("ocl-baddev");
+    let bin = program(&h, "stencil");
+    start(&h, "bd", &bin, &["100000", "4096", "0", "10"]);
+    h.wait_step("bd", 5);
+    let image = h.images_dir().join("bd").display().to_string();
+    h.ok(&["checkpoint", "bd", "--out", &image]);
+    let f = h.fails(&["restore", &image, "--opencl-device", "fast"]);
+    assert!(f.stderr.contains("--opencl-device fast") && f.stderr.contains("hint: "), "{}", f.stderr);
+    let out = h.command(&["restore", &image, "--name", "bd2", "--opencl-device", "0:7"]).env("POCL_DEVICES", DEVICES).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a restore onto device 0:7 cannot succeed");
+    assert!(err.contains("no OpenCL device 0:7") && err.contains("0:1"), "names the devices here: {err}");
+    // The image is intact: it restores where it can.
+    restore(&h, &image, "bd3", &[]);
+    wait("the copy to make progress", Duration::from_secs(30), || h.last_step("bd3").is_some());
+}
