@@ -76,7 +76,7 @@ fn restore(h: &Hiber, image: &str, name: &str, extra: &[&str]) {
     assert!(out.status.success(), "hiber restore failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-fn opencl_section(h: &Hiber, image: &str) -> serde_json::Value {
+fn opencl_section(image: &str) -> serde_json::Value {
     let m: serde_json::Value = serde_json::from_slice(&std::fs::read(PathBuf::from(image).join("manifest.json")).unwrap()).unwrap();
     let sections = m["devices"].as_array().cloned().unwrap_or_default();
     let s = sections.iter().find(|s| s["engine"] == "opencl").unwrap_or_else(|| panic!("no opencl section in {image}: {m}"));
@@ -96,7 +96,7 @@ fn stencil_moves_to_the_other_device_and_goes_on_identically() {
     let at = h.last_step("st").unwrap();
 
     // The engine at work: both buffers' bytes are in the image, as checksummed chunks.
-    let s = opencl_section(&h, &image);
+    let s = opencl_section(&image);
     let p = &s["processes"][0];
     assert_eq!(p["mems"].as_array().unwrap().len(), 2, "{s}");
     assert_eq!(p["bytes"], 2 * 65536 * 4, "{s}");
@@ -131,7 +131,7 @@ fn two_queues_leave_running_then_two_restores() {
     // The original re-created its objects and goes on, with the same trajectory.
     h.assert_verified("rd", Duration::from_secs(60));
     assert_continues(&want, &h.progress("rd"), 1);
-    let s = opencl_section(&h, &image);
+    let s = opencl_section(&image);
     // The data buffer, the partial sums and the result; the sub-buffer shares the data's.
     assert_eq!(s["processes"][0]["mems"].as_array().unwrap().len(), 3, "{s}");
     assert_eq!(s["processes"][0]["objects"]["queues"], 2, "{s}");
@@ -160,7 +160,7 @@ fn images_and_a_sampler_round_trip_and_move() {
     let image = h.images_dir().join("im").display().to_string();
     h.ok(&["checkpoint", "im", "--out", &image]);
     let at = h.last_step("im").unwrap();
-    let s = opencl_section(&h, &image);
+    let s = opencl_section(&image);
     let mems = s["processes"][0]["mems"].as_array().unwrap().clone();
     assert_eq!(mems.len(), 2, "{s}");
     assert!(mems.iter().all(|m| m["kind"] == "image" && m["size"] == 96 * 96 * 4), "{s}");
