@@ -465,13 +465,10 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
         }
         used
     };
+    // Every device the process uses moves onto the one named: a context made for several
+    // devices (a whole platform's, say) becomes a context of one.
     let target = match selector {
-        Some(s) => {
-            if used.len() > 1 {
-                return Err(format!("the process uses {} OpenCL devices; --opencl-device moves a process that uses one", used.len()));
-            }
-            Some(pick(&all, s)?)
-        }
+        Some(s) => Some(pick(&all, s)?),
         None => None,
     };
     // Devices not in use first, so a used device's binding wins where two share a real one.

@@ -230,3 +230,30 @@ fn a_device_that_is_not_here_is_refused_with_the_list() {
     restore(&h, &image, "bd3", &[]);
     wait("the copy to make progress", Duration::from_secs(30), || h.last_step("bd3").is_some());
 }
+
+/// clpeak (Debian's package; nobody here wrote it), checkpointed in the middle of its
+/// bandwidth test and restored onto the other device, where it finishes its run.
+#[test]
+fn clpeak_moves_mid_run_and_finishes() {
+    let h = Hiber::new("ocl-clpeak");
+    let args = ["-p", "0", "-d", "0", "--global-bandwidth", "--compute-sp", "--kernel-latency"];
+    start(&h, "cp", &PathBuf::from("clpeak"), &args);
+    wait("clpeak to start its bandwidth test", Duration::from_secs(60), || h.log("cp").contains("Global memory bandwidth"));
+    std::thread::sleep(Duration::from_secs(2));
+    let image = h.images_dir().join("cp").display().to_string();
+    h.ok(&["checkpoint", "cp", "--out", &image]);
+    let before = h.log("cp");
+    assert!(!before.contains("Kernel launch latency"), "checkpointed before its end: {before}");
+    let s = opencl_section(&image);
+    let p = &s["processes"][0];
+    // Its bandwidth buffers, hundreds of MiB of them, went into the image.
+    assert!(p["bytes"].as_u64().unwrap() >= 256 << 20, "{s}");
+    assert!(p["objects"]["programs"].as_u64().unwrap() >= 1, "{s}");
+    restore(&h, &image, "cp2", &["--opencl-device", "0:1"]);
+    let state = h.wait_done("cp2", Duration::from_secs(180));
+    let log = h.log("cp2");
+    assert_eq!(state, "exited(0)", "{}", common::tail(&log));
+    for section in ["Single-precision compute", "Kernel launch latency"] {
+        assert!(log.contains(section), "the restored clpeak ran its {section} test: {}", common::tail(&log));
+    }
+}

@@ -482,9 +482,11 @@ impl RestoreSession for OpenClRestore {
             let name = layer_name(now.pid).ok_or_else(|| fail(format!("process {} has no OpenCL layer token in its environment", now.pid), None))?;
             let t0 = Instant::now();
             let conn = connect(now.pid, &name)?;
-            conn.call::<Reply>(&Request::Replay { device: self.device.clone() }, None).map_err(|e| {
-                let hint = if self.device.is_none() { Some("move it to a device here with --opencl-device cpu, gpu or PLATFORM:DEVICE") } else { None };
-                fail(format!("{e}"), hint)
+            conn.call::<Reply>(&Request::Replay { device: self.device.clone() }, None).map_err(|e| match e {
+                EngineError::Failed { message, .. } if self.device.is_none() => {
+                    fail(message, Some("move it to a device here with --opencl-device cpu, gpu or PLATFORM:DEVICE"))
+                }
+                e => e,
             })?;
             for m in &p.mems {
                 let fd = load_chunks(&self.image_dir, &chunk_prefix(p.ns_pid, m.id), m.size, Some(&self.checksums))?;
