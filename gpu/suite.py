@@ -852,6 +852,148 @@ def _nccl(m, agent):
     assert_verified(job, 300)
 
 
+# ---------------------------------------------------------------------------------------
+# OpenCL: the test programs of crates/hiber/tests/opencl/ (built on the build machine and
+# carried in .carry/opencl/ by scripts/gpu-carry.sh) on NVIDIA's OpenCL and on PoCL's CPU
+# device, moved between the two. The machine registers only PoCL; the suite makes a vendors
+# directory with both. The jobs run --no-agent: the agent is for CUDA programs.
+
+OPENCL = CARRY / "opencl"
+NVIDIA_OPENCL = ("/usr/local/nvidia/lib64/libnvidia-opencl.so.1", "/usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1")
+
+
+def opencl_env():
+    lib = next((p for p in NVIDIA_OPENCL if Path(p).exists()), None)
+    if lib is None:
+        raise Skip("no libnvidia-opencl.so.1 here")
+    d = Path("/tmp/hiber-ocl-vendors")
+    d.mkdir(exist_ok=True)
+    for f in Path("/etc/OpenCL/vendors").glob("*.icd"):
+        if "nvidia" not in f.name:
+            shutil.copy(f, d / f.name)
+    (d / "nvidia.icd").write_text(lib + "\n")
+    return dict(ENV, OCL_ICD_VENDORS=str(d))
+
+
+def ocl_program(name):
+    p = OPENCL / name
+    if not p.exists():
+        raise Skip(f"{p} was not carried (scripts/gpu-carry.sh builds it)")
+    return p
+
+
+def ocl_devices(text):
+    """The `dev NAME` of each progress line, in order of first appearance."""
+    out = []
+    for l in text.splitlines():
+        if l.startswith("step ") and " dev " in l:
+            d = l.split(" dev ", 1)[1]
+            if d not in out:
+                out.append(d)
+    return out
+
+
+def is_nvidia(device):
+    return any(k in device for k in ("NVIDIA", "H100", "H200"))
+
+
+def ocl_move(m, job, prog, args, start_dev, restore_args, at=30, sleep="20", limit=120):
+    """PROG ARGS on START_DEV uninterrupted outside hiber, then as job JOB checkpointed at
+    step AT and restored with RESTORE_ARGS: identical trajectories, and the copy's own check
+    of its device state against its host reference passes."""
+    env = opencl_env()
+    m["platforms"] = [l for l in sh("clinfo", "-l", env=env, check=False).stdout.splitlines() if l.strip()]
+    binary = ocl_program(prog)
+    ref = sh(binary, *args, start_dev, "0", env=env, timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    assert "verify ok" in ref.stdout, ref.stdout[-500:]
+    hiber("run", "--name", job, "--no-agent", "--", binary, *args, start_dev, sleep, env=env)
+    wait_step(job, at, limit)
+    img = image_of(job)
+    ck = hiber_json("checkpoint", job, "--out", img, env=env)
+    sec = device_section(img, "opencl")
+    assert sec and sec["processes"] and sec["processes"][0]["mems"], "the image records the OpenCL memory objects"
+    m["engines"] = [d["engine"] for d in json.loads((Path(img) / "manifest.json").read_text())["devices"]]
+    m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
+    before = progress(job)
+    rs = hiber_json("restore", img, "--name", job + "-r", *restore_args, env=env)
+    assert_verified(job + "-r", limit=600)
+    assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
+    combined = progress(job) + progress(job + "-r")
+    assert combined == ref_traj, "trajectory differs from the uninterrupted run"
+    m.update(
+        devices=[ocl_devices(log(job)), ocl_devices(log(job + "-r"))],
+        steps_compared=len(combined),
+        checkpoint_s=round(ck["total_seconds"], 2),
+        dump_s=round(ck["dump_seconds"], 2),
+        restore_s=round(rs["total_seconds"], 2),
+        restore_devices_s=round(rs["devices_seconds"], 2),
+        image_mib=ck["image_bytes"] >> 20,
+    )
+    return m
+
+
+@scenario
+def opencl_gpu_to_cpu(m):
+    ocl_move(m, "oclg", "stencil", ("300", "1048576"), "gpu", ("--opencl-device", "cpu"))
+    assert is_nvidia(m["devices"][0][0]) and not is_nvidia(m["devices"][1][0]), m["devices"]
+
+
+@scenario
+def opencl_cpu_to_gpu(m):
+    ocl_move(m, "oclc", "stencil", ("300", "1048576"), "cpu", ("--opencl-device", "gpu"))
+    assert not is_nvidia(m["devices"][0][0]) and is_nvidia(m["devices"][1][0]), m["devices"]
+
+
+@scenario
+def opencl_gpu_two_queues_same_device(m):
+    ocl_move(m, "oclr", "reduce", ("200", "1048576"), "gpu", ())
+    assert m["devices"][0] == m["devices"][1], m["devices"]
+
+
+@scenario
+def opencl_images_gpu_to_cpu(m):
+    ocl_move(m, "ocli", "image", ("200", "256"), "gpu", ("--opencl-device", "cpu"))
+    assert is_nvidia(m["devices"][0][0]) and not is_nvidia(m["devices"][1][0]), m["devices"]
+
+
+@scenario
+def opencl_4gib_on_the_gpu(m):
+    """Two 2 GiB buffers on the GPU: checkpoint and restore times against the disk's rate."""
+    env = opencl_env()
+    dd = sh("dd", "if=/dev/zero", "of=/tmp/hiber-dd", "bs=64M", "count=32", "oflag=direct", check=False)
+    m["disk_write"] = (dd.stderr.strip().splitlines() or ["?"])[-1]
+    Path("/tmp/hiber-dd").unlink(missing_ok=True)
+    binary = ocl_program("stencil")
+    hiber("run", "--name", "ocl4", "--no-agent", "--", binary, "6", str(512 << 20), "gpu", "0", env=env)
+    wait_step("ocl4", 2, 300)
+    img = image_of("ocl4")
+    ck = hiber_json("checkpoint", "ocl4", "--out", img, env=env)
+    sec = device_section(img, "opencl")
+    m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
+    assert m["opencl_mib"] == 4096, m
+    before = progress("ocl4")
+    rs = hiber_json("restore", img, "--name", "ocl4-r", env=env)
+    assert_verified("ocl4-r", limit=600)
+    assert_continues(before, progress("ocl4-r"), before[-1][0] + 1)
+    m.update(
+        checkpoint_s=round(ck["total_seconds"], 2),
+        quiesce_s=round(sec["quiesce_seconds"], 2),
+        dump_s=round(ck["dump_seconds"], 2),
+        restore_s=round(rs["total_seconds"], 2),
+        restore_devices_s=round(rs["devices_seconds"], 2),
+        image_mib=ck["image_bytes"] >> 20,
+    )
+
+
+@scenario
+def opencl_layer_overhead(m):
+    """bench/opencl/overhead.py: the launch-heavy microbenchmark with and without the layer."""
+    env = opencl_env()
+    rows = sh("python3", REPO / "bench/opencl/overhead.py", ocl_program("launch"), CARRY / "bin/libhiber_opencl.so", "--pairs", "5", "--rounds", "20000", "--device", "gpu", "--device", "cpu", env=env, timeout=500)
+    m["table"] = rows.stdout.strip().splitlines()
+
+
 @scenario
 def hiber_demo_on_the_gpu(m):
     p = hiber("demo", "--mem-mib", "2048")

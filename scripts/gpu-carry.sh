@@ -10,6 +10,14 @@ carry=$repo/.carry
 rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib"
 install -m 0755 -s "$repo/target/release/hiber" "$carry/bin/hiber"
 install -m 0755 -s "$repo/target/release/libhiber_agent.so" "$carry/bin/libhiber_agent.so"
+install -m 0755 -s "$repo/target/release/libhiber_opencl.so" "$carry/bin/libhiber_opencl.so"
+# The OpenCL test programs and the layer's microbenchmark, built here (the GPU machine has
+# no OpenCL headers): they link only the ICD loader, which it has.
+mkdir -p "$carry/opencl"
+for p in stencil reduce image; do
+    cc -O2 -Wall -o "$carry/opencl/$p" "$repo/crates/hiber/tests/opencl/$p.c" -lOpenCL
+done
+cc -O2 -Wall -o "$carry/opencl/launch" "$repo/bench/opencl/launch.c" -lOpenCL
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
 install -m 0755 "$criu" "$carry/bin/criu.real"
 ip=$(command -v ip)

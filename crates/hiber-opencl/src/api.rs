@@ -1326,14 +1326,25 @@ pub unsafe extern "C" fn clSetKernelArg(k: H, index: cl_uint, size: usize, value
         None => unsafe { f(kernel.real(), index, size, value) },
     };
     if r == cl::CL_SUCCESS {
-        let arg = match object {
-            Some(x) => Arg::Object(x),
-            None if value.is_null() => Arg::Local(size),
-            // SAFETY: `value` points to `size` bytes.
-            None => Arg::Bytes(unsafe { std::slice::from_raw_parts(value as *const u8, size) }.to_vec()),
-        };
         if let Record::Kernel { args, .. } = &mut *kernel.rec() {
-            args.insert(index, arg);
+            match (object, args.get_mut(&index)) {
+                (Some(x), _) => {
+                    args.insert(index, Arg::Object(x));
+                }
+                (None, _) if value.is_null() => {
+                    args.insert(index, Arg::Local(size));
+                }
+                // The same argument set again (a loop counter, say): its bytes in place, no
+                // allocation on the application's launch path.
+                (None, Some(Arg::Bytes(old))) if old.len() == size => {
+                    // SAFETY: `value` points to `size` bytes.
+                    old.copy_from_slice(unsafe { std::slice::from_raw_parts(value as *const u8, size) });
+                }
+                (None, _) => {
+                    // SAFETY: `value` points to `size` bytes.
+                    args.insert(index, Arg::Bytes(unsafe { std::slice::from_raw_parts(value as *const u8, size) }.to_vec()));
+                }
+            }
         }
     }
     r
@@ -1553,15 +1564,16 @@ macro_rules! enqueue {
     ($name:ident, $q:expr, $n:expr, $list:expr, $event:expr, |$f:ident, $rq:ident, $rl:ident, $re:ident| $call:expr) => {{
         let _pass = gate::enter();
         let $f = real_fn!($name, cl::CL_INVALID_OPERATION);
-        let q = tri!(obj($q, Kind::Queue));
+        let $rq = tri!(real($q, Kind::Queue));
         let wl = tri!(waits($list, $n));
-        let $rq = q.real();
         let $rl = list_ptr(&wl);
         let mut slot: H = null_mut();
         let $re = ev_slot($event, &mut slot);
         let r = $call;
-        if r == cl::CL_SUCCESS {
-            out_event(&q, slot, $event);
+        if r == cl::CL_SUCCESS && !$event.is_null() {
+            if let Some(q) = o::get($q, Kind::Queue) {
+                out_event(&q, slot, $event);
+            }
         }
         r
     }};

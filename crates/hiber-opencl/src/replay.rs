@@ -127,6 +127,7 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
     let queues = live(Kind::Queue);
     let deadline = Instant::now() + timeout;
     let (tx, rx) = std::sync::mpsc::channel();
+    let mut threads = Vec::new();
     for q in &queues {
         let (real, seq, tx) = (q.real() as usize, q.seq, tx.clone());
         let spawned = std::thread::Builder::new().name("hiber-cl-drain".into()).spawn(move || {
@@ -135,7 +136,7 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             let code = unsafe { finish(real as H) };
             let _ = tx.send((seq, code));
         });
-        spawned.map_err(|e| format!("cannot start a thread to drain a queue: {e}"))?;
+        threads.push(spawned.map_err(|e| format!("cannot start a thread to drain a queue: {e}"))?);
     }
     for _ in &queues {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -143,12 +144,17 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             Ok((_, code)) if code == cl::CL_SUCCESS => {}
             Ok((seq, code)) => return Err(format!("clFinish on queue {seq}: {}", cl::error_name(code))),
             Err(_) => {
+                // The thread still inside clFinish is left to end by itself.
                 return Err(format!(
                     "a command queue still has work after {} ms (a command may wait on a user event that is not complete)",
                     timeout.as_millis()
-                ))
+                ));
             }
         }
+    }
+    // Every thread has answered: none is left half-exited when CRIU dumps the process.
+    for t in threads {
+        let _ = t.join();
     }
     Ok(())
 }

@@ -181,7 +181,18 @@ fn a_chain_of_checkpoints_keeps_the_trajectory() {
     let mut job = "c0".to_string();
     for i in 1..=3 {
         let step = h.last_step(&job).unwrap_or(0);
-        h.wait_step(&job, step + 15);
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.wait_step(&job, step + 15)));
+        if ok.is_err() {
+            let dir = h.state.join("jobs").join(&job);
+            let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+            panic!(
+                "job {job} made no progress: state {}, stdout: {}, stderr: {}, opencl.log: {}",
+                h.state_of(&job),
+                common::tail(&read("stdout.log")),
+                common::tail(&read("stderr.log")),
+                common::tail(&read("opencl.log"))
+            );
+        }
         let image = h.images_dir().join(format!("c{i}")).display().to_string();
         h.ok(&["checkpoint", &job, "--out", &image]);
         let next = format!("c{i}");

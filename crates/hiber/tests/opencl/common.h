@@ -16,20 +16,28 @@
         }                                                                        \
     } while (0)
 
-static uint64_t now_ms(void) {
+static inline uint64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+static inline uint64_t fnv(const void *p, size_t n, uint64_t h) {
     const unsigned char *b = p;
     for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ULL;
     return h;
 }
 
-/* Device DEV (an index over all platforms' devices, in order) and its platform. */
-static cl_device_id pick_device(int dev, cl_platform_id *platform) {
+/* DEVICE arguments: an index, or gpu/cpu. */
+static inline int device_arg(const char *s) {
+    if (!strcmp(s, "gpu")) return -1;
+    if (!strcmp(s, "cpu")) return -2;
+    return atoi(s);
+}
+
+/* Device DEV (an index over all platforms' devices, in order; or -1 for the first GPU,
+ * -2 for the first CPU) and its platform. */
+static inline cl_device_id pick_device(int dev, cl_platform_id *platform) {
     cl_platform_id ps[8];
     cl_uint np = 0;
     CHECK(clGetPlatformIDs(8, ps, &np));
@@ -39,7 +47,9 @@ static cl_device_id pick_device(int dev, cl_platform_id *platform) {
         cl_uint nd = 0;
         if (clGetDeviceIDs(ps[p], CL_DEVICE_TYPE_ALL, 8, ds, &nd) != CL_SUCCESS) continue;
         for (cl_uint d = 0; d < nd; d++, k++) {
-            if (k == dev) {
+            cl_device_type t = 0;
+            clGetDeviceInfo(ds[d], CL_DEVICE_TYPE, sizeof t, &t, NULL);
+            if (k == dev || (dev == -1 && (t & CL_DEVICE_TYPE_GPU)) || (dev == -2 && (t & CL_DEVICE_TYPE_CPU))) {
                 *platform = ps[p];
                 return ds[d];
             }
@@ -50,7 +60,7 @@ static cl_device_id pick_device(int dev, cl_platform_id *platform) {
 }
 
 /* The name of the device a queue runs on now (after a move, the new one). */
-static void queue_device_name(cl_command_queue q, char *out, size_t n) {
+static inline void queue_device_name(cl_command_queue q, char *out, size_t n) {
     cl_device_id d;
     CHECK(clGetCommandQueueInfo(q, CL_QUEUE_DEVICE, sizeof d, &d, NULL));
     CHECK(clGetDeviceInfo(d, CL_DEVICE_NAME, n, out, NULL));
@@ -58,7 +68,7 @@ static void queue_device_name(cl_command_queue q, char *out, size_t n) {
         if (*c == ' ') *c = '_';
 }
 
-static cl_program build(cl_context ctx, cl_device_id dev, const char *src) {
+static inline cl_program build(cl_context ctx, cl_device_id dev, const char *src) {
     cl_int err;
     cl_program p = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);
     CHECK(err);
@@ -71,7 +81,7 @@ static cl_program build(cl_context ctx, cl_device_id dev, const char *src) {
     return p;
 }
 
-static void pause_ms(int ms) {
+static inline void pause_ms(int ms) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
 }

@@ -19,7 +19,7 @@ static int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v;
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 100;
     int side = argc > 2 ? atoi(argv[2]) : 128;
-    int dev = argc > 3 ? atoi(argv[3]) : 0;
+    int dev = argc > 3 ? device_arg(argv[3]) : 0;
     int sleep = argc > 4 ? atoi(argv[4]) : 20;
     cl_platform_id platform;
     cl_device_id d = pick_device(dev, &platform);

@@ -31,7 +31,7 @@ static const char *SRC =
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 100;
     uint32_t n = argc > 2 ? (uint32_t)atoi(argv[2]) : 65536;
-    int dev = argc > 3 ? atoi(argv[3]) : 0;
+    int dev = argc > 3 ? device_arg(argv[3]) : 0;
     int sleep = argc > 4 ? atoi(argv[4]) : 20;
     n = (n + 2 * WG - 1) / (2 * WG) * (2 * WG);
     uint32_t half = n / 2, groups = half / WG;

@@ -24,7 +24,7 @@ static void host_step(const uint32_t *a, uint32_t *b, uint32_t n, uint32_t it) {
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 100;
     uint32_t n = argc > 2 ? (uint32_t)atoi(argv[2]) : 65536;
-    int dev = argc > 3 ? atoi(argv[3]) : 0;
+    int dev = argc > 3 ? device_arg(argv[3]) : 0;
     int sleep = argc > 4 ? atoi(argv[4]) : 20;
     cl_platform_id platform;
     cl_device_id d = pick_device(dev, &platform);
