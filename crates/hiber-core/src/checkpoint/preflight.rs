@@ -36,6 +36,10 @@ pub enum Undumpable {
     AnonInode { fd: i32, kind: String },
     /// A device file (open or mapped) that no engine takes care of.
     Device { path: String },
+    /// NVIDIA's driver, held by its OpenCL platform (`libnvidia-opencl`): the driver's
+    /// checkpoint API does not know such a process, and releasing the OpenCL objects does
+    /// not let go of the driver.
+    NvidiaOpenCl { path: String },
     /// An NCCL communicator, known by the shared memory of its proxy (`/dev/shm/nccl-*`).
     Collective { path: String },
 }
@@ -69,6 +73,12 @@ pub fn undumpable(p: &ProcessInfo, claimed: bool, device_of: impl Fn(&str) -> Op
     p.device_files.iter().find(|d| device_of(d).is_some_and(|(major, minor)| !dumpable_char(major, minor))).map(|d| Undumpable::Device { path: d.clone() })
 }
 
+/// Whether process `pid` has NVIDIA's OpenCL platform loaded (the ICD loader loads every
+/// vendor it is given when a program first lists platforms, used or not).
+fn maps_nvidia_opencl(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains("libnvidia-opencl"))
+}
+
 fn char_device(path: &str) -> Option<(u32, u32)> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let meta = std::fs::metadata(path).ok()?;
@@ -100,6 +110,10 @@ pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), Ch
     }
     for p in tree {
         if let Some(what) = undumpable(p, claimed.contains(&p.pid), char_device) {
+            let what = match what {
+                Undumpable::Device { path } if path.starts_with("/dev/nvidia") && maps_nvidia_opencl(p.pid) => Undumpable::NvidiaOpenCl { path },
+                what => what,
+            };
             return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what });
         }
     }
@@ -115,6 +129,10 @@ impl std::fmt::Display for Undumpable {
                 "{path}, and no engine here checkpoints its device state (a process forked after CUDA started inherits CUDA's mappings without a context), which CRIU cannot dump"
             ),
             Undumpable::Device { path } => write!(f, "{path}, a device no engine of this hiber checkpoints"),
+            Undumpable::NvidiaOpenCl { path } => write!(
+                f,
+                "{path} through NVIDIA's OpenCL platform (libnvidia-opencl), whose driver state neither CRIU nor the driver's checkpoint API takes, even with every OpenCL object released"
+            ),
             Undumpable::Collective { path } => {
                 write!(f, "an NCCL communicator ({path}), whose peer memory and proxy connections this hiber cannot checkpoint")
             }
@@ -129,6 +147,7 @@ impl Undumpable {
             Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
+            Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so keep NVIDIA's out of the job's vendors (OCL_ICD_VENDORS) unless the job runs on it, and then it cannot be checkpointed yet".into(),
             Undumpable::Collective { .. } => "multi-process NCCL jobs are not supported yet: save a checkpoint from the application (torch.save), or run on one GPU without NCCL".into(),
         }
     }

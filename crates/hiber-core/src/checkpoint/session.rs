@@ -68,8 +68,10 @@ impl<'a> Checkpoint<'a> {
                 }
             }
         }
-        // What CRIU would refuse mid-dump, after the engines touched the GPU processes.
-        let claimed: Vec<i32> = sessions.iter().flat_map(|(_, s)| s.pids().to_vec()).collect();
+        // What CRIU would refuse mid-dump, after the engines touched the GPU processes. A
+        // process counts as claimed where an engine takes its device files away (the
+        // driver's); a layer's engine (the agent's, OpenCL's) does not.
+        let claimed: Vec<i32> = sessions.iter().filter(|(_, s)| s.releases_device_files()).flat_map(|(_, s)| s.pids().to_vec()).collect();
         if let Err(e) = super::preflight::refuse_undumpable(&tree, &claimed) {
             journal.finish();
             return Err(e);

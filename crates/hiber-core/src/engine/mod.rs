@@ -170,6 +170,13 @@ pub trait CheckpointSession: Send {
     /// The host PIDs the session claimed (recorded in the journal before anything changes).
     fn pids(&self) -> &[i32];
 
+    /// Whether the session's checkpoint takes the device files of its processes away
+    /// before the dump (the driver's does). The preflight checks the device files of the
+    /// processes no such session claimed.
+    fn releases_device_files(&self) -> bool {
+        false
+    }
+
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;

@@ -460,6 +460,10 @@ impl CheckpointSession for DriverCheckpoint {
         &self.pids
     }
 
+    fn releases_device_files(&self) -> bool {
+        true
+    }
+
     /// Locks every process in parallel: ranks that wait on each other must all be locked
     /// within one timeout.
     fn quiesce(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
