@@ -290,8 +290,14 @@ mod tests {
         // agent leaves no LD_PRELOAD of it.
         let skipped = launch_env(dir, &["agent"]);
         assert!(!skipped.iter().any(|(k, v)| k == "LD_PRELOAD" && v.contains("hiber_agent")), "{skipped:?}");
+        let skipped = launch_env(dir, &["opencl"]);
+        assert!(!skipped.iter().any(|(k, v)| k == "LD_PRELOAD" && v.contains("hiber_opencl")), "{skipped:?}");
+        assert!(launch_env(dir, &["agent", "opencl"]).is_empty());
         if !Path::new("/dev/nvidiactl").exists() {
-            assert!(launch_env(dir, &[]).is_empty());
+            assert!(launch_env(dir, &["opencl"]).is_empty());
         }
+        // Where both layers are preloaded, one LD_PRELOAD names both, each once.
+        let all = launch_env(dir, &[]);
+        assert!(all.iter().filter(|(k, _)| k == "LD_PRELOAD").count() <= 1, "{all:?}");
     }
 }
