@@ -932,8 +932,13 @@ def ocl_move(m, job, prog, args, start_dev, restore_args, at=30, sleep="20", lim
 
 
 def pocl_env():
-    """The machine's own vendors (PoCL only), with PoCL's two CPU drivers as two devices."""
-    return dict(ENV, POCL_DEVICES="basic pthread")
+    """PoCL alone (the ICD loader finds NVIDIA's OpenCL on this machine by default too, and a
+    process with it loaded cannot be checkpointed), with its two CPU drivers as two devices."""
+    d = Path("/tmp/hiber-ocl-pocl")
+    d.mkdir(exist_ok=True)
+    for f in Path("/etc/OpenCL/vendors").glob("*pocl*.icd"):
+        shutil.copy(f, d / f.name)
+    return dict(ENV, POCL_DEVICES="basic pthread", OCL_ICD_VENDORS=str(d))
 
 
 @scenario
@@ -982,20 +987,20 @@ def opencl_pocl_beside_nvidia_refused(m):
 
 
 @scenario
-def opencl_4gib_on_pocl(m):
-    """Two 2 GiB buffers (on PoCL: NVIDIA's platform cannot be checkpointed yet): checkpoint
-    and restore times against the disk's rate."""
+def opencl_2gib_on_pocl(m):
+    """Two 1 GiB buffers (PoCL's largest allocation here is under 2 GiB; NVIDIA's platform
+    cannot be checkpointed yet): checkpoint and restore times against the disk's rate."""
     env = pocl_env()
     dd = sh("dd", "if=/dev/zero", "of=/tmp/hiber-dd", "bs=64M", "count=32", "oflag=direct", check=False)
     m["disk_write"] = (dd.stderr.strip().splitlines() or ["?"])[-1]
     Path("/tmp/hiber-dd").unlink(missing_ok=True)
-    hiber("run", "--name", "ocl4", "--", ocl_program("stencil"), "5", str(512 << 20), "1", "0", env=env)
-    wait_step("ocl4", 2, 300)
+    hiber("run", "--name", "ocl4", "--", ocl_program("stencil"), "5", str(256 << 20), "1", "0", env=env)
+    wait_step("ocl4", 2, 150)
     img = image_of("ocl4")
     ck = hiber_json("checkpoint", "ocl4", "--out", img, env=env)
     sec = device_section(img, "opencl")
     m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
-    assert m["opencl_mib"] == 4096, m
+    assert m["opencl_mib"] == 2048, m
     before = progress("ocl4")
     rs = hiber_json("restore", img, "--name", "ocl4-r", env=env)
     assert_verified("ocl4-r", limit=600)
