@@ -932,13 +932,10 @@ def ocl_move(m, job, prog, args, start_dev, restore_args, at=30, sleep="20", lim
 
 
 def pocl_env():
-    """PoCL alone (the ICD loader finds NVIDIA's OpenCL on this machine by default too, and a
-    process with it loaded cannot be checkpointed), with its two CPU drivers as two devices."""
-    d = Path("/tmp/hiber-ocl-pocl")
-    d.mkdir(exist_ok=True)
-    for f in Path("/etc/OpenCL/vendors").glob("*pocl*.icd"):
-        shutil.copy(f, d / f.name)
-    return dict(ENV, POCL_DEVICES="basic pthread", OCL_ICD_VENDORS=str(d))
+    """PoCL alone, with its two CPU drivers as two devices. The machine's environment names
+    NVIDIA's OpenCL too (OCL_ICD_FILENAMES=libpocl.so.2:libnvidia-opencl.so.1), and a
+    process that loaded it cannot be checkpointed."""
+    return dict(ENV, POCL_DEVICES="basic pthread", OCL_ICD_FILENAMES="libpocl.so.2")
 
 
 @scenario
