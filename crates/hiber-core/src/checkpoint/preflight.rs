@@ -147,7 +147,7 @@ impl Undumpable {
             Undumpable::AnonInode { .. } => "close that descriptor before checkpointing, or keep it out of the job".into(),
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
-            Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so keep NVIDIA's out of the job's vendors (OCL_ICD_VENDORS) unless the job runs on it, and then it cannot be checkpointed yet".into(),
+            Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so give a job that does not run on NVIDIA's GPU its other vendors alone (OCL_ICD_FILENAMES=libpocl.so.2, or an OCL_ICD_VENDORS directory without NVIDIA's); one that runs on it cannot be checkpointed yet".into(),
             Undumpable::Collective { .. } => "multi-process NCCL jobs are not supported yet: save a checkpoint from the application (torch.save), or run on one GPU without NCCL".into(),
         }
     }
