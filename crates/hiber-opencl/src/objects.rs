@@ -434,3 +434,56 @@ pub fn all_live() -> Vec<Arc<Obj>> {
     let reg = registry();
     reg.live.values().filter_map(Weak::upgrade).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opaque(kind: Kind) -> H {
+        give(make(kind, std::ptr::null_mut(), Record::Opaque { what: "test" }))
+    }
+
+    #[test]
+    fn a_handle_lives_until_its_last_release_and_its_children() {
+        let ctx = opaque(Kind::Context);
+        let seq = get(ctx, Kind::Context).unwrap().seq;
+        assert_eq!(retain(ctx, Kind::Context), cl::CL_SUCCESS);
+        assert_eq!(get(ctx, Kind::Context).unwrap().app_refs(), 2);
+        // A queue's record keeps its context, as OpenCL keeps it.
+        let q = give(make(
+            Kind::Queue,
+            std::ptr::null_mut(),
+            Record::Queue { context: get(ctx, Kind::Context).unwrap(), device: get(opaque(Kind::Device), Kind::Device).unwrap(), props: vec![0] },
+        ));
+        assert_eq!(release(ctx, Kind::Context), cl::CL_SUCCESS);
+        assert_eq!(release(ctx, Kind::Context), cl::CL_SUCCESS);
+        assert!(all_live().iter().any(|x| x.seq == seq), "the queue keeps its context");
+        assert_eq!(release(q, Kind::Queue), cl::CL_SUCCESS);
+        assert!(!all_live().iter().any(|x| x.seq == seq), "gone with the queue");
+    }
+
+    #[test]
+    fn handles_of_the_wrong_kind_or_none_are_refused() {
+        let m = opaque(Kind::Mem);
+        assert!(get(m, Kind::Mem).is_some());
+        assert!(get(m, Kind::Kernel).is_none());
+        assert_eq!(real_of(m, Kind::Kernel), Err(cl::CL_INVALID_KERNEL));
+        // No real object behind it (released for a checkpoint): invalid until re-created.
+        assert_eq!(real_of(m, Kind::Mem), Err(cl::CL_INVALID_MEM_OBJECT));
+        assert_eq!(real_of(std::ptr::null_mut(), Kind::Queue), Err(cl::CL_INVALID_COMMAND_QUEUE));
+        assert_eq!(release(m, Kind::Mem), cl::CL_SUCCESS);
+    }
+
+    #[test]
+    fn a_kernel_argument_that_is_no_handle_is_never_read_through() {
+        // An 8-byte scalar whose value is no address: `lookup` must answer from the
+        // registry alone (reading through it would fault).
+        let bogus = 0xdead_beef_0000_0001usize as H;
+        assert!(lookup(bogus, Kind::Mem).is_none());
+        let m = opaque(Kind::Mem);
+        assert!(lookup(m, Kind::Mem).is_some());
+        assert!(lookup(m, Kind::Sampler).is_none());
+        assert_eq!(release(m, Kind::Mem), cl::CL_SUCCESS);
+        assert!(lookup(m, Kind::Mem).is_none(), "a destroyed object's handle is not taken for one");
+    }
+}
