@@ -121,7 +121,8 @@ impl Hiber {
     pub fn assert_verified(&self, name: &str, limit: Duration) -> String {
         let state = self.wait_done(name, limit);
         let log = self.log(name);
-        assert_eq!(state, "exited(0)", "job {name} ended as {state}; log tail:\n{}", tail(&log));
+        let stderr = std::fs::read_to_string(self.state.join("jobs").join(name).join("stderr.log")).unwrap_or_default();
+        assert_eq!(state, "exited(0)", "job {name} ended as {state}; log tail:\n{}\nstderr tail:\n{}", tail(&log), tail(&stderr));
         assert!(log.lines().any(|l| l.starts_with("verify ok")), "job {name} did not verify:\n{}", tail(&log));
         log
     }
