@@ -268,3 +268,23 @@ fn clpeak_moves_mid_run_and_finishes() {
         assert!(log.contains(section), "the restored clpeak ran its {section} test: {}", common::tail(&log));
     }
 }
+
+/// A program made from a device's binary cannot move to another device, and the restore
+/// says so; on its own device it restores.
+#[test]
+fn a_binary_program_stays_on_its_device() {
+    let h = Hiber::new("ocl-binary");
+    let bin = program(&h, "stencil");
+    let args = ["300", "4096", "0", "10", "binary"];
+    start(&h, "bn", &bin, &args);
+    h.wait_step("bn", 10);
+    let image = h.images_dir().join("bn").display().to_string();
+    h.ok(&["checkpoint", "bn", "--out", &image]);
+    let out = h.command(&["restore", &image, "--name", "bn-moved", "--opencl-device", "0:1"]).env("POCL_DEVICES", DEVICES).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a binary cannot move to another device");
+    assert!(err.contains("binary") && err.contains("cannot move"), "{err}");
+    restore(&h, &image, "bn2", &[]);
+    h.assert_verified("bn2", Duration::from_secs(60));
+    assert!(devices_in(&h.log("bn2"))[0].starts_with(BASIC));
+}

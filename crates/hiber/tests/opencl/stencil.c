@@ -4,7 +4,8 @@
  * `verify ok` when the device's state equals the host's after the last step.
  * Usage: stencil STEPS N DEVICE SLEEP_MS [map|svm]
  *   map: keeps one more buffer mapped (clEnqueueMapBuffer) the whole run;
- *   svm: allocates and frees shared virtual memory once (clSVMAlloc). */
+ *   svm: allocates and frees shared virtual memory once (clSVMAlloc);
+ *   binary: runs its kernel from a program made from the device's binary of it. */
 #include "common.h"
 
 static const char *SRC =
@@ -39,6 +40,19 @@ int main(int argc, char **argv) {
     cl_command_queue q = clCreateCommandQueueWithProperties(ctx, d, NULL, &err);
     CHECK(err);
     cl_program prog = build(ctx, d, SRC);
+    if (argc > 5 && strcmp(argv[5], "binary") == 0) {
+        size_t len = 0;
+        CHECK(clGetProgramInfo(prog, CL_PROGRAM_BINARY_SIZES, sizeof len, &len, NULL));
+        unsigned char *bin = malloc(len);
+        CHECK(clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof bin, &bin, NULL));
+        CHECK(clReleaseProgram(prog));
+        const unsigned char *b = bin;
+        cl_int status;
+        prog = clCreateProgramWithBinary(ctx, 1, &d, &len, &b, &status, &err);
+        CHECK(err);
+        CHECK(clBuildProgram(prog, 1, &d, "", NULL, NULL));
+        free(bin);
+    }
     cl_kernel k = clCreateKernel(prog, "stencil_step", &err);
     CHECK(err);
     CHECK(clReleaseProgram(prog)); /* the kernel keeps it */
