@@ -288,3 +288,45 @@ fn a_binary_program_stays_on_its_device() {
     h.assert_verified("bn2", Duration::from_secs(60));
     assert!(devices_in(&h.log("bn2"))[0].starts_with(BASIC));
 }
+
+/// hiber SIGKILLed after the layer released its objects (held at the `quiesced` barrier):
+/// the program waits at the layer's gate, and `hiber recover` has the layer make its
+/// objects again and loads their bytes back from the partial image; the program goes on
+/// with the trajectory of an uninterrupted run.
+#[test]
+fn hiber_killed_after_the_release_recovers() {
+    let h = Hiber::new("ocl-recover");
+    let bin = program(&h, "stencil");
+    let args = ["200", "16384", "0", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "rv", &bin, &args);
+    h.wait_step("rv", 20);
+    let image = h.images_dir().join("rv").display().to_string();
+    let mut hiber = h
+        .command(&["checkpoint", "rv", "--leave-running", "--out", &image])
+        .env("HIBER_PAUSE_AT", "quiesced")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait("hiber to hold at the quiesced barrier", Duration::from_secs(30), || {
+        std::fs::read_dir(h.state.join("journal"))
+            .ok()
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("quiesced")))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    hiber.kill().unwrap();
+    hiber.wait().unwrap();
+    // The program's objects are released and its gate closed: it makes no progress.
+    let at = h.last_step("rv").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(h.last_step("rv"), Some(at), "the program waits at the gate");
+    let out = h.output(&["recover"]);
+    let rec = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && rec.contains("running again"), "{rec}");
+    h.assert_verified("rv", Duration::from_secs(60));
+    assert_continues(&want, &h.progress("rv"), 1);
+    assert!(!PathBuf::from(&image).exists(), "no image from the interrupted checkpoint");
+}

@@ -7,10 +7,9 @@
 //!    or holds a memory object mapped, is refused here, before anything is stopped.
 //! 2. **quiesce**: the layer closes its gate, drains every queue (bounded by the timeout),
 //!    and sends each memory object's bytes in a memfd. hiber writes them to the image as
-//!    checksummed chunks, now (stopping checkpoint) or after the application runs again
-//!    (`--leave-running`, from the memfds it holds). Then the layer releases every real
-//!    OpenCL object and closes the connection: the platform keeps no object of the
-//!    application when CRIU dumps it.
+//!    checksummed chunks, durable before the layer releases every real OpenCL object and
+//!    closes the connection (so a hiber killed from then on leaves them for `hiber
+//!    recover`): the platform keeps no object of the application when CRIU dumps it.
 //! 3. **resume** (the undo, or `--leave-running`'s end): the layer re-creates every object
 //!    from its record (`replay`), hiber writes the bytes back (`load`), the gate opens.
 //!
@@ -230,7 +229,7 @@ impl DeviceEngine for OpenClEngine {
         &KIND
     }
 
-    fn begin_checkpoint(&self, tree: &[ProcessInfo], opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], _opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
         let mut targets = Vec::new();
         for p in tree {
             let Some(token) = crate::proctree::env_var(p.pid, hiber_wire::opencl::TOKEN_ENV) else { continue };
@@ -269,7 +268,6 @@ impl DeviceEngine for OpenClEngine {
         }
         Ok(Some(Box::new(OpenClCheckpoint {
             timeout_ms: self.timeout_ms,
-            opts,
             pids: targets.iter().map(|t| t.pid).collect(),
             targets,
             held: HashMap::new(),
@@ -303,7 +301,6 @@ impl DeviceEngine for OpenClEngine {
 
 struct OpenClCheckpoint {
     timeout_ms: u64,
-    opts: CheckpointOptions,
     pids: Vec<i32>,
     targets: Vec<Target>,
     /// The bytes of each process's memory objects, until the session ends.
@@ -380,11 +377,11 @@ impl CheckpointSession for OpenClCheckpoint {
         let mut processes = Vec::new();
         for t in &self.targets {
             let (devices, mems, conn) = self.take(t)?;
-            if !self.opts.leave_running {
-                // Durable before the layer lets go of the real objects.
-                for m in &mems {
-                    self.written.extend(save(sink, &chunk_prefix(t.ns_pid, m.id), m)?);
-                }
+            // Durable before the layer lets go of the real objects, with --leave-running
+            // too: a hiber killed between the release and the replay leaves the bytes where
+            // `hiber recover` finds them, never only in its own memory.
+            for m in &mems {
+                self.written.extend(save(sink, &chunk_prefix(t.ns_pid, m.id), m)?);
             }
             let s = &t.status;
             processes.push(ClProcess {
@@ -412,7 +409,7 @@ impl CheckpointSession for OpenClCheckpoint {
         Ok(serde_json::to_value(section).expect("section serializes"))
     }
 
-    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
         let mut first = None;
         for t in &self.targets {
             if !self.released.contains(&t.pid) || !crate::proctree::exists(t.pid) {
@@ -430,16 +427,7 @@ impl CheckpointSession for OpenClCheckpoint {
                 conn.call::<Reply>(&Request::Resume, None).map(|_| ())
             })();
             if let Err(e) = r {
-                // The bytes go where `hiber recover` looks for them (a stopping checkpoint
-                // wrote them already).
-                for m in held {
-                    let prefix = chunk_prefix(t.ns_pid, m.id);
-                    if !sink.has_file(&format!("{prefix}.00000")) {
-                        if let Ok(files) = save(sink, &prefix, m) {
-                            self.written.extend(files);
-                        }
-                    }
-                }
+                // The bytes are in the partial image already, for `hiber recover`.
                 first.get_or_insert(e);
             } else {
                 self.released.retain(|p| *p != t.pid);
@@ -448,20 +436,9 @@ impl CheckpointSession for OpenClCheckpoint {
         first.map_or(Ok(()), Err)
     }
 
-    fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
-        let mut written = std::mem::take(&mut self.written);
-        if self.opts.leave_running {
-            for t in &self.targets {
-                for m in self.held.get(&t.pid).map(Vec::as_slice).unwrap_or_default() {
-                    let prefix = chunk_prefix(t.ns_pid, m.id);
-                    if !written.iter().any(|f| f.path == format!("{prefix}.00000")) {
-                        written.extend(save(sink, &prefix, m)?);
-                    }
-                }
-            }
-        }
+    fn finish(&mut self, _sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
         self.held.clear();
-        Ok(written)
+        Ok(std::mem::take(&mut self.written))
     }
 }
 
