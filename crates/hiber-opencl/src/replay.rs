@@ -350,6 +350,58 @@ pub fn write_mem(id: u64, fd: OwnedFd) -> Result<(), String> {
     check(&format!("writing memory object {id}"), code)
 }
 
+/// Set in a job's environment (by tests), the layer overwrites every memory object before
+/// it releases it: a platform that hands the same memory back when the object is made again
+/// (PoCL's CPU drivers do) would otherwise hide bytes hiber failed to load.
+pub const POISON_ENV: &str = "HIBER_OPENCL_POISON";
+
+fn poison() -> Result<(), String> {
+    let fill = f!(clEnqueueFillBuffer);
+    let write_image = f!(clEnqueueWriteImage);
+    for (m, size, _) in saved_mems() {
+        let (ctx, desc) = mem_parts(&m)?;
+        let pattern = 0xa5a5_a5a5u32;
+        let code = match desc {
+            // SAFETY: a fill of the whole buffer with a 4-byte pattern (sizes are multiples
+            // of 4 here, or the fill fails and says so).
+            None => with_queue(&ctx, |q| unsafe {
+                fill(q, m.real(), &pattern as *const u32 as *const c_void, if size % 4 == 0 { 4 } else { 1 }, 0, size, 0, std::ptr::null(), null_mut())
+            })?,
+            Some(d) => {
+                let junk = vec![0xa5u8; size];
+                let region = image_region(&d);
+                // SAFETY: a blocking write of the whole image from a buffer of its size.
+                with_queue(&ctx, |q| unsafe {
+                    write_image(
+                        q,
+                        m.real(),
+                        cl::CL_TRUE,
+                        [0usize; 3].as_ptr(),
+                        region.as_ptr(),
+                        0,
+                        0,
+                        junk.as_ptr() as *const c_void,
+                        0,
+                        std::ptr::null(),
+                        null_mut(),
+                    )
+                })?
+            }
+        };
+        check(&format!("poisoning memory object {}", m.seq), code)?;
+    }
+    with_all_queues_finished()
+}
+
+fn with_all_queues_finished() -> Result<(), String> {
+    let finish = f!(clFinish);
+    for q in live(Kind::Queue) {
+        // SAFETY: a real queue the layer holds.
+        check("clFinish", unsafe { finish(q.real()) })?;
+    }
+    Ok(())
+}
+
 /// Releases every real object (the newest first); the records stay for [`replay`].
 pub fn release() -> Result<(), String> {
     let get_event = f!(clGetEventInfo);
@@ -367,6 +419,9 @@ pub fn release() -> Result<(), String> {
             *st = Some(status);
             *c = command;
         }
+    }
+    if std::env::var_os(POISON_ENV).is_some() {
+        poison()?;
     }
     for x in objects.iter().rev() {
         if matches!(x.kind, Kind::Platform | Kind::Device) {

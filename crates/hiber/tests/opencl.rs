@@ -64,7 +64,9 @@ fn devices_in(log: &str) -> Vec<String> {
 
 fn start(h: &Hiber, name: &str, bin: &PathBuf, args: &[&str]) {
     let mut cmd = h.command(&["run", "--name", name, "--"]);
-    cmd.arg(bin).args(args).env("POCL_DEVICES", DEVICES);
+    // The layer overwrites each memory object before releasing it: PoCL hands the same host
+    // memory back when an object is made again, which would hide bytes hiber did not load.
+    cmd.arg(bin).args(args).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1");
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
 }
