@@ -111,8 +111,8 @@ install_criu() {
 }
 
 build_hiber() {
-    log "building hiber and its agent (cargo build --release)"
-    (cd "$repo" && cargo build --release --quiet -p hiber -p hiber-agent)
+    log "building hiber and the layers it preloads (cargo build --release)"
+    (cd "$repo" && cargo build --release --quiet -p hiber -p hiber-agent -p hiber-opencl)
 }
 
 install_packages

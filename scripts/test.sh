@@ -17,6 +17,9 @@ if ! out=$(python3 -m unittest discover -s bench -p 'test_*.py' 2>&1); then
     exit 1
 fi
 echo "$out" | tail -n 3
+# The end-to-end tests run the hiber binary with the layers it preloads beside it
+# (libhiber_opencl.so, libhiber_agent.so): cargo test alone does not build those.
+cargo build --workspace --locked --quiet
 # Every test binary prints its own "test result" line; the last of them is often a crate's
 # empty doc-test run, so one closing line sums them all up.
 log=$(mktemp)

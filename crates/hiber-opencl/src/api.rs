@@ -229,14 +229,11 @@ pub(crate) fn device_virtual(real_d: H) -> H {
     Arc::as_ptr(&o::make(Kind::Device, real_d, Record::Device { platform, name, device_type })) as H
 }
 
+/// The process calls OpenCL: marks it so, and starts the control thread (once per process;
+/// a child forked after its parent called OpenCL gets its own).
 fn start() {
-    let first = {
-        let mut reg = o::registry();
-        !std::mem::replace(&mut reg.active, true)
-    };
-    if first {
-        crate::control::start();
-    }
+    o::registry().active = true;
+    crate::control::start();
 }
 
 #[no_mangle]

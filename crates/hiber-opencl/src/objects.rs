@@ -6,8 +6,11 @@
 //! record keeps those alive, as OpenCL keeps a kernel's program alive, so every object
 //! still in use can be re-created in creation order after the real ones were released.
 //!
-//! Lock order: [`REGISTRY`], then an object's record. No `Arc<Obj>` is dropped while the
-//! registry is locked (a drop may release the object, which takes the registry).
+//! Locks: the registry's is never held while another is taken or the platform is called,
+//! and no `Arc<Obj>` is dropped while it is held (a drop may release the object, which
+//! takes the registry). A record's lock may be taken while holding that of a record that
+//! names it (a kernel's, then its program's), never the other way: records name only
+//! older objects, so these waits cannot form a cycle.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::{c_void, CString};

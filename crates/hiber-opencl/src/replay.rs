@@ -555,8 +555,12 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
         match real {
             Some(rd) => {
                 d.set_real(rd.device);
-                if let Record::Device { platform, .. } = &*d.rec() {
-                    platform.set_real(rd.platform);
+                let platform = match &*d.rec() {
+                    Record::Device { platform, .. } => Some(platform.clone()),
+                    _ => None,
+                };
+                if let Some(p) = platform {
+                    p.set_real(rd.platform);
                 }
             }
             None if is_used => {
