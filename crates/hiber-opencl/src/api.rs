@@ -226,7 +226,8 @@ pub(crate) fn device_virtual(real_d: H) -> H {
     let (platform_real, name, device_type) = crate::replay::device_identity(real_d);
     let platform = o::get(platform_virtual(platform_real), Kind::Platform);
     let Some(platform) = platform else { return real_d };
-    Arc::as_ptr(&o::make(Kind::Device, real_d, Record::Device { platform, name, device_type })) as H
+    let ordinal = crate::replay::ordinal_among_namesakes(platform.real(), real_d, &name);
+    Arc::as_ptr(&o::make(Kind::Device, real_d, Record::Device { platform, name, device_type, ordinal })) as H
 }
 
 /// The process calls OpenCL: marks it so, and starts the control thread (once per process;
@@ -324,11 +325,13 @@ pub unsafe extern "C" fn clCreateSubDevices(device: H, props: *const isize, n: c
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainDevice(device: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(device, Kind::Device)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseDevice(device: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(device, Kind::Device)
 }
 
@@ -437,11 +440,13 @@ pub unsafe extern "C" fn clCreateContextFromType(
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainContext(c: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(c, Kind::Context)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseContext(c: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(c, Kind::Context)
 }
 
@@ -551,11 +556,13 @@ pub unsafe extern "C" fn clCreateCommandQueueWithProperties(c: H, device: H, pro
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainCommandQueue(q: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(q, Kind::Queue)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseCommandQueue(q: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(q, Kind::Queue)
 }
 
@@ -654,7 +661,7 @@ pub unsafe extern "C" fn clCreateBufferWithProperties(
     let list = unsafe { props_list(props) };
     let mut err = 0;
     // SAFETY: the application's arguments with the real context.
-    let m = unsafe { f(ctx.real(), props, flags, size, host_ptr, &mut err) };
+    let m = unsafe { f(ctx.real(), props, flags & !cl::CL_MEM_HOST_ACCESS, size, host_ptr, &mut err) };
     made(m, err, errcode_ret, Kind::Mem, || Record::Mem {
         context: ctx,
         flags,
@@ -677,13 +684,13 @@ pub unsafe extern "C" fn clCreateSubBuffer(buffer: H, flags: cl_bitfield, create
     let region = unsafe { *(create_info as *const cl::BufferRegion) };
     let mut err = 0;
     // SAFETY: the application's arguments with the real buffer.
-    let m = unsafe { f(parent.real(), flags, create_type, create_info, &mut err) };
-    let (context, pflags) = match &*parent.rec() {
-        Record::Mem { context, flags, .. } => (context.clone(), *flags),
+    let m = unsafe { f(parent.real(), flags & !cl::CL_MEM_HOST_ACCESS, create_type, create_info, &mut err) };
+    let context = match &*parent.rec() {
+        Record::Mem { context, .. } => context.clone(),
         _ => return fail(errcode_ret, cl::CL_INVALID_MEM_OBJECT),
     };
-    // A sub-buffer inherits its parent's host-pointer flags.
-    let flags = if flags == 0 { pflags & !cl::CL_MEM_COPY_HOST_PTR } else { flags };
+    // The flags as the application gave them (what it inherits from its parent is the
+    // platform's to work out, again, at replay).
     made(m, err, errcode_ret, Kind::Mem, || Record::Mem {
         context,
         flags,
@@ -745,7 +752,7 @@ pub unsafe extern "C" fn clCreateImage(
     let dp = d.as_ref().map_or(std::ptr::null(), |d| d as *const ImageDesc);
     let mut err = 0;
     // SAFETY: the application's arguments with the real context and buffer.
-    let m = unsafe { f(ctx.real(), flags, format, dp, host_ptr, &mut err) };
+    let m = unsafe { f(ctx.real(), flags & !cl::CL_MEM_HOST_ACCESS, format, dp, host_ptr, &mut err) };
     if m.is_null() {
         return fail(errcode_ret, err);
     }
@@ -772,7 +779,7 @@ pub unsafe extern "C" fn clCreateImageWithProperties(
     let list = unsafe { props_list(props) };
     let mut err = 0;
     // SAFETY: the application's arguments with the real context and buffer.
-    let m = unsafe { f(ctx.real(), props, flags, format, dp, host_ptr, &mut err) };
+    let m = unsafe { f(ctx.real(), props, flags & !cl::CL_MEM_HOST_ACCESS, format, dp, host_ptr, &mut err) };
     if m.is_null() {
         return fail(errcode_ret, err);
     }
@@ -849,11 +856,13 @@ pub unsafe extern "C" fn clCreatePipe(c: H, flags: cl_bitfield, packet: cl_uint,
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainMemObject(m: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(m, Kind::Mem)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseMemObject(m: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(m, Kind::Mem)
 }
 
@@ -864,6 +873,13 @@ pub unsafe extern "C" fn clGetMemObjectInfo(m: H, param: cl_uint, size: usize, v
     let x = tri!(obj(m, Kind::Mem));
     if param == cl::CL_MEM_REFERENCE_COUNT {
         return answer(x.app_refs(), size, value, size_ret);
+    }
+    if param == cl::CL_MEM_FLAGS {
+        // The application's flags: the real object was made without its host-access
+        // promises (see `CL_MEM_HOST_ACCESS`).
+        if let Record::Mem { flags, .. } = &*x.rec() {
+            return answer(*flags, size, value, size_ret);
+        }
     }
     // SAFETY: the application's arguments with the real object.
     info(|s| unsafe { f(x.real(), param, size, value, s) }, &[cl::CL_MEM_CONTEXT, cl::CL_MEM_ASSOCIATED_MEMOBJECT], param, value, size_ret)
@@ -959,11 +975,13 @@ pub unsafe extern "C" fn clCreateSamplerWithProperties(c: H, props: *const u64, 
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainSampler(s: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(s, Kind::Sampler)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseSampler(s: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(s, Kind::Sampler)
 }
 
@@ -1083,11 +1101,13 @@ pub unsafe extern "C" fn clCreateProgramWithBuiltInKernels(c: H, n: cl_uint, dev
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainProgram(p: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(p, Kind::Program)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseProgram(p: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(p, Kind::Program)
 }
 
@@ -1292,11 +1312,13 @@ pub unsafe extern "C" fn clCloneKernel(k: H, errcode_ret: *mut cl_int) -> H {
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainKernel(k: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(k, Kind::Kernel)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseKernel(k: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(k, Kind::Kernel)
 }
 
@@ -1485,11 +1507,13 @@ pub unsafe extern "C" fn clCreateUserEvent(c: H, errcode_ret: *mut cl_int) -> H 
 
 #[no_mangle]
 pub unsafe extern "C" fn clRetainEvent(e: H) -> cl_int {
+    let _pass = gate::enter();
     o::retain(e, Kind::Event)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clReleaseEvent(e: H) -> cl_int {
+    let _pass = gate::enter();
     o::release(e, Kind::Event)
 }
 
@@ -1556,10 +1580,11 @@ pub unsafe extern "C" fn clGetEventProfilingInfo(e: H, param: cl_uint, size: usi
 // Commands
 
 /// The common shape of every enqueue: the real queue, wait list and event slot, the call,
-/// and a virtual event for the one it made.
+/// and a virtual event for the one it made. The caller has passed the gate before it
+/// translates any handle (a real handle read before the gate may be released by a
+/// checkpoint that closes it meanwhile).
 macro_rules! enqueue {
     ($name:ident, $q:expr, $n:expr, $list:expr, $event:expr, |$f:ident, $rq:ident, $rl:ident, $re:ident| $call:expr) => {{
-        let _pass = gate::enter();
         let $f = real_fn!($name, cl::CL_INVALID_OPERATION);
         let $rq = tri!(real($q, Kind::Queue));
         let wl = tri!(waits($list, $n));
@@ -1588,6 +1613,7 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let b = tri!(real(b, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueReadBuffer, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, b, blocking, offset, size, ptr, n, rl, re) })
@@ -1605,6 +1631,7 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let b = tri!(real(b, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueWriteBuffer, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, b, blocking, offset, size, ptr, n, rl, re) })
@@ -1627,6 +1654,7 @@ pub unsafe extern "C" fn clEnqueueReadBufferRect(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let b = tri!(real(b, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueReadBufferRect, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, b, blocking, bo, ho, region, brp, bsp, hrp, hsp, ptr, n, rl, re) })
@@ -1649,6 +1677,7 @@ pub unsafe extern "C" fn clEnqueueWriteBufferRect(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let b = tri!(real(b, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueWriteBufferRect, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, b, blocking, bo, ho, region, brp, bsp, hrp, hsp, ptr, n, rl, re) })
@@ -1666,6 +1695,7 @@ pub unsafe extern "C" fn clEnqueueFillBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let b = tri!(real(b, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueFillBuffer, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, b, pattern, psize, offset, size, n, rl, re) })
@@ -1673,6 +1703,7 @@ pub unsafe extern "C" fn clEnqueueFillBuffer(
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueCopyBuffer(q: H, src: H, dst: H, so: usize, d_o: usize, size: usize, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     let (s, d) = (tri!(real(src, Kind::Mem)), tri!(real(dst, Kind::Mem)));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueCopyBuffer, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, s, d, so, d_o, size, n, rl, re) })
@@ -1694,6 +1725,7 @@ pub unsafe extern "C" fn clEnqueueCopyBufferRect(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let (s, d) = (tri!(real(src, Kind::Mem)), tri!(real(dst, Kind::Mem)));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueCopyBufferRect, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, s, d, so, d_o, region, srp, ssp, drp, dsp, n, rl, re) })
@@ -1713,6 +1745,7 @@ pub unsafe extern "C" fn clEnqueueReadImage(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let im = tri!(real(im, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueReadImage, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, im, blocking, origin, region, rp, sp, ptr, n, rl, re) })
@@ -1732,6 +1765,7 @@ pub unsafe extern "C" fn clEnqueueWriteImage(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let im = tri!(real(im, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueWriteImage, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, im, blocking, origin, region, rp, sp, ptr, n, rl, re) })
@@ -1748,6 +1782,7 @@ pub unsafe extern "C" fn clEnqueueFillImage(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let im = tri!(real(im, Kind::Mem));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueFillImage, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, im, color, origin, region, n, rl, re) })
@@ -1765,6 +1800,7 @@ pub unsafe extern "C" fn clEnqueueCopyImage(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let (s, d) = (tri!(real(src, Kind::Mem)), tri!(real(dst, Kind::Mem)));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueCopyImage, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, s, d, so, d_o, region, n, rl, re) })
@@ -1782,6 +1818,7 @@ pub unsafe extern "C" fn clEnqueueCopyImageToBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let (s, d) = (tri!(real(src, Kind::Mem)), tri!(real(dst, Kind::Mem)));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueCopyImageToBuffer, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, s, d, so, region, d_o, n, rl, re) })
@@ -1799,6 +1836,7 @@ pub unsafe extern "C" fn clEnqueueCopyBufferToImage(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let (s, d) = (tri!(real(src, Kind::Mem)), tri!(real(dst, Kind::Mem)));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueCopyBufferToImage, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, s, d, so, d_o, region, n, rl, re) })
@@ -1868,6 +1906,7 @@ pub unsafe extern "C" fn clEnqueueMapImage(
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueUnmapMemObject(q: H, m: H, ptr: *mut c_void, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     let mo = tri!(obj(m, Kind::Mem));
     let mr = mo.real();
     // SAFETY: the application's arguments, translated.
@@ -1888,6 +1927,7 @@ pub unsafe extern "C" fn clEnqueueMigrateMemObjects(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     // SAFETY: OpenCL's contract: `nm` memory objects.
     let ms = tri!(unsafe { o::reals(mems, nm, Kind::Mem) });
     // SAFETY: the application's arguments, translated.
@@ -1906,6 +1946,7 @@ pub unsafe extern "C" fn clEnqueueNDRangeKernel(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     let k = tri!(real(k, Kind::Kernel));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueNDRangeKernel, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, k, dim, offset, global, local, n, rl, re) })
@@ -1913,6 +1954,7 @@ pub unsafe extern "C" fn clEnqueueNDRangeKernel(
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueTask(q: H, k: H, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     let k = tri!(real(k, Kind::Kernel));
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueTask, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, k, n, rl, re) })
@@ -1939,12 +1981,14 @@ pub unsafe extern "C" fn clEnqueueNativeKernel(
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueMarkerWithWaitList(q: H, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueMarkerWithWaitList, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, n, rl, re) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueBarrierWithWaitList(q: H, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueBarrierWithWaitList, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, n, rl, re) })
 }
@@ -1978,6 +2022,7 @@ pub unsafe extern "C" fn clEnqueueSVMFree(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated (the callback gets the real queue:
     // SVM is refused at checkpoint anyway).
@@ -1995,6 +2040,7 @@ pub unsafe extern "C" fn clEnqueueSVMMemcpy(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueSVMMemcpy, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, blocking, dst, src, size, n, rl, re) })
@@ -2011,6 +2057,7 @@ pub unsafe extern "C" fn clEnqueueSVMMemFill(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueSVMMemFill, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, ptr, pattern, psize, size, n, rl, re) })
@@ -2027,6 +2074,7 @@ pub unsafe extern "C" fn clEnqueueSVMMap(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueSVMMap, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, blocking, flags, ptr, size, n, rl, re) })
@@ -2034,6 +2082,7 @@ pub unsafe extern "C" fn clEnqueueSVMMap(
 
 #[no_mangle]
 pub unsafe extern "C" fn clEnqueueSVMUnmap(q: H, ptr: *mut c_void, n: cl_uint, list: *const H, event: *mut H) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueSVMUnmap, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, ptr, n, rl, re) })
@@ -2050,6 +2099,7 @@ pub unsafe extern "C" fn clEnqueueSVMMigrateMem(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    let _pass = gate::enter();
     o::refuse("clSVMAlloc (shared virtual memory)");
     // SAFETY: the application's arguments, translated.
     enqueue!(clEnqueueSVMMigrateMem, q, n, list, event, |f, rq, rl, re| unsafe { f(rq, np, ptrs, sizes, flags, n, rl, re) })

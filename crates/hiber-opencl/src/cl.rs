@@ -87,6 +87,10 @@ pub const CL_QUEUE_DEVICE: cl_uint = 0x1091;
 pub const CL_QUEUE_REFERENCE_COUNT: cl_uint = 0x1092;
 pub const CL_QUEUE_DEVICE_DEFAULT: cl_uint = 0x1095;
 pub const CL_MEM_USE_HOST_PTR: cl_bitfield = 1 << 3;
+/// `CL_MEM_HOST_WRITE_ONLY | CL_MEM_HOST_READ_ONLY | CL_MEM_HOST_NO_ACCESS`: promises of
+/// how the host will use an object, which would forbid hiber its own reads and writes.
+pub const CL_MEM_HOST_ACCESS: cl_bitfield = (1 << 7) | (1 << 8) | (1 << 9);
+pub const CL_MEM_FLAGS: cl_uint = 0x1101;
 pub const CL_MEM_COPY_HOST_PTR: cl_bitfield = 1 << 5;
 pub const CL_MEM_OBJECT_IMAGE2D: cl_uint = 0x10F1;
 pub const CL_MEM_OBJECT_IMAGE3D: cl_uint = 0x10F2;
@@ -194,6 +198,7 @@ real_table! {
     clCreateCommandQueue: fn(H, H, cl_bitfield, *mut cl_int) -> H;
     clCreateCommandQueueWithProperties: fn(H, H, *const u64, *mut cl_int) -> H;
     clReleaseCommandQueue: fn(H) -> cl_int;
+    clRetainCommandQueue: fn(H) -> cl_int;
     clGetCommandQueueInfo: fn(H, cl_uint, usize, *mut c_void, *mut usize) -> cl_int;
     clSetCommandQueueProperty: fn(H, cl_bitfield, cl_bool, *mut cl_bitfield) -> cl_int;
     clSetDefaultDeviceCommandQueue: fn(H, H, H) -> cl_int;
@@ -206,6 +211,8 @@ real_table! {
     clCreateImageWithProperties: fn(H, *const u64, cl_bitfield, *const ImageFormat, *const ImageDesc, *mut c_void, *mut cl_int) -> H;
     clCreatePipe: fn(H, cl_bitfield, cl_uint, cl_uint, *const isize, *mut cl_int) -> H;
     clReleaseMemObject: fn(H) -> cl_int;
+    clSetMemObjectDestructorCallback: fn(H, ProgramNotify, *mut c_void) -> cl_int;
+    clSetContextDestructorCallback: fn(H, ProgramNotify, *mut c_void) -> cl_int;
     clGetMemObjectInfo: fn(H, cl_uint, usize, *mut c_void, *mut usize) -> cl_int;
     clGetImageInfo: fn(H, cl_uint, usize, *mut c_void, *mut usize) -> cl_int;
     clGetPipeInfo: fn(H, cl_uint, usize, *mut c_void, *mut usize) -> cl_int;

@@ -56,8 +56,14 @@ fn serve(listener: OwnedFd) {
                     Err(_) => log("control connection: internal error"),
                 }
                 // A session that ends before the objects were released (hiber gave up, timed
-                // out or died) leaves the application running, not waiting.
-                if gate::is_closed() && !o::registry().released {
+                // out or died) leaves the application running, not waiting. One that ends
+                // with objects released, or re-created without their bytes, leaves it
+                // waiting for `hiber recover`: it must not run on without its data.
+                let held = {
+                    let reg = o::registry();
+                    reg.released || !reg.pending.is_empty()
+                };
+                if gate::is_closed() && !held {
                     gate::open();
                 }
             }
@@ -91,6 +97,7 @@ pub fn status() -> Status {
         mapped: objects.iter().filter(|x| x.kind == Kind::Mem).map(|x| x.maps.load(Ordering::Relaxed).max(0) as u64).sum(),
         gate_closed: gate::is_closed(),
         released: reg.released,
+        pending: reg.pending.len() as u64,
         refused: reg.refused.iter().map(|s| s.split_whitespace().next().unwrap_or(s).to_string()).collect(),
     }
 }
@@ -133,8 +140,14 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 reply(conn, r.map_or_else(Reply::Err, |()| Reply::Ok))?;
             }
             Request::Resume => {
-                if o::registry().released {
+                let (released, pending) = {
+                    let reg = o::registry();
+                    (reg.released, reg.pending.len())
+                };
+                if released {
                     reply(conn, Reply::Err("the OpenCL objects are not re-created yet; replay first".into()))?;
+                } else if pending > 0 {
+                    reply(conn, Reply::Err(format!("{pending} memory objects are not written back yet; load them first")))?;
                 } else {
                     gate::open();
                     quiesced = false;

@@ -86,6 +86,9 @@ pub enum Record {
         platform: Arc<Obj>,
         name: String,
         device_type: u64,
+        /// Its place among the devices of its platform with its name (two GPUs of one
+        /// model), in the order the platform lists them.
+        ordinal: usize,
     },
     Context {
         devices: Vec<Arc<Obj>>,
@@ -166,7 +169,7 @@ impl Obj {
     pub fn set_real(&self, real: H) {
         let old = self.real.swap(real, Ordering::AcqRel);
         let mut reg = registry();
-        if !old.is_null() {
+        if !old.is_null() && reg.by_real.get(&(old as usize)).is_some_and(|&(_, v)| v == self.handle() as usize) {
             reg.by_real.remove(&(old as usize));
         }
         if !real.is_null() {
@@ -191,23 +194,59 @@ impl Obj {
 impl Drop for Obj {
     fn drop(&mut self) {
         let real = *self.real.get_mut();
-        if !real.is_null() {
-            release_real(self.kind, real);
-        }
+        let me = self.handle() as usize;
         let mut reg = registry();
         reg.live.remove(&self.seq);
-        reg.handles.remove(&(self.handle() as usize));
-        if !real.is_null() {
+        reg.handles.remove(&me);
+        // Before the release: once released, the platform may give the address to a new
+        // object, whose entry this must not remove.
+        if !real.is_null() && reg.by_real.get(&(real as usize)).is_some_and(|&(_, v)| v == me) {
             reg.by_real.remove(&(real as usize));
         }
         drop(reg);
-        let me = self.handle();
-        for (f, data) in std::mem::take(self.destructors.get_mut().unwrap_or_else(|e| e.into_inner())).into_iter().rev() {
-            // SAFETY: the application registered `f` with `data` for this object's
-            // destruction, which is now; it gets the handle it knew the object by.
-            unsafe { f(me, data as *mut c_void) };
+        let callbacks = std::mem::take(self.destructors.get_mut().unwrap_or_else(|e| e.into_inner()));
+        // The application's destructor callbacks run when the platform deletes the object,
+        // which may be after commands still using it finish: handed to the platform's own
+        // callback where it has one, else called now.
+        let callbacks = if callbacks.is_empty() || real.is_null() { callbacks } else { hand_to_platform(self.kind, real, callbacks, me) };
+        if !real.is_null() {
+            release_real(self.kind, real);
         }
+        run_destructors(callbacks, me);
     }
+}
+
+fn run_destructors(callbacks: Vec<Destructor>, me: usize) {
+    for (f, data) in callbacks.into_iter().rev() {
+        // SAFETY: the application registered `f` with `data` for this object's
+        // destruction, which is now; it gets the handle it knew the object by.
+        unsafe { f(me as H, data as *mut c_void) };
+    }
+}
+
+unsafe extern "C" fn destructor_trampoline(_real: H, data: *mut c_void) {
+    // SAFETY: `data` is the box `hand_to_platform` leaked for this one call.
+    let b = unsafe { Box::from_raw(data as *mut (Vec<Destructor>, usize)) };
+    run_destructors(b.0, b.1);
+}
+
+/// Registers `callbacks` with the platform's destructor callback of `real`; what it could
+/// not register comes back.
+fn hand_to_platform(kind: Kind, real: H, callbacks: Vec<Destructor>, me: usize) -> Vec<Destructor> {
+    let set = cl::real().and_then(|r| match kind {
+        Kind::Mem => r.clSetMemObjectDestructorCallback,
+        Kind::Context => r.clSetContextDestructorCallback,
+        _ => None,
+    });
+    let Some(set) = set else { return callbacks };
+    let data = Box::into_raw(Box::new((callbacks, me)));
+    // SAFETY: a real object on which the layer still holds its reference; the trampoline
+    // takes the box back when the platform calls it, once.
+    if unsafe { set(real, Some(destructor_trampoline), data as *mut c_void) } == cl::CL_SUCCESS {
+        return Vec::new();
+    }
+    // SAFETY: not registered, so never called: the box is ours again.
+    unsafe { Box::from_raw(data) }.0
 }
 
 /// Releases the one reference the layer holds on a real object.
@@ -245,6 +284,9 @@ pub struct Registry {
     pub refused: BTreeSet<&'static str>,
     /// The real objects were released for a checkpoint and not yet re-created.
     pub released: bool,
+    /// Memory objects re-created whose bytes hiber has not written back yet: the gate
+    /// stays closed while there are any.
+    pub pending: BTreeSet<u64>,
     /// The process called OpenCL.
     pub active: bool,
 }
@@ -399,11 +441,17 @@ pub fn virtual_of(real: H) -> Option<H> {
     registry().by_real.get(&(real as usize)).map(|&(_, v)| v as H)
 }
 
-/// `clRetain*`.
+/// `clRetain*`. An object the application had let go of but that is still alive (a
+/// queue keeps its context, and `clGetCommandQueueInfo` hands the context out again) is
+/// the application's again: its handle takes back the strong count it gave up.
 pub fn retain(h: H, kind: Kind) -> cl_int {
     match get(h, kind) {
         Some(o) => {
-            o.app_refs.fetch_add(1, Ordering::Relaxed);
+            if o.app_refs.fetch_add(1, Ordering::AcqRel) == 0 && !matches!(kind, Kind::Platform | Kind::Device) {
+                // SAFETY: `o` (from `get`) keeps the object alive; the application's handle
+                // owns this new count, given back by its last release.
+                unsafe { Arc::increment_strong_count(Arc::as_ptr(&o)) };
+            }
             cl::CL_SUCCESS
         }
         None => kind.invalid(),
@@ -488,5 +536,29 @@ mod tests {
         assert!(lookup(m, Kind::Sampler).is_none());
         assert_eq!(release(m, Kind::Mem), cl::CL_SUCCESS);
         assert!(lookup(m, Kind::Mem).is_none(), "a destroyed object's handle is not taken for one");
+    }
+}
+
+#[cfg(test)]
+mod retain_tests {
+    use super::*;
+
+    #[test]
+    fn retaining_an_object_the_application_let_go_makes_it_the_applications_again() {
+        let ctx = give(make(Kind::Context, std::ptr::null_mut(), Record::Opaque { what: "test" }));
+        let c = get(ctx, Kind::Context).unwrap();
+        let seq = c.seq;
+        // A queue keeps it alive; the application releases its own reference.
+        let keeper = c.clone();
+        drop(c);
+        assert_eq!(release(ctx, Kind::Context), cl::CL_SUCCESS);
+        // It gets the handle back (as from CL_QUEUE_CONTEXT) and retains it, then releases
+        // it: the keeper's reference must survive that.
+        assert_eq!(retain(ctx, Kind::Context), cl::CL_SUCCESS);
+        assert_eq!(release(ctx, Kind::Context), cl::CL_SUCCESS);
+        assert_eq!(Arc::strong_count(&keeper), 1, "only the keeper's");
+        assert!(all_live().iter().any(|x| x.seq == seq));
+        drop(keeper);
+        assert!(!all_live().iter().any(|x| x.seq == seq));
     }
 }

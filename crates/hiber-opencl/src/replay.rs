@@ -84,6 +84,22 @@ pub(crate) fn context_devices(c: H) -> Vec<H> {
     }
 }
 
+/// The place of device `d` among the devices of `platform` named `name`.
+pub(crate) fn ordinal_among_namesakes(platform: H, d: H, name: &str) -> usize {
+    let Some(get) = cl::real().and_then(|r| r.clGetDeviceIDs) else { return 0 };
+    let mut n = 0;
+    // SAFETY: counting a real platform's devices into our variable.
+    if unsafe { get(platform, cl::CL_DEVICE_TYPE_ALL, 0, null_mut(), &mut n) } != cl::CL_SUCCESS {
+        return 0;
+    }
+    let mut ds = vec![null_mut(); n as usize];
+    // SAFETY: `n` devices into a list of `n`.
+    if unsafe { get(platform, cl::CL_DEVICE_TYPE_ALL, n, ds.as_mut_ptr(), null_mut()) } != cl::CL_SUCCESS {
+        return 0;
+    }
+    ds.iter().take_while(|&&x| x != d).filter(|&&x| device_identity(x).1 == name).count()
+}
+
 pub(crate) fn image_element_size(m: H) -> usize {
     let Some(f) = cl::real().and_then(|r| r.clGetImageInfo) else { return 0 };
     // SAFETY: a real image and a size_t for the answer.
@@ -124,16 +140,23 @@ fn live(kind: Kind) -> Vec<Arc<Obj>> {
 /// command waiting on a user event no one will set) is reported instead of waited for.
 pub fn drain(timeout: Duration) -> Result<(), String> {
     let finish = f!(clFinish);
+    let retain = f!(clRetainCommandQueue);
+    let release = f!(clReleaseCommandQueue);
     let queues = live(Kind::Queue);
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
     let (tx, rx) = std::sync::mpsc::channel();
     let mut threads = Vec::new();
     for q in &queues {
         let (real, seq, tx) = (q.real() as usize, q.seq, tx.clone());
+        // The thread holds a reference of its own: one that overruns the timeout outlives
+        // the checkpoint, and the application may release the queue meanwhile.
+        // SAFETY: a real queue the layer holds.
+        unsafe { retain(real as H) };
         let spawned = std::thread::Builder::new().name("hiber-cl-drain".into()).spawn(move || {
-            // SAFETY: a real queue, alive while the layer holds it (the gate is closed, so
-            // the application cannot release it).
+            // SAFETY: a real queue on which this thread holds a reference.
             let code = unsafe { finish(real as H) };
+            // SAFETY: the reference taken for this thread, given back once.
+            unsafe { release(real as H) };
             let _ = tx.send((seq, code));
         });
         threads.push(spawned.map_err(|e| format!("cannot start a thread to drain a queue: {e}"))?);
@@ -196,7 +219,7 @@ pub fn used_devices() -> Vec<(String, String)> {
 
 fn describe_device(d: &Obj) -> (String, String) {
     match &*d.rec() {
-        Record::Device { platform, name, device_type } => {
+        Record::Device { platform, name, device_type, .. } => {
             let pname = match &*platform.rec() {
                 Record::Platform { name } => name.clone(),
                 _ => String::new(),
@@ -347,7 +370,9 @@ pub fn write_mem(id: u64, fd: OwnedFd) -> Result<(), String> {
             })?
         }
     };
-    check(&format!("writing memory object {id}"), code)
+    check(&format!("writing memory object {id}"), code)?;
+    o::registry().pending.remove(&id);
+    Ok(())
 }
 
 /// Set in a job's environment (by tests), the layer overwrites every memory object before
@@ -538,19 +563,22 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
     order.extend(roots.iter().filter(|d| used.iter().any(|u| Arc::ptr_eq(u, d))));
     for d in order {
         let is_used = used.iter().any(|u| Arc::ptr_eq(u, d));
-        let (pname, name) = match &*d.rec() {
-            Record::Device { platform, name, .. } => (
+        let (pname, name, ordinal) = match &*d.rec() {
+            Record::Device { platform, name, ordinal, .. } => (
                 match &*platform.rec() {
                     Record::Platform { name } => name.clone(),
                     _ => String::new(),
                 },
                 name.clone(),
+                *ordinal,
             ),
             _ => continue,
         };
         let real = match target.filter(|_| is_used) {
             Some(t) => Some(t),
-            None => all.iter().flatten().find(|x| x.platform_name == pname && x.name == name),
+            // The same device by its platform's name, its own, and its place among those
+            // of that name (the second of two GPUs of one model stays the second).
+            None => all.iter().flatten().filter(|x| x.platform_name == pname && x.name == name).nth(ordinal),
         };
         match real {
             Some(rd) => {
@@ -580,7 +608,11 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
     for k in objects.iter().filter(|x| x.kind == Kind::Kernel) {
         set_args(k)?;
     }
-    o::registry().released = false;
+    let pending = saved_mems().into_iter().map(|(m, _, _)| m.seq).collect();
+    let mut reg = o::registry();
+    reg.released = false;
+    // The gate stays closed until hiber has written back every one of these.
+    reg.pending = pending;
     Ok(())
 }
 
@@ -637,7 +669,9 @@ fn recreate(x: &Arc<Obj>) -> Result<H, String> {
             made(unsafe { create(context.real(), device.real(), bits, &mut err) }, err)
         }
         Record::Mem { context, flags, size, host_ptr, props, shape } => {
-            let flags = flags & !cl::CL_MEM_COPY_HOST_PTR;
+            // Without COPY_HOST_PTR (the bytes come from the image), nor the host-access
+            // promises (hiber writes the bytes back from the host).
+            let flags = flags & !(cl::CL_MEM_COPY_HOST_PTR | cl::CL_MEM_HOST_ACCESS);
             let hp = *host_ptr as *mut c_void;
             match shape {
                 Shape::Buffer if props.is_empty() => {
@@ -660,6 +694,11 @@ fn recreate(x: &Arc<Obj>) -> Result<H, String> {
                 Shape::Image { format, desc, buffer, .. } => {
                     let mut d = *desc;
                     d.buffer = buffer.as_ref().map_or(null_mut(), |b| b.real());
+                    if hp.is_null() && d.buffer.is_null() {
+                        // Pitches describe a host pointer's layout; without one they must be 0.
+                        d.row_pitch = 0;
+                        d.slice_pitch = 0;
+                    }
                     let create = f!(clCreateImage);
                     // SAFETY: the recorded format and description with the real buffer.
                     made(unsafe { create(context.real(), flags, format, &d, hp, &mut err) }, err)

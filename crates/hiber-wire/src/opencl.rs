@@ -111,6 +111,8 @@ pub struct Status {
     pub gate_closed: bool,
     /// The real objects are released (a checkpoint is under way or was interrupted).
     pub released: bool,
+    /// Memory objects re-created whose bytes are not written back yet.
+    pub pending: u64,
     /// OpenCL features the process used that hiber cannot checkpoint, by API name.
     pub refused: Vec<String>,
 }
@@ -146,7 +148,7 @@ impl Request {
 }
 
 impl Status {
-    fn fields(&self) -> [(&'static str, u64); 12] {
+    fn fields(&self) -> [(&'static str, u64); 13] {
         [
             ("active", self.active as u64),
             ("contexts", self.contexts),
@@ -160,6 +162,7 @@ impl Status {
             ("mapped", self.mapped),
             ("closed", self.gate_closed as u64),
             ("released", self.released as u64),
+            ("pending", self.pending),
         ]
     }
 }
@@ -212,6 +215,7 @@ impl Reply {
                         "mapped" => s.mapped = v,
                         "closed" => s.gate_closed = v != 0,
                         "released" => s.released = v != 0,
+                        "pending" => s.pending = v,
                         _ => {} // newer layers may say more
                     }
                 }

@@ -332,3 +332,22 @@ fn hiber_killed_after_the_release_recovers() {
     assert_continues(&want, &h.progress("rv"), 1);
     assert!(!PathBuf::from(&image).exists(), "no image from the interrupted checkpoint");
 }
+
+/// A program that enqueues without pause (so a checkpoint nearly always catches a thread
+/// waiting at the layer's gate inside an enqueue), checkpointed with --leave-running three
+/// times: every call after each replay must reach the new objects, which its own check of
+/// every step against the host shows.
+#[test]
+fn checkpoints_in_a_tight_enqueue_loop() {
+    let h = Hiber::new("ocl-tight");
+    let bin = program(&h, "stencil");
+    start(&h, "tl", &bin, &["4000", "4096", "0", "0"]);
+    h.wait_step("tl", 100);
+    for i in 0..3 {
+        let image = h.images_dir().join(format!("tl{i}")).display().to_string();
+        let at = h.last_step("tl").unwrap();
+        h.ok(&["checkpoint", "tl", "--leave-running", "--out", &image]);
+        h.wait_step("tl", at + 200);
+    }
+    h.assert_verified("tl", Duration::from_secs(120));
+}

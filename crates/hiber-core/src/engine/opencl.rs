@@ -191,7 +191,7 @@ impl OpenClEngine {
             Reply::Status(s) => s,
             other => return Err(fail(format!("OpenCL layer of process {pid}: unexpected {other:?}"), None)),
         };
-        if !status.released {
+        if !status.released && status.pending == 0 {
             return conn.call::<Reply>(&Request::Resume, None).map(|_| ());
         }
         let ns_pid = crate::proctree::read_process(pid).map(|p| p.ns_pid).unwrap_or(pid);
@@ -236,9 +236,10 @@ impl DeviceEngine for OpenClEngine {
             let name = hiber_wire::opencl::socket_name(&token, p.ns_pid);
             // No layer answers: the process never called OpenCL.
             let Ok(conn) = connect(p.pid, &name) else { continue };
-            let status = match conn.call::<Reply>(&Request::Status, None) {
-                Ok(Reply::Status(s)) => s,
-                _ => continue,
+            // One that answers wrong cannot be trusted to release its objects.
+            let status = match conn.call::<Reply>(&Request::Status, None)? {
+                Reply::Status(s) => s,
+                other => return Err(fail(format!("OpenCL layer of process {} ({}): unexpected {other:?}", p.pid, p.comm), None)),
             };
             if !status.active {
                 continue;
@@ -255,7 +256,7 @@ impl DeviceEngine for OpenClEngine {
                     Some("checkpoint it when its memory objects are unmapped"),
                 ));
             }
-            if status.gate_closed || status.released {
+            if status.gate_closed || status.released || status.pending > 0 {
                 return Err(fail(
                     format!("the OpenCL layer of process {} ({}) is in the middle of a checkpoint", p.pid, p.comm),
                     Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
