@@ -25,8 +25,9 @@ packages=(
     libnftables-dev libaio-dev python3-protobuf uuid-dev libdrm-dev iproute2 procps
     util-linux xz-utils patch
     # OpenCL: the ICD loader and its headers, and PoCL's CPU devices, on which the tests
-    # run real OpenCL programs (clpeak among them).
+    # run real OpenCL programs (clpeak and PyOpenCL among them).
     ocl-icd-libopencl1 ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo clpeak
+    python3-pyopencl
 )
 
 install_packages() {

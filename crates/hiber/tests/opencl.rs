@@ -351,3 +351,39 @@ fn checkpoints_in_a_tight_enqueue_loop() {
     }
     h.assert_verified("tl", Duration::from_secs(120));
 }
+
+/// PyOpenCL (Debian's python3-pyopencl): its arrays, its generated kernels and its events.
+/// It keeps built programs in a cache and loads them as binaries, which cannot move to
+/// another device (the restore says so); with its cache off (PYOPENCL_NO_CACHE) it builds
+/// from source and moves.
+#[test]
+fn pyopencl_restores_and_moves_without_its_binary_cache() {
+    let h = Hiber::new("ocl-pyopencl");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/opencl/pyopencl_loop.py");
+    let python = PathBuf::from("/usr/bin/python3");
+    let args = [script.to_str().unwrap(), "300", "0", "0.01"];
+    // Warm its cache, so the job below loads its programs as binaries.
+    let warm = Command::new(&python).args([script.to_str().unwrap(), "2", "0", "0"]).env("POCL_DEVICES", DEVICES).output().unwrap();
+    assert!(warm.status.success(), "{}", String::from_utf8_lossy(&warm.stderr));
+    start(&h, "py", &python, &args);
+    h.wait_step("py", 20);
+    let image = h.images_dir().join("py").display().to_string();
+    h.ok(&["checkpoint", "py", "--out", &image]);
+    let out = h.command(&["restore", &image, "--name", "py-moved", "--opencl-device", "0:1"]).env("POCL_DEVICES", DEVICES).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("binary"), "a cached binary does not move: {err}");
+    restore(&h, &image, "py2", &[]);
+    h.assert_verified("py2", Duration::from_secs(90));
+
+    let mut cmd = h.command(&["run", "--name", "nc", "--"]);
+    cmd.arg(&python).args(args).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1").env("PYOPENCL_NO_CACHE", "1");
+    assert!(cmd.output().unwrap().status.success());
+    h.wait_step("nc", 20);
+    let image = h.images_dir().join("nc").display().to_string();
+    h.ok(&["checkpoint", "nc", "--out", &image]);
+    let at = h.last_step("nc").unwrap();
+    restore(&h, &image, "nc2", &["--opencl-device", "0:1"]);
+    h.assert_verified("nc2", Duration::from_secs(90));
+    assert_eq!(h.progress("nc2")[0].0, at + 1);
+    assert!(devices_in(&h.log("nc2"))[0].starts_with(PTHREAD), "{:?}", devices_in(&h.log("nc2")));
+}
