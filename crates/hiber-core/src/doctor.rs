@@ -82,5 +82,7 @@ pub fn run(state: &StateDir) -> Vec<Check> {
 
     let gpu = cuda::probe();
     out.push(Check { name: "nvidia driver", ok: gpu.checkpoint_api, detail: gpu.summary(), optional: true });
+    let (ok, detail) = crate::engine::opencl::probe();
+    out.push(Check { name: "opencl", ok, detail, optional: true });
     out
 }

@@ -75,7 +75,19 @@ impl EngineKind for Kind {
 
 /// Whether this machine has an OpenCL ICD loader with vendors to load.
 fn icd_here() -> bool {
-    std::env::var_os("OCL_ICD_VENDORS").is_some() || Path::new("/etc/OpenCL/vendors").is_dir()
+    std::env::var_os("OCL_ICD_VENDORS").is_some() || std::env::var_os("OCL_ICD_FILENAMES").is_some() || Path::new("/etc/OpenCL/vendors").is_dir()
+}
+
+/// What `hiber doctor` says of OpenCL: whether jobs get the layer, and why not.
+pub fn probe() -> (bool, String) {
+    if !icd_here() {
+        return (false, "no OpenCL ICD loader vendors (/etc/OpenCL/vendors); OpenCL jobs run without the layer".into());
+    }
+    match super::layer::library("HIBER_OPENCL_LIB", "libhiber_opencl.so") {
+        Some(lib) if lib.exists() => (true, format!("jobs get the OpenCL layer ({})", lib.display())),
+        Some(lib) => (false, format!("the OpenCL layer is missing ({}); build it with scripts/setup.sh", lib.display())),
+        None => (false, "cannot tell where the OpenCL layer is".into()),
+    }
 }
 
 fn layer_env(job_dir: &Path) -> Option<Vec<(String, String)>> {

@@ -52,17 +52,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&ctx.state);
     let exe = std::env::current_exe()?.display().to_string();
     let steps = args.steps.max(30);
-    let gpu = !args.cpu && !ctx.engines.is_empty();
+    // A GPU here: the driver engine loaded (the OpenCL engine loads everywhere).
+    let gpu_here = ctx.engines.iter().any(|e| e.name() == hiber_core::engine::cuda::ENGINE);
+    let gpu = !args.cpu && gpu_here;
     let (kind, mem_mib) = if gpu { ("gpu", args.mem_mib.unwrap_or(1024)) } else { ("cpu", args.mem_mib.unwrap_or(256)) };
     let command: Vec<String> =
         [exe.as_str(), "workload", kind, "--steps", &steps.to_string(), "--interval-ms", "20", "--mem-mib", &mem_mib.to_string()].map(String::from).to_vec();
     if gpu {
         println!("hiber demo: a GPU workload holding {mem_mib} MiB of device memory that checks its own state (kernels JIT-compiled from embedded PTX)");
     } else {
-        println!(
-            "hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})",
-            if ctx.engines.is_empty() { "no GPU here" } else { "--cpu" }
-        );
+        println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if gpu_here { "--cpu" } else { "no GPU here" });
     }
 
     let job = start_job(&registry, Some(registry.free_name("demo")), command, JobOptions { agent: true, opencl: true, allow_io_uring: false })?;
