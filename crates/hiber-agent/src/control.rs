@@ -55,36 +55,13 @@ pub(crate) fn forget_listener() {
 }
 
 fn serve(listener: OwnedFd) {
-    // SAFETY: getuid has no preconditions.
-    let own_uid = unsafe { libc::getuid() };
-    loop {
-        match socket::accept(&listener) {
-            Ok(conn) => {
-                // Only root (hiber) or the application's own user may take its memory.
-                match socket::peer_uid(&conn) {
-                    Ok(uid) if uid == 0 || uid == own_uid => {}
-                    other => {
-                        log(&format!("refused a control connection from uid {other:?}"));
-                        continue;
-                    }
-                }
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(&conn))) {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => log(&format!("control connection: {e}")),
-                    Err(_) => log("control connection: internal error"),
-                }
-                // A session that ends with nothing handed over (hiber gave up, timed out or
-                // died after quiesce) leaves the application running, not waiting.
-                if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {
-                    gate::open();
-                }
-            }
-            Err(e) => {
-                log(&format!("accept: {e}"));
-                std::thread::sleep(Duration::from_millis(100));
-            }
+    socket::serve(listener, log, session, || {
+        // A session that ends with nothing handed over (hiber gave up, timed out or died
+        // after quiesce) leaves the application running, not waiting.
+        if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {
+            gate::open();
         }
-    }
+    })
 }
 
 fn reply(conn: &OwnedFd, r: Reply) -> std::io::Result<()> {

@@ -237,21 +237,36 @@ fn start() {
     crate::control::start();
 }
 
+/// After a real call that listed objects: the application's handles in place of the real
+/// ones (`min(count, room)` were written) and the count where it asked for it.
+///
+/// # Safety
+/// `out` is null or holds `room` handles; `count_out` is null or the application's count.
+unsafe fn list_answer(out: *mut H, room: cl_uint, count: cl_uint, count_out: *mut cl_uint, to_virtual: impl Fn(H) -> H) {
+    if !out.is_null() {
+        for i in 0..count.min(room) as usize {
+            // SAFETY: the caller's contract: the platform wrote these.
+            unsafe { *out.add(i) = to_virtual(*out.add(i)) };
+        }
+    }
+    if !count_out.is_null() {
+        // SAFETY: the caller's contract.
+        unsafe { *count_out = count };
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn clGetPlatformIDs(num_entries: cl_uint, platforms: *mut H, num_platforms: *mut cl_uint) -> cl_int {
     let _pass = gate::enter();
     let f = real_fn!(clGetPlatformIDs, cl::CL_PLATFORM_NOT_FOUND_KHR);
     start();
-    // SAFETY: the application's arguments, as the loader takes them.
-    let r = unsafe { f(num_entries, platforms, num_platforms) };
-    if r == cl::CL_SUCCESS && !platforms.is_null() {
-        let mut n = 0;
-        // SAFETY: a second call for the count the first wrote, into our own variable.
-        unsafe { f(0, null_mut(), &mut n) };
-        for i in 0..n.min(num_entries) as usize {
-            // SAFETY: the loader wrote `min(n, num_entries)` platforms.
-            unsafe { *platforms.add(i) = platform_virtual(*platforms.add(i)) };
-        }
+    let mut n = 0;
+    // SAFETY: the application's arguments, as the loader takes them; the count goes to our
+    // variable first.
+    let r = unsafe { f(num_entries, platforms, &mut n) };
+    if r == cl::CL_SUCCESS {
+        // SAFETY: the loader wrote `min(n, num_entries)` platforms.
+        unsafe { list_answer(platforms, num_entries, n, num_platforms, platform_virtual) };
     }
     r
 }
@@ -276,16 +291,8 @@ pub unsafe extern "C" fn clGetDeviceIDs(platform: H, device_type: cl_bitfield, n
     // variable first.
     let r = unsafe { f(p, device_type, num_entries, devices, &mut n) };
     if r == cl::CL_SUCCESS {
-        if !devices.is_null() {
-            for i in 0..n.min(num_entries) as usize {
-                // SAFETY: the loader wrote `min(n, num_entries)` devices.
-                unsafe { *devices.add(i) = device_virtual(*devices.add(i)) };
-            }
-        }
-        if !num_devices.is_null() {
-            // SAFETY: a non-null count pointer is the application's.
-            unsafe { *num_devices = n };
-        }
+        // SAFETY: the loader wrote `min(n, num_entries)` devices.
+        unsafe { list_answer(devices, num_entries, n, num_devices, device_virtual) };
     }
     r
 }
@@ -309,16 +316,8 @@ pub unsafe extern "C" fn clCreateSubDevices(device: H, props: *const isize, n: c
     // SAFETY: the application's arguments with the real device; the count to our variable.
     let r = unsafe { f(d, props, n, out, &mut got) };
     if r == cl::CL_SUCCESS {
-        if !out.is_null() {
-            for i in 0..got.min(n) as usize {
-                // SAFETY: the platform wrote `min(got, n)` devices.
-                unsafe { *out.add(i) = device_virtual(*out.add(i)) };
-            }
-        }
-        if !num.is_null() {
-            // SAFETY: the application's count.
-            unsafe { *num = got };
-        }
+        // SAFETY: the platform wrote `min(got, n)` devices.
+        unsafe { list_answer(out, n, got, num, device_virtual) };
     }
     r
 }
@@ -1278,19 +1277,9 @@ pub unsafe extern "C" fn clCreateKernelsInProgram(p: H, n: cl_uint, kernels: *mu
     // SAFETY: the application's arguments with the real program; the count to ours.
     let r = unsafe { f(prog.real(), n, kernels, &mut got) };
     if r == cl::CL_SUCCESS {
-        if !kernels.is_null() {
-            for i in 0..got.min(n) as usize {
-                // SAFETY: the platform wrote `min(got, n)` kernels.
-                let k = unsafe { *kernels.add(i) };
-                let name = crate::replay::kernel_name(k);
-                // SAFETY: as above.
-                unsafe { *kernels.add(i) = o::give(o::make(Kind::Kernel, k, kernel_record(prog.clone(), name))) };
-            }
-        }
-        if !num.is_null() {
-            // SAFETY: the application's count.
-            unsafe { *num = got };
-        }
+        let make = |k: H| o::give(o::make(Kind::Kernel, k, kernel_record(prog.clone(), crate::replay::kernel_name(k))));
+        // SAFETY: the platform wrote `min(got, n)` kernels.
+        unsafe { list_answer(kernels, n, got, num, make) };
     }
     r
 }

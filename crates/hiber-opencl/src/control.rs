@@ -37,42 +37,19 @@ pub fn start() {
 }
 
 fn serve(listener: OwnedFd) {
-    // SAFETY: getuid has no preconditions.
-    let own_uid = unsafe { libc::getuid() };
-    loop {
-        match socket::accept(&listener) {
-            Ok(conn) => {
-                // Only root (hiber) or the application's own user may take its memory.
-                match socket::peer_uid(&conn) {
-                    Ok(uid) if uid == 0 || uid == own_uid => {}
-                    other => {
-                        log(&format!("refused a control connection from uid {other:?}"));
-                        continue;
-                    }
-                }
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(&conn))) {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => log(&format!("control connection: {e}")),
-                    Err(_) => log("control connection: internal error"),
-                }
-                // A session that ends before the objects were released (hiber gave up, timed
-                // out or died) leaves the application running, not waiting. One that ends
-                // with objects released, or re-created without their bytes, leaves it
-                // waiting for `hiber recover`: it must not run on without its data.
-                let held = {
-                    let reg = o::registry();
-                    reg.released || !reg.pending.is_empty()
-                };
-                if gate::is_closed() && !held {
-                    gate::open();
-                }
-            }
-            Err(e) => {
-                log(&format!("accept: {e}"));
-                std::thread::sleep(Duration::from_millis(100));
-            }
+    socket::serve(listener, log, session, || {
+        // A session that ends before the objects were released (hiber gave up, timed out or
+        // died) leaves the application running, not waiting. One that ends with objects
+        // released, or re-created without their bytes, leaves it waiting for `hiber
+        // recover`: it must not run on without its data.
+        let held = {
+            let reg = o::registry();
+            reg.released || !reg.pending.is_empty()
+        };
+        if gate::is_closed() && !held {
+            gate::open();
         }
-    }
+    })
 }
 
 fn reply(conn: &OwnedFd, r: Reply) -> std::io::Result<()> {

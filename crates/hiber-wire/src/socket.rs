@@ -200,6 +200,40 @@ pub fn recv(sock: &OwnedFd) -> io::Result<Option<(String, Option<OwnedFd>)>> {
     Ok(Some((String::from_utf8_lossy(&buf[..n]).into_owned(), fd)))
 }
 
+/// A layer's control loop: accepts hiber's connections on `listener` forever, refuses any
+/// peer but root and the process's own user, runs `session` on each (a panic in it is
+/// caught, never unwound into the application), then `after` (the layer decides whether
+/// its gate may open). Everything worth saying goes to `log`.
+pub fn serve(listener: OwnedFd, log: impl Fn(&str), mut session: impl FnMut(&OwnedFd) -> io::Result<()>, mut after: impl FnMut()) -> ! {
+    // SAFETY: getuid has no preconditions.
+    let own_uid = unsafe { libc::getuid() };
+    loop {
+        match accept(&listener) {
+            Ok(conn) => {
+                // Only root (hiber) or the application's own user may take its memory.
+                match peer_uid(&conn) {
+                    Ok(uid) if uid == 0 || uid == own_uid => {}
+                    other => {
+                        log(&format!("refused a control connection from uid {other:?}"));
+                        continue;
+                    }
+                }
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(&conn))) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => log(&format!("control connection: {e}")),
+                    Err(_) => log("control connection: internal error"),
+                }
+                drop(conn);
+                after();
+            }
+            Err(e) => {
+                log(&format!("accept: {e}"));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -97,3 +97,14 @@ pub fn preload(lib: &Path) -> (String, String) {
     };
     ("LD_PRELOAD".into(), v)
 }
+
+/// Runs `f` for every PID, all of them even after a failure; the first error.
+pub fn each(pids: &[i32], mut f: impl FnMut(i32) -> Result<(), EngineError>) -> Result<(), EngineError> {
+    let mut first = None;
+    for &pid in pids {
+        if let Err(e) = f(pid) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}

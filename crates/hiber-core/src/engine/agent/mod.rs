@@ -343,13 +343,7 @@ impl DeviceEngine for AgentEngine {
     }
 
     fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
-        let mut first = None;
-        for &pid in pids {
-            if let Err(e) = self.recover_one(pid, dirs) {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        super::layer::each(pids, |pid| self.recover_one(pid, dirs))
     }
 
     fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
