@@ -47,6 +47,7 @@ from benchlib import (  # noqa: E402
     durable_rates,
     evaluate_targets,
     first_progress_after,
+    full_gpu_targets,
     merge_overhead,
     merge_rows,
     overhead_table,
@@ -129,8 +130,15 @@ class Workload:
         self.name, self.argv, self.ready_step = name, argv, ready_step
 
 
-def counter(gib):
-    return Workload(f"{gib} GiB", [BUILD / "counter", "--mib", str(gib * 1024), "--steps", "1000000000", "--interval-ms", "10"], 20)
+def counter(gib, reserve_gib=0):
+    """The suite's counter holding `gib` GiB of data that changes every step; with
+    `reserve_gib`, also that much more device memory kept zeroed and never touched (an
+    allocator's pool, JAX's preallocation), so that the GPU can be filled without the image
+    outgrowing the machine's disk."""
+    argv = [BUILD / "counter", "--mib", str(gib * 1024), "--steps", "1000000000", "--interval-ms", "10"]
+    if not reserve_gib:
+        return Workload(f"{gib} GiB", argv, 20)
+    return Workload(f"{gib + reserve_gib} GiB held, {gib} GiB data", argv + ["--reserve-mib", str(reserve_gib * 1024)], 20)
 
 
 def pytorch(gib):
@@ -143,9 +151,10 @@ def hiber_run(agent, job, argv):
 
 
 class Hiber:
-    def __init__(self, agent=True):
+    def __init__(self, agent=True, stopping=False):
         self.agent = agent
-        self.name = "hiber" if agent else "hiber-no-agent"
+        self.stopping = stopping
+        self.name = ("hiber" if agent else "hiber-no-agent") + ("-stop" if stopping else "")
 
     def start(self, w):
         hiber_run(self.agent, "bw", w.argv)
@@ -158,7 +167,7 @@ class Hiber:
             return ""
 
     def checkpoint(self, pid, img):
-        _, rss = run_rss([HIBER, "checkpoint", "bw", "--leave-running", "--out", img])
+        _, rss = run_rss([HIBER, "checkpoint", "bw"] + ([] if self.stopping else ["--leave-running"]) + ["--out", img])
         return rss  # hiber returns once the image is fsync'd and renamed into place
 
     def kill(self, job="bw"):
@@ -217,10 +226,10 @@ class Stock:
         return None
 
 
-CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "stock": Stock}
+CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "hiber-stop": lambda: Hiber(stopping=True), "stock": Stock}
 
 
-def one_sample(contender, w, rep):
+def one_sample(contender, w, rep, cold=True):
     img = WORK / "img"
     shutil.rmtree(img, ignore_errors=True)
     pid = contender.start(w)
@@ -229,21 +238,26 @@ def one_sample(contender, w, rep):
         t0 = now_ms()
         rss = contender.checkpoint(pid, img)
         t1 = now_ms()
-        wait_for("progress after the checkpoint", 120, lambda: first_progress_after(parse_progress(contender.log()), t1))
+        stopping = getattr(contender, "stopping", False)
+        if not stopping:
+            wait_for("progress after the checkpoint", 120, lambda: first_progress_after(parse_progress(contender.log()), t1))
         prog = parse_progress(contender.log())
         # The step the checkpoint caught: the last one logged before it began. A restored
         # copy resumes just after it (not where the original is now, which with a long
         # image write after --leave-running can be hundreds of steps later).
         at_step = max((p.step for p in prog if p.t_ms <= t0), default=prog[-1].step)
         sample = {
-            "downtime_s": downtime_ms(prog, t0, t1) / 1000,
+            # A stopping checkpoint's job is stopped until a restore makes progress: its
+            # downtime is completed below.
+            "downtime_s": (t1 - prog[-1].t_ms) / 1000 if stopping else downtime_ms(prog, t0, t1) / 1000,
             "typical_step_s": typical_gap_ms(prog, t0) / 1000,
             "durable_s": (t1 - t0) / 1000,
             "image_gib": du(img) / (1 << 30),
             "ckpt_maxrss_gib": rss / (1 << 30),
         }
-        contender.kill()
-        for kind in ("warm", "cold"):
+        if not stopping:
+            contender.kill()
+        for kind in ("warm", "cold") if cold else ("warm",):
             job = f"bw-{kind}"
             if kind == "cold":
                 drop_caches()
@@ -251,6 +265,8 @@ def one_sample(contender, w, rep):
             restored = contender.restore(img, job)
             t3 = wait_for("progress after the restore", 300, lambda: first_progress_after(parse_progress(contender.log(restored)), t2, min_step=at_step - 50))
             sample[f"restore_{kind}_s"] = (t3 - t2) / 1000
+            if stopping and kind == "warm":
+                sample["downtime_s"] += (t3 - t2) / 1000
             contender.kill(restored)
         return sample
     finally:
@@ -401,6 +417,12 @@ def report(paths):
     lines.append("")
     lines.append(targets_table(evaluate_targets(runs)))
     lines.append("")
+    full = full_gpu_targets(runs)
+    if full:
+        lines.append("Targets on a full GPU:")
+        lines.append("")
+        lines.append(targets_table(full))
+        lines.append("")
     lines.append("Runs (each measured its own ceilings):")
     lines.append("")
     for p, run_ in zip(paths, runs):
@@ -415,6 +437,8 @@ def report(paths):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,4,16,32")
+    ap.add_argument("--full", default="", help="DATA:RESERVE GiB pairs, comma-separated: counters that fill the GPU (e.g. 47:21 on an H100)")
+    ap.add_argument("--no-cold", action="store_true", help="restore from page cache only (saves a disk-bound restore per sample)")
     ap.add_argument("--pytorch-gib", type=int, default=8, help="0 to skip")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tag", default="run")
@@ -450,7 +474,8 @@ def main():
 
     if a.overhead_reps:
         measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save)
-    workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
+    full = [tuple(map(int, f.split(":"))) for f in a.full.split(",") if f]
+    workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + [counter(d, r) for d, r in full] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
     for w in workloads:
         rows = {n: {"workload": w.name, "contender": n, "samples": {}} for n in names}
         for rep in range(a.reps):
@@ -458,7 +483,7 @@ def main():
             first = rep % len(names)
             for c in [CONTENDERS[n]() for n in names[first:] + names[:first]]:
                 try:
-                    s = one_sample(c, w, rep)
+                    s = one_sample(c, w, rep, cold=not a.no_cold)
                 except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
                     result["errors"].append({"workload": w.name, "contender": c.name, "rep": rep, "error": str(e)[-800:]})
                     print(f"[error] {w.name} {c.name} rep {rep}: {e}", flush=True)

@@ -275,6 +275,25 @@ def evaluate_targets(runs):
     return out
 
 
+FULL = "47 GiB"
+
+
+def full_gpu_targets(runs):
+    """The targets of the issue on a full GPU (H100), as evaluate_targets gives its own: the
+    47 GiB job checkpointed with --leave-running when the GPU has no room for a whole copy,
+    and its restore from page cache. Empty when no run has the workload."""
+    rows = merge_rows(runs)
+    if not any(r["workload"] == FULL for r in rows):
+        return []
+    down = _median(rows, FULL, "hiber", "downtime_s")
+    warm = _median(rows, FULL, "hiber", "restore_warm_s")
+    return [
+        _verdict(f"{FULL} (GPU without room for a copy): hiber downtime ≤ 1.5 s", down, lambda v: v <= 1.5, lambda: f"{down:.2f} s"),
+        _verdict(f"{FULL}: hiber restore from page cache until progress ≤ 3 s", warm, lambda v: v <= 3.0, lambda: f"{warm:.2f} s"),
+        _downtime_ratio(rows, FULL, 10),
+    ]
+
+
 def targets_table(targets):
     """Markdown table of evaluate_targets' answer."""
     lines = ["| target | measured | verdict |", "|---|---|---|"]

@@ -8,6 +8,7 @@ from benchlib import (
     durable_rates,
     downtime_ms,
     evaluate_targets,
+    full_gpu_targets,
     first_progress_after,
     merge_overhead,
     merge_rows,
@@ -209,6 +210,15 @@ class Targets(unittest.TestCase):
         got = evaluate_targets([run_with(rows, [micro([10.2], [10.0])])])
         self.assertEqual([v for _, _, v in got], ["NOT met"] * 6 + ["not measured"])
         self.assertIn("| agent overhead, CUDA microbenchmark ≤ 1% | +2.00% (10.200 vs 10.000 ms per block) | NOT met |", targets_table(got))
+
+    def test_full_gpu_targets(self):
+        self.assertEqual(full_gpu_targets([run_with([row("32 GiB", "hiber", downtime_s=[1.0])])]), [])
+        rows = [row("47 GiB", "hiber", downtime_s=[1.2, 1.4, 1.6], restore_warm_s=[3.5]), row("47 GiB", "stock", downtime_s=[70.0])]
+        got = full_gpu_targets([run_with(rows)])
+        self.assertEqual(got[0], ("47 GiB (GPU without room for a copy): hiber downtime ≤ 1.5 s", "1.40 s", "met"))
+        self.assertEqual(got[1], ("47 GiB: hiber restore from page cache until progress ≤ 3 s", "3.50 s", "NOT met"))
+        self.assertEqual(got[2][2], "met")
+        self.assertIn("50.0x", got[2][1])
 
     def test_nothing_measured(self):
         got = evaluate_targets([run_with()])

@@ -535,6 +535,48 @@ def agent_leave_running(m):
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
 
 
+def free_mib():
+    out = sh("nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits").stdout
+    return int(out.strip().splitlines()[0])
+
+
+@scenario
+def agent_full_gpu_staged_leave_running(m):
+    """A job filling the GPU, checkpointed with --leave-running: the GPU has room for only a
+    few GiB of hiber's copies, the staging area in host memory (capped here by
+    HIBER_HOST_STAGING_MIB) takes the next 4 GiB, and the rest is written before the job
+    resumes. The job's 8 GiB of data span all three places; the original and then the
+    restored copy both go on with the same checksums and verify every word at their end."""
+    data = 8192
+    # Leave about 7 GiB free once the job runs: room for about 6 GiB of copies on the GPU.
+    reserve = free_mib() - data - 7 * 1024
+    assert reserve > 1024, f"the GPU has only {free_mib()} MiB free"
+    run_job("full", program("counter"), "--mib", str(data), "--reserve-mib", str(reserve), "--steps", "200", "--interval-ms", "20", agent=True, limit=120)
+    wait_step("full", 30)
+    img = image_of("full")
+    before = progress("full")[-1][0]
+    env = dict(ENV, HIBER_HOST_STAGING_MIB="4096")
+    ck = hiber_json("checkpoint", "full", "--leave-running", "--out", img, env=env)
+    at = progress("full")[-1][0]
+    sec = agent_section(img)
+    placed = sec["placed"]
+    m.update(agent_mode=sec["mode"], placed_mib={k: v >> 20 for k, v in placed.items()}, staging_s=round(sec["staging_seconds"], 2), copy_s=round(sec["copy_seconds"], 2))
+    assert sec["mode"] == "staged", f"mode {sec['mode']}"
+    assert placed["device"] >= 4 << 30, f"only {placed['device'] >> 20} MiB copied on the GPU"
+    assert placed["host"] == 4 << 30, f"{placed['host'] >> 20} MiB staged in host memory, expected the cap of 4096"
+    assert placed["direct"] > 0, "something was written before the release"
+    inspect_agent(img, m)
+    assert any("to host memory" in l for l in m["inspect_agent"]), m["inspect_agent"]
+    # The original first: the GPU has no room for both.
+    assert_verified("full")
+    rs = hiber_json("restore", img, "--name", "full-copy")
+    assert_verified("full-copy")
+    copy = progress("full-copy")
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
+    assert_continues(progress("full"), copy, copy[0][0])
+    m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
+
+
 @scenario
 def agent_hiber_killed_after_handover_recovers(m):
     """SIGKILL hiber once the agent has released the job's device memory (hiber held the

@@ -203,6 +203,8 @@ pub mod fns {
     pub type cuMemGetAddressRange_v2 = unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, CUdeviceptr) -> CUresult;
     pub type cuMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult;
     pub type cuMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
+    pub type cuMemHostRegister_v2 = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult;
+    pub type cuMemHostUnregister = unsafe extern "C" fn(*mut c_void) -> CUresult;
     pub type cuMemcpyDtoH_v2 = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
     pub type cuMemcpyDtoHAsync_v2 = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, CUstream) -> CUresult;
     pub type cuMemcpyHtoDAsync_v2 = unsafe extern "C" fn(CUdeviceptr, *const c_void, usize, CUstream) -> CUresult;

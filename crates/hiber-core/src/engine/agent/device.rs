@@ -5,14 +5,13 @@
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Stream};
+use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Staging, Stream};
 use crate::image::{FileEntry, ImageSink};
 
 pub use crate::image::chunks::{chunk_files, CHUNK};
-const WORKERS: usize = 8;
 
 /// The CUDA library plus the primary context hiber uses on each device.
 pub struct Gpus {
@@ -104,17 +103,6 @@ impl DeviceMem {
     pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd, CuResult> {
         self.gpus.cuda.export_fd(self.handle)
     }
-
-    /// A copy on the same device (fast: device bandwidth), not exportable.
-    pub fn snapshot(&self) -> Result<DeviceMem, CuResult> {
-        let copy = DeviceMem::create(&self.gpus, self.size, self.dev, false)?;
-        let s = self.gpus.cuda.stream()?;
-        // SAFETY: both are whole mappings hiber made, of `size` bytes; `copy` is new and
-        // not yet shared.
-        let r = unsafe { self.gpus.cuda.copy_on_device(copy.va, self.va, self.size as usize, &s) };
-        drop(s);
-        r.map(|()| copy)
-    }
 }
 
 impl Drop for DeviceMem {
@@ -127,66 +115,102 @@ impl Drop for DeviceMem {
     }
 }
 
-struct Task {
-    dev: i32,
-    va: u64,
-    len: usize,
-    rel: String,
+/// Where the bytes of one chunk are while hiber holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// Device memory mapped in hiber: the application's own, or hiber's copy of it.
+    Gpu { dev: i32, va: u64 },
+    /// The checkpoint's page-locked staging area in host memory, from this offset.
+    Host { off: usize },
 }
 
-fn tasks(mems: &[(&DeviceMem, String)]) -> Vec<Task> {
+/// One chunk file of an image, and where its bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    pub at: Place,
+    pub len: usize,
+    pub rel: String,
+}
+
+/// Every chunk of each memory, in order, where the memory is.
+pub fn chunks(mems: &[(&DeviceMem, String)]) -> Vec<Chunk> {
     let mut out = Vec::new();
     for (m, prefix) in mems {
         for (k, rel) in chunk_files(prefix, m.size).into_iter().enumerate() {
             let off = k as u64 * CHUNK;
-            out.push(Task { dev: m.dev, va: m.va + off, len: (m.size - off).min(CHUNK) as usize, rel });
+            out.push(Chunk { at: Place::Gpu { dev: m.dev, va: m.va + off }, len: (m.size - off).min(CHUNK) as usize, rel });
         }
     }
     out
 }
 
-/// Runs `work` over `tasks` on up to [`WORKERS`] threads, each with its own pinned buffer
-/// and streams. The first error stops the others.
-fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut PinnedBuf<'_>, &Stream<'_>) -> Result<T, String> + Sync) -> Result<Vec<T>, String> {
+/// A worker's CUDA resources: a pinned buffer (made on first use) and a stream per device.
+pub struct Worker<'a> {
+    gpus: &'a Gpus,
+    buf: Option<PinnedBuf<'a>>,
+    streams: HashMap<i32, Stream<'a>>,
+}
+
+impl<'a> Worker<'a> {
+    /// Makes `dev`'s context current and returns this worker's stream on it.
+    fn stream(&mut self, dev: i32) -> Result<&Stream<'a>, String> {
+        let gpus = self.gpus;
+        gpus.enter(dev).map_err(|e| format!("CUDA context: {}", gpus.cuda.error_name(e)))?;
+        match self.streams.entry(dev) {
+            std::collections::hash_map::Entry::Occupied(o) => Ok(o.into_mut()),
+            std::collections::hash_map::Entry::Vacant(v) => Ok(v.insert(gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))?)),
+        }
+    }
+
+    /// Makes `dev`'s context current; returns the pinned buffer and the stream on it.
+    fn buf_and_stream(&mut self, dev: i32) -> Result<(&mut PinnedBuf<'a>, &Stream<'a>), String> {
+        self.stream(dev)?;
+        if self.buf.is_none() {
+            self.buf = Some(self.gpus.cuda.pinned(CHUNK as usize).map_err(|e| format!("pinned buffer: {}", self.gpus.cuda.error_name(e)))?);
+        }
+        Ok((self.buf.as_mut().expect("made above"), self.streams.get(&dev).expect("made above")))
+    }
+}
+
+impl Drop for Worker<'_> {
+    fn drop(&mut self) {
+        for (dev, s) in self.streams.drain() {
+            // A stream is destroyed with its own context current.
+            let _ = self.gpus.enter(dev);
+            drop(s);
+        }
+    }
+}
+
+/// The number of threads that move chunks: one per core, at least 8 (most of their time
+/// is spent waiting on the disk or the GPU), at most 16.
+fn workers() -> usize {
+    std::thread::available_parallelism().map_or(8, |n| n.get()).clamp(8, 16)
+}
+
+/// Runs `work` over `items` on up to [`workers`] threads, each with its own [`Worker`].
+/// The first error stops the others.
+fn parallel<I: Sync, T: Send>(gpus: &Gpus, items: &[I], work: impl Fn(&I, &mut Worker<'_>) -> Result<T, String> + Sync) -> Result<Vec<T>, String> {
     let next = AtomicUsize::new(0);
-    let failed = std::sync::atomic::AtomicBool::new(false);
+    let failed = AtomicBool::new(false);
     let results: Mutex<Vec<(usize, T)>> = Mutex::new(Vec::new());
     let first_error: Mutex<Option<String>> = Mutex::new(None);
     std::thread::scope(|s| {
-        for _ in 0..WORKERS.min(tasks.len()) {
+        for _ in 0..workers().min(items.len()) {
             s.spawn(|| {
-                let run = || -> Result<(), String> {
-                    let mut streams: HashMap<i32, Stream<'_>> = HashMap::new();
-                    let mut buf = None;
-                    let out = loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= tasks.len() || failed.load(Ordering::Relaxed) {
-                            break Ok(());
-                        }
-                        let t = &tasks[i];
-                        gpus.enter(t.dev).map_err(|e| format!("CUDA context: {}", gpus.cuda.error_name(e)))?;
-                        if buf.is_none() {
-                            buf = Some(gpus.cuda.pinned(CHUNK as usize).map_err(|e| format!("pinned buffer: {}", gpus.cuda.error_name(e)))?);
-                        }
-                        let stream = match streams.entry(t.dev) {
-                            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                            std::collections::hash_map::Entry::Vacant(v) => {
-                                v.insert(gpus.cuda.stream().map_err(|e| format!("stream: {}", gpus.cuda.error_name(e)))?)
-                            }
-                        };
-                        match work(t, buf.as_mut().expect("allocated above"), stream) {
-                            Ok(v) => results.lock().unwrap_or_else(|e| e.into_inner()).push((i, v)),
-                            Err(e) => break Err(e),
-                        }
-                    };
-                    for (dev, s) in streams {
-                        // A stream is destroyed with its own context current.
-                        let _ = gpus.enter(dev);
-                        drop(s);
+                let mut w = Worker { gpus, buf: None, streams: HashMap::new() };
+                let out = loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= items.len() || failed.load(Ordering::Relaxed) {
+                        break Ok(());
                     }
-                    out
+                    match work(&items[i], &mut w) {
+                        Ok(v) => results.lock().unwrap_or_else(|e| e.into_inner()).push((i, v)),
+                        Err(e) => break Err(e),
+                    }
                 };
-                if let Err(e) = run() {
+                drop(w);
+                if let Err(e) = out {
                     failed.store(true, Ordering::Relaxed);
                     first_error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
                 }
@@ -201,27 +225,66 @@ fn parallel<T: Send>(gpus: &Gpus, tasks: &[Task], work: impl Fn(&Task, &mut Pinn
     Ok(r.into_iter().map(|(_, v)| v).collect())
 }
 
-/// Streams each memory into chunk files `PREFIX.NNNNN` of the image (see
-/// [`crate::image::chunks`]). Returns the files' manifest entries.
-pub fn save(gpus: &Gpus, mems: &[(&DeviceMem, String)], sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
-    let tasks = tasks(mems);
-    parallel(gpus, &tasks, |t, buf, stream| {
-        // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`).
-        unsafe { gpus.cuda.copy_to_host(buf, t.len, t.va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
-        crate::image::chunks::write(sink, &t.rel, &buf.as_mut_slice()[..t.len])
+/// Writes each chunk to its file `rel` of the image (see [`crate::image::chunks`]), from
+/// the GPU through a pinned buffer or straight from `staging`. Returns the files' manifest
+/// entries.
+pub fn save(gpus: &Gpus, chunks: &[Chunk], staging: Option<&Staging>, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
+    parallel(gpus, chunks, |c, w| match c.at {
+        Place::Gpu { dev, va } => {
+            let (buf, stream) = w.buf_and_stream(dev)?;
+            // SAFETY: a chunk covers `len` bytes inside one DeviceMem mapping (see `chunks`
+            // and the agent engine's `place`).
+            unsafe { gpus.cuda.copy_to_host(buf, c.len, va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
+            crate::image::chunks::write(sink, &c.rel, &buf.as_mut_slice()[..c.len])
+        }
+        Place::Host { off } => {
+            let staging = staging.ok_or("a chunk in host memory, but no staging area")?;
+            // SAFETY: the copy into this range finished when it was staged; nothing writes
+            // the staging area after that.
+            crate::image::chunks::write(sink, &c.rel, unsafe { staging.slice(off, c.len) })
+        }
     })
+}
+
+/// Copies each chunk from where it is (`from`, on a GPU) to its place in `to` (hiber's
+/// copy on the same GPU, or the staging area), in parallel.
+pub fn stage(gpus: &Gpus, from: &[Chunk], to: &[Place], staging: Option<&Staging>) -> Result<(), String> {
+    let pairs: Vec<(&Chunk, Place)> = from.iter().zip(to.iter().copied()).collect();
+    parallel(gpus, &pairs, |(c, dst), w| {
+        let Place::Gpu { dev, va: src } = c.at else { return Err("staging a chunk that is not on a GPU".into()) };
+        let stream = w.stream(dev)?;
+        match *dst {
+            Place::Gpu { va, .. } => {
+                // SAFETY: `src` and `va` are `len` bytes inside DeviceMem mappings hiber
+                // holds; each destination range belongs to this chunk alone (see the
+                // agent engine's `place`).
+                unsafe { gpus.cuda.copy_on_device(va, src, c.len, stream) }.map_err(|e| format!("copying on the GPU: {}", gpus.cuda.error_name(e)))
+            }
+            Place::Host { off } => {
+                let staging = staging.ok_or("a chunk for host memory, but no staging area")?;
+                // SAFETY: as above; `[off, off + len)` of the staging area is this chunk's.
+                unsafe { staging.copy_in(off, src, c.len, stream) }.map_err(|e| format!("copying to host memory: {}", gpus.cuda.error_name(e)))
+            }
+        }
+    })
+    .map(|_| ())
 }
 
 /// Streams chunk files back into each memory, checking every chunk against its
 /// manifest checksum before it reaches the GPU (`sums` is `None` only when recovering from
 /// a partial image, which has no manifest yet: then sizes are checked).
-pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option<&HashMap<String, String>>) -> Result<(), String> {
-    let tasks = tasks(mems);
-    parallel(gpus, &tasks, |t, buf, stream| {
-        crate::image::chunks::read(dir, &t.rel, &mut buf.as_mut_slice()[..t.len], sums)?;
-        // SAFETY: a task covers `len` bytes inside one DeviceMem mapping (see `tasks`),
+/// A raised `stop` ends the load early, with an error.
+pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option<&HashMap<String, String>>, stop: Option<&AtomicBool>) -> Result<(), String> {
+    parallel(gpus, &chunks(mems), |c, w| {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return Err("stopped".into());
+        }
+        let Place::Gpu { dev, va } = c.at else { return Err("loading into host memory".into()) };
+        let (buf, stream) = w.buf_and_stream(dev)?;
+        crate::image::chunks::read(dir, &c.rel, &mut buf.as_mut_slice()[..c.len], sums)?;
+        // SAFETY: a chunk covers `len` bytes inside one DeviceMem mapping (see `chunks`),
         // which no one else writes while hiber loads it.
-        unsafe { gpus.cuda.copy_to_device(t.va, buf, t.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
+        unsafe { gpus.cuda.copy_to_device(va, buf, c.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
     })
     .map(|_| ())
 }

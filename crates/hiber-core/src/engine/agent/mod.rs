@@ -5,13 +5,16 @@
 //! 1. **quiesce** — over the agent's control socket: the agent closes its gate (new CUDA
 //!    work waits), waits for calls in flight, synchronizes its devices, and sends a file
 //!    descriptor for every allocation it tracks. hiber imports each (a second reference to
-//!    the same physical memory) and then either copies it on the device (a snapshot, when
-//!    `--leave-running` and the GPU has room) or writes it to the image now. Only then does
-//!    the agent unmap and release its references, keeping the address reservations, and
-//!    close the connection. The driver engine then checkpoints the small remainder.
+//!    the same physical memory). Then, chunk by chunk, with `--leave-running` it copies the
+//!    memory to where the application does not need it: hiber's own memory on the same GPU
+//!    while that has room (device bandwidth), else a page-locked staging area in host
+//!    memory, made ready before the quiesce (PCIe bandwidth); what fits in neither, and
+//!    everything of a stopping checkpoint, is written to the image now. Only then does the
+//!    agent unmap and release its references, keeping the address reservations, and close
+//!    the connection. The driver engine then checkpoints the small remainder.
 //! 2. **resume** (after the driver resumed the process): hiber hands each allocation back
 //!    as a descriptor, the agent maps it at the same address and opens its gate.
-//! 3. **finish** — snapshots are written to the image after the application runs again.
+//! 3. **finish** — the copies are written to the image after the application runs again.
 //!
 //! Restore creates memory on the target GPU, streams the chunks into it (checking each
 //! chunk's checksum), and hands it to the restored agent the same way.
@@ -25,7 +28,9 @@ mod device;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use hiber_wire::{socket, Reply, Request, Status};
@@ -36,14 +41,21 @@ use super::layer::Conn;
 use super::{CheckpointOptions, CheckpointSession, CuError, DeviceEngine, DeviceRestoreOptions, EngineError, EngineKind, RestoreSession, RestoredPid};
 use crate::image::{FileEntry, ImageSink};
 use crate::proctree::ProcessInfo;
-use device::{DeviceMem, Gpus};
+use device::{DeviceMem, Gpus, Place};
+use ffi::Staging;
 
 pub const ENGINE: &str = "agent";
-/// The shape of [`Section`]; 1 since the first agent images.
-const SECTION_VERSION: u32 = 1;
+/// The shape of [`Section`]: 1 for the first agent images; 2 added [`Mode::Staged`] and
+/// [`Placed`] (images of version 1 read as before).
+const SECTION_VERSION: u32 = 2;
 const DEFAULT_QUIESCE_TIMEOUT_MS: u64 = 10_000;
-/// Room left on a GPU beside a snapshot, for the driver's own needs.
+/// Room left on a GPU beside hiber's copies, for the driver's own needs.
 const SNAPSHOT_MARGIN: u64 = 1 << 30;
+/// The granularity of hiber's device memory (cuMemCreate's on current GPUs).
+const GRANULE: u64 = 2 << 20;
+/// Host memory a staging area leaves to everything else: a tenth of the machine, and at
+/// least this much.
+const HOST_RESERVE_MIN: u64 = 2 << 30;
 
 /// The agent as hiber knows it without loading libcuda.
 pub struct Kind;
@@ -107,6 +119,21 @@ pub enum Mode {
     DeviceSnapshot,
     /// Written before the agent released the memory.
     Direct,
+    /// Copied on the GPU where it had room and to page-locked host memory for the rest
+    /// (and written before the release where neither had room), then written after the
+    /// application resumed: [`Section::placed`] says how much went where.
+    Staged,
+}
+
+impl Mode {
+    /// The mode that names where the bytes went.
+    fn of(p: &Placed) -> Mode {
+        match (p.device, p.host, p.direct) {
+            (_, 0, 0) if p.device > 0 => Mode::DeviceSnapshot,
+            (0, 0, _) => Mode::Direct,
+            _ => Mode::Staged,
+        }
+    }
 }
 
 impl std::fmt::Display for Mode {
@@ -114,7 +141,27 @@ impl std::fmt::Display for Mode {
         f.write_str(match self {
             Mode::DeviceSnapshot => "device-snapshot",
             Mode::Direct => "direct",
+            Mode::Staged => "staged",
         })
+    }
+}
+
+/// Device bytes by where they were while the application was stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placed {
+    /// Copied to hiber's memory on the same GPU.
+    pub device: u64,
+    /// Copied to the page-locked staging area in host memory.
+    pub host: u64,
+    /// Written to the image before the release.
+    pub direct: u64,
+}
+
+impl Placed {
+    fn add(&mut self, o: &Placed) {
+        self.device += o.device;
+        self.host += o.host;
+        self.direct += o.direct;
     }
 }
 
@@ -153,8 +200,14 @@ pub struct Section {
     pub processes: Vec<AgentProcess>,
     /// Quiesce and handover, all processes.
     pub quiesce_seconds: f64,
-    /// Device copy (snapshot mode) or writing the chunks (direct mode) before release.
+    /// Copies (device and host) and chunks written before the release.
     pub copy_seconds: f64,
+    /// Where the bytes went (absent in version 1 sections).
+    #[serde(default)]
+    pub placed: Placed,
+    /// Making the staging area ready in host memory, while the application still ran.
+    #[serde(default)]
+    pub staging_seconds: f64,
 }
 
 /// Where allocation `id` of the process with namespace PID `ns_pid` lives in an image: its
@@ -182,8 +235,22 @@ struct Target {
     status: Status,
 }
 
-/// What hiber took from one process: the memory it holds, and the chunks it wrote.
-type Taken = (Vec<Held>, Vec<FileEntry>);
+/// What hiber took from one process.
+struct Taken {
+    held: Vec<Held>,
+    /// Chunks written before the release.
+    written: Vec<FileEntry>,
+    copies: Copies,
+    placed: Placed,
+}
+
+/// Chunks copied to hiber's device memory (`arenas`) or to the staging area, to be written
+/// once the application runs again.
+#[derive(Default)]
+struct Copies {
+    chunks: Vec<device::Chunk>,
+    arenas: Vec<DeviceMem>,
+}
 
 /// One allocation hiber holds during a checkpoint.
 struct Held {
@@ -191,7 +258,6 @@ struct Held {
     /// The descriptor the agent sent: given back as it is.
     fd: OwnedFd,
     mem: DeviceMem,
-    snapshot: Option<DeviceMem>,
     gpu: String,
 }
 
@@ -285,7 +351,7 @@ impl AgentEngine {
             let sums: Option<HashMap<String, String>> = image.map(|i| i.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect());
             let dev = self.gpus.ordinal(&gpu).map_err(|e| cuda_fail(&self.gpus, "listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {gpu} here"), None))?;
             let mem = DeviceMem::create(&self.gpus, size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
-            device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref()).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
+            device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref(), None).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
             let fd = mem.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
             conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
         }
@@ -335,8 +401,12 @@ impl DeviceEngine for AgentEngine {
             pids,
             targets,
             held: HashMap::new(),
-            saving: std::sync::Mutex::new(()),
-            pending: Vec::new(),
+            saving: Mutex::new(()),
+            device_room: Mutex::new(HashMap::new()),
+            staging: None,
+            host_used: AtomicUsize::new(0),
+            copies: HashMap::new(),
+            pending: Copies::default(),
             written: Vec::new(),
             section: None,
         })))
@@ -369,13 +439,29 @@ impl DeviceEngine for AgentEngine {
                 ));
             }
         }
-        Ok(Box::new(AgentRestore { gpus: self.gpus.clone(), section, map, image_dir: opts.image_dir.clone(), checksums: opts.checksums.clone() }))
+        let stop = Arc::new(AtomicBool::new(false));
+        let loader = Loader {
+            gpus: self.gpus.clone(),
+            section: section.clone(),
+            map,
+            image_dir: opts.image_dir.clone(),
+            checksums: opts.checksums.clone(),
+            stop: stop.clone(),
+        };
+        // The device memory is loaded while CRIU restores the processes.
+        let loading = std::thread::Builder::new()
+            .name("hiber-agent-load".into())
+            .spawn(move || loader.run())
+            .map_err(|e| fail(format!("starting the device memory loader: {e}"), None))?;
+        Ok(Box::new(AgentRestore { section, loading: Some(loading), stop }))
     }
 }
 
 /// The agent's share of one checkpoint: the processes it claimed and the memory hiber
 /// holds for them until it hands it back.
 struct AgentCheckpoint {
+    /// Before `gpus`: the staging area is unregistered while the library is surely loaded.
+    staging: Option<Staging>,
     gpus: Arc<Gpus>,
     timeout_ms: u64,
     opts: CheckpointOptions,
@@ -383,9 +469,15 @@ struct AgentCheckpoint {
     targets: Vec<Target>,
     held: HashMap<i32, Vec<Held>>,
     /// Held while a process's memory is written: one at a time.
-    saving: std::sync::Mutex<()>,
-    /// Snapshots whose processes run again, waiting for `finish`.
-    pending: Vec<(DeviceMem, String)>,
+    saving: Mutex<()>,
+    /// Bytes each GPU can still take of hiber's copies (`--leave-running` only).
+    device_room: Mutex<HashMap<i32, u64>>,
+    /// Bytes of the staging area handed out.
+    host_used: AtomicUsize,
+    /// Copies by process, until it runs again.
+    copies: HashMap<i32, Copies>,
+    /// Copies whose processes run again, waiting for `finish`.
+    pending: Copies,
     written: Vec<FileEntry>,
     section: Option<Section>,
 }
@@ -394,7 +486,7 @@ impl AgentCheckpoint {
     /// Quiesces one process and takes its memory; on error the process is as before.
     /// On error, what hiber still holds and could not hand back at once comes with it, for
     /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
-    fn take(&self, t: &Target, sink: &dyn ImageSink, snapshot: bool) -> Result<Taken, (EngineError, Vec<Held>)> {
+    fn take(&self, t: &Target, sink: &dyn ImageSink) -> Result<Taken, (EngineError, Vec<Held>)> {
         let pid = t.pid;
         let conn = connect(pid, &t.name).map_err(|e| (e, Vec::new()))?;
         // The agent bounds its wait for calls in flight; a kernel still running when it
@@ -412,7 +504,7 @@ impl AgentCheckpoint {
                         let mem =
                             DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| cuda_fail(&self.gpus, "importing device memory from the agent", e))?;
                         let gpu = self.gpus.uuid(mem.dev).map_err(|e| cuda_fail(&self.gpus, "device UUID", e))?;
-                        held.push(Held { id, fd, mem, snapshot: None, gpu });
+                        held.push(Held { id, fd, mem, gpu });
                     }
                     (Reply::Done { count }, _) if count == held.len() as u64 => break,
                     (Reply::Err(m), _) => {
@@ -425,24 +517,25 @@ impl AgentCheckpoint {
                 }
             }
             let _ = socket::set_recv_timeout(&conn.sock, None);
-            let written = if snapshot {
-                for h in held.iter_mut() {
-                    h.snapshot = Some(h.mem.snapshot().map_err(|e| cuda_fail(&self.gpus, "copying device memory", e))?);
-                }
+            let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+            let all = device::chunks(&mems);
+            let (copies, direct, placed) = if self.opts.leave_running { self.place(all)? } else { (Copies::default(), all, Placed::default()) };
+            let mut placed = placed;
+            placed.direct = direct.iter().map(|c| c.len as u64).sum();
+            let written = if direct.is_empty() {
                 Vec::new()
             } else {
-                let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
                 // One process's memory at a time: each save runs its own pinned buffers and
                 // workers, and the disk is the limit anyway.
                 let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
-                device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
+                device::save(&self.gpus, &direct, None, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
             };
             conn.call::<Reply>(&Request::Release, None)?;
             conn.wait_closed();
-            Ok(written)
+            Ok((written, copies, placed))
         })();
         match taken {
-            Ok(written) => Ok((held, written)),
+            Ok((written, copies, placed)) => Ok(Taken { held, written, copies, placed }),
             // After a timeout the agent is still busy and released nothing: it opens its
             // gate itself once it finds the connection closed, and hiber's references go.
             Err(e) if timed_out => Err((e, Vec::new())),
@@ -456,6 +549,119 @@ impl AgentCheckpoint {
     }
 }
 
+impl AgentCheckpoint {
+    /// Copies each chunk of `all` (a process's memory, on its GPUs) to hiber's memory on
+    /// the same GPU while that has room, else to the staging area while that has room.
+    /// Returns the copies, the chunks that fit in neither (to be written before the
+    /// release), and the bytes copied each way.
+    fn place(&self, all: Vec<device::Chunk>) -> Result<(Copies, Vec<device::Chunk>, Placed), EngineError> {
+        let mut want: BTreeMap<i32, u64> = BTreeMap::new();
+        for c in &all {
+            if let Place::Gpu { dev, .. } = c.at {
+                *want.entry(dev).or_default() += c.len as u64;
+            }
+        }
+        // One arena per GPU, as large as this process needs and the GPU's room allows.
+        let mut arenas: Vec<DeviceMem> = Vec::new();
+        let mut next: HashMap<i32, (usize, u64)> = HashMap::new();
+        for (dev, bytes) in want {
+            let take = {
+                let mut room = self.device_room.lock().unwrap_or_else(|e| e.into_inner());
+                let r = room.entry(dev).or_default();
+                let take = (*r).min(bytes.next_multiple_of(GRANULE)) / GRANULE * GRANULE;
+                *r -= take;
+                take
+            };
+            if take == 0 {
+                continue;
+            }
+            match DeviceMem::create(&self.gpus, take, dev, false) {
+                Ok(m) => {
+                    next.insert(dev, (arenas.len(), 0));
+                    arenas.push(m);
+                }
+                // The GPU's free memory shrank since it was measured: the host takes it.
+                Err(e) => tracing::debug!(dev, bytes = take, error = %self.gpus.cuda.error_name(e), "no copy on the GPU"),
+            }
+        }
+        let host_len = self.staging.as_ref().map_or(0, |s| s.size());
+        let (mut from, mut to, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+        let mut placed = Placed::default();
+        for c in all {
+            let Place::Gpu { dev, .. } = c.at else { continue };
+            let len = c.len as u64;
+            if let Some((i, used)) = next.get_mut(&dev).filter(|(i, used)| *used + len <= arenas[*i].size) {
+                to.push(Place::Gpu { dev, va: arenas[*i].va + *used });
+                *used += len;
+                placed.device += len;
+                from.push(c);
+                continue;
+            }
+            let span = c.len.next_multiple_of(4096);
+            match self.host_used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + span <= host_len).then_some(u + span)) {
+                Ok(off) => {
+                    to.push(Place::Host { off });
+                    placed.host += len;
+                    from.push(c);
+                }
+                Err(_) => direct.push(c),
+            }
+        }
+        device::stage(&self.gpus, &from, &to, self.staging.as_ref()).map_err(|e| fail(format!("copying device memory: {e}"), None))?;
+        let chunks = from.into_iter().zip(to).map(|(c, at)| device::Chunk { at, ..c }).collect();
+        Ok((Copies { chunks, arenas }, direct, placed))
+    }
+
+    /// Makes room for the copies a `--leave-running` checkpoint makes: measures each GPU's
+    /// room, and when the GPUs lack room for all of `total` device bytes, prepares a
+    /// page-locked staging area in host memory for the rest (while the application still
+    /// runs: it takes about 0.07 s per GiB). Host memory too small is said, and what fits
+    /// in neither is written before the release, as a stopping checkpoint does.
+    fn prepare_copies(&mut self, total: u64) {
+        let mut room = HashMap::new();
+        for d in 0..self.gpus.cuda.device_count().unwrap_or(0) {
+            room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
+        }
+        // Each process's memory is on its own GPUs, which hiber does not know before the
+        // quiesce: the room of all GPUs together is what is counted here.
+        let need = total.saturating_sub(room.values().sum());
+        *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
+        if need == 0 {
+            return;
+        }
+        let budget = match crate::sys::host_memory() {
+            Ok((available, all)) => available.saturating_sub((all / 10).max(HOST_RESERVE_MIN)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the host's free memory; device memory without room on the GPU is written before the job resumes");
+                0
+            }
+        };
+        // `HIBER_HOST_STAGING_MIB` caps the staging area (0: none), for a host whose memory
+        // is meant for other things.
+        let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib << 20);
+        let len = need.min(budget).min(cap) / GRANULE * GRANULE;
+        if len < need && cap == u64::MAX {
+            tracing::warn!(
+                "host memory is too small to stage {} MiB of device memory ({} MiB can be spared); the rest is written to the image before the job resumes",
+                need >> 20,
+                len >> 20
+            );
+        }
+        if len == 0 {
+            return;
+        }
+        let start = Instant::now();
+        let threads = std::thread::available_parallelism().map_or(8, |n| n.get()).min(16);
+        match self.gpus.cuda.staging(len as usize, threads) {
+            Ok(s) => {
+                tracing::info!(mib = len >> 20, seconds = start.elapsed().as_secs_f64(), "host staging area ready");
+                self.staging = Some(s);
+            }
+            Err(e) => tracing::warn!("no staging area in host memory ({e}); device memory without room on the GPU is written before the job resumes"),
+        }
+    }
+}
+
 impl CheckpointSession for AgentCheckpoint {
     fn pids(&self) -> &[i32] {
         &self.pids
@@ -465,26 +671,26 @@ impl CheckpointSession for AgentCheckpoint {
         // hiber holds one descriptor per allocation (PyTorch's expandable segments make
         // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
         crate::sys::raise_open_files_limit();
+        let staging_start = Instant::now();
+        let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
+        // Copies let the application run again before the data reaches the disk.
+        if self.opts.leave_running {
+            self.prepare_copies(busy.iter().map(|t| t.status.tracked_bytes).sum());
+        }
+        let staging_seconds = staging_start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let busy: Vec<&Target> = self.targets.iter().filter(|t| t.status.tracked > 0).collect();
-        // A device snapshot lets the application run again before the data reaches the
-        // disk; it needs room on the GPU beside the memory it copies.
-        let snapshot = self.opts.leave_running && {
-            let total: u64 = busy.iter().map(|t| t.status.tracked_bytes).sum();
-            (0..self.gpus.cuda.device_count().unwrap_or(0)).all(|d| self.gpus.free_bytes(d).map(|f| f >= total + SNAPSHOT_MARGIN).unwrap_or(false))
-        };
         // The processes of a job are quiesced together: ranks that wait on each other
         // must all stop at once, and the copies overlap.
         let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
             let this = &*self;
-            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink, snapshot))).collect();
+            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new())))).collect()
         });
         let mut done = Vec::new();
         let mut first_error = None;
         for (t, r) in busy.iter().zip(results) {
             match r {
-                Ok((held, written)) => done.push((t.pid, held, written)),
+                Ok(taken) => done.push((t.pid, taken)),
                 Err((e, kept)) => {
                     if !kept.is_empty() {
                         self.held.insert(t.pid, kept);
@@ -496,15 +702,17 @@ impl CheckpointSession for AgentCheckpoint {
         if let Some(e) = first_error {
             // The processes that were quiesced are resumed by the undo that follows, which
             // hands their memory back, or saves it for `hiber recover` if it cannot.
-            for (pid, held, _) in done {
-                self.held.insert(pid, held);
+            for (pid, taken) in done {
+                self.held.insert(pid, taken.held);
+                self.copies.insert(pid, taken.copies);
             }
             return Err(e);
         }
         let copy_seconds = start.elapsed().as_secs_f64();
         let mut processes = Vec::new();
+        let mut placed = Placed::default();
         for t in &self.targets {
-            let Some((_, held, written)) = done.iter_mut().find(|(pid, ..)| *pid == t.pid) else {
+            let Some((_, Taken { held, written, copies, placed: p })) = done.iter_mut().find(|(pid, _)| *pid == t.pid) else {
                 // An agent that tracked nothing: recorded for what it left to the driver.
                 processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
                 continue;
@@ -526,14 +734,18 @@ impl CheckpointSession for AgentCheckpoint {
                 passthrough: passthrough(&t.status),
             });
             self.held.insert(t.pid, std::mem::take(held));
+            self.copies.insert(t.pid, std::mem::take(copies));
+            placed.add(p);
         }
         self.section = Some(Section {
-            mode: if snapshot { Mode::DeviceSnapshot } else { Mode::Direct },
+            mode: Mode::of(&placed),
             chunk_bytes: device::CHUNK,
             gpus: cuda::nvml_gpus(),
             processes,
             quiesce_seconds: start.elapsed().as_secs_f64(),
             copy_seconds,
+            placed,
+            staging_seconds,
         });
         Ok(())
     }
@@ -557,16 +769,15 @@ impl CheckpointSession for AgentCheckpoint {
                     if r.is_err() {
                         // hiber holds the only reference and is about to fail: put the memory
                         // where `hiber recover` looks for it (in direct mode it is there already).
-                        let mems: Vec<(&DeviceMem, String)> =
-                            held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).filter(|(_, p)| !sink.has_file(&format!("{p}.00000"))).collect();
-                        if let Err(e) = device::save(&self.gpus, &mems, sink) {
+                        let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+                        let missing: Vec<device::Chunk> = device::chunks(&mems).into_iter().filter(|c| !sink.has_file(&c.rel)).collect();
+                        if let Err(e) = device::save(&self.gpus, &missing, None, sink) {
                             r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
                         }
                     }
-                    for h in held {
-                        if let Some(s) = h.snapshot {
-                            self.pending.push((s, chunk_prefix(t.ns_pid, h.id)));
-                        }
+                    if let Some(c) = self.copies.remove(&t.pid) {
+                        self.pending.chunks.extend(c.chunks);
+                        self.pending.arenas.extend(c.arenas);
                     }
                     r
                 }
@@ -586,32 +797,42 @@ impl CheckpointSession for AgentCheckpoint {
     fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
         let pending = std::mem::take(&mut self.pending);
         let mut written = std::mem::take(&mut self.written);
-        if !pending.is_empty() {
-            let mems: Vec<(&DeviceMem, String)> = pending.iter().map(|(m, p)| (m, p.clone())).collect();
-            written.extend(device::save(&self.gpus, &mems, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?);
+        if !pending.chunks.is_empty() {
+            written
+                .extend(device::save(&self.gpus, &pending.chunks, self.staging.as_ref(), sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?);
         }
+        // The copies go as soon as they are on disk: GPU and host memory back to the job.
+        drop(pending);
+        self.staging = None;
         Ok(written)
     }
 }
 
-/// The agent's share of one restore, checked against this machine's GPUs.
-struct AgentRestore {
+/// Device memory of each process (by namespace PID), loaded and checked: allocation ids
+/// and the memory to hand over.
+type LoadedMemory = HashMap<i32, Vec<(u64, DeviceMem)>>;
+
+/// What the loader thread answers: the memory, and the seconds it took to create it and to
+/// load it.
+type Loading = std::thread::JoinHandle<Result<(LoadedMemory, f64, f64), EngineError>>;
+
+/// Creates the memory of every allocation of an image on its (mapped) GPU and streams the
+/// chunks into it, checking each.
+struct Loader {
     gpus: Arc<Gpus>,
     section: Section,
     map: BTreeMap<String, String>,
     image_dir: PathBuf,
     checksums: HashMap<String, String>,
+    stop: Arc<AtomicBool>,
 }
 
-impl RestoreSession for AgentRestore {
-    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+impl Loader {
+    fn run(self) -> Result<(LoadedMemory, f64, f64), EngineError> {
+        let t0 = Instant::now();
+        let mut loaded: LoadedMemory = HashMap::new();
+        let mut jobs = Vec::new();
         for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
-            let now = pids
-                .iter()
-                .find(|r| r.ns_pid == p.ns_pid)
-                .ok_or_else(|| fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
-            let name = recovered_name(now.pid).ok_or_else(|| fail(format!("process {} has no agent token in its environment", now.pid), None))?;
-            let t0 = Instant::now();
             let mut mems = Vec::new();
             for a in &p.allocations {
                 let uuid = self.map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
@@ -620,25 +841,61 @@ impl RestoreSession for AgentRestore {
                 let mem = DeviceMem::create(&self.gpus, a.size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
                 mems.push((a.id, mem));
             }
-            let jobs: Vec<(&DeviceMem, String)> = mems.iter().map(|(id, m)| (m, chunk_prefix(p.ns_pid, *id))).collect();
-            let t1 = Instant::now();
-            device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums))
-                .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+            loaded.insert(p.ns_pid, mems);
+        }
+        for p in self.section.processes.iter() {
+            for (id, m) in loaded.get(&p.ns_pid).into_iter().flatten() {
+                jobs.push((m, chunk_prefix(p.ns_pid, *id)));
+            }
+        }
+        let t1 = Instant::now();
+        device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums), Some(&self.stop))
+            .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+        drop(jobs);
+        Ok((loaded, (t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64()))
+    }
+}
+
+/// The agent's share of one restore, checked against this machine's GPUs: its device
+/// memory loads from the moment the restore opens, beside CRIU.
+struct AgentRestore {
+    section: Section,
+    loading: Option<Loading>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for AgentRestore {
+    fn drop(&mut self) {
+        // A restore that failed elsewhere: the loader stops at its next chunk and frees the
+        // memory it made.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.loading.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl RestoreSession for AgentRestore {
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        let handle = self.loading.take().ok_or_else(|| fail("device memory restored twice", None))?;
+        let (mut loaded, create_s, load_s) = handle.join().unwrap_or_else(|_| Err(fail("the device memory loader panicked", None)))?;
+        let waited_s = t0.elapsed().as_secs_f64();
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+            let now = pids
+                .iter()
+                .find(|r| r.ns_pid == p.ns_pid)
+                .ok_or_else(|| fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
+            let name = recovered_name(now.pid).ok_or_else(|| fail(format!("process {} has no agent token in its environment", now.pid), None))?;
             let t2 = Instant::now();
+            let mems = loaded.remove(&p.ns_pid).unwrap_or_default();
             let conn = connect(now.pid, &name)?;
             for (id, m) in &mems {
-                let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
+                let fd = m.export_fd().map_err(|e| fail(format!("exporting device memory: {e}"), None))?;
                 conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
             }
             conn.call::<Reply>(&Request::Resume, None)?;
-            tracing::info!(
-                pid = now.pid,
-                create_s = (t1 - t0).as_secs_f64(),
-                load_s = (t2 - t1).as_secs_f64(),
-                handover_s = t2.elapsed().as_secs_f64(),
-                bytes = p.bytes,
-                "agent memory restored"
-            );
+            tracing::info!(pid = now.pid, create_s, load_s, waited_s, handover_s = t2.elapsed().as_secs_f64(), bytes = p.bytes, "agent memory restored");
         }
         Ok(())
     }
@@ -666,6 +923,16 @@ fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
 pub fn describe(value: &serde_json::Value) -> Vec<String> {
     let Ok(s) = serde_json::from_value::<Section>(value.clone()) else { return vec!["(unreadable agent section)".into()] };
     let mut out = vec![format!("agent: {} mode, quiesce and handover {:.2}s", s.mode, s.quiesce_seconds)];
+    let p = &s.placed;
+    if p.device + p.host + p.direct > 0 {
+        out.push(format!(
+            "agent: while the job was stopped: {} MiB copied on the GPU, {} MiB to host memory (staging area ready in {:.2}s), {} MiB written to the image",
+            p.device >> 20,
+            p.host >> 20,
+            s.staging_seconds,
+            p.direct >> 20
+        ));
+    }
     for p in &s.processes {
         out.push(format!(
             "agent: process {} ({}): {} MiB of device memory in {} allocations moved by the agent",
@@ -701,11 +968,35 @@ mod tests {
     }
 
     #[test]
+    fn mode_names_where_the_bytes_went() {
+        let p = |device, host, direct| Placed { device, host, direct };
+        assert_eq!(Mode::of(&p(5, 0, 0)), Mode::DeviceSnapshot);
+        assert_eq!(Mode::of(&p(0, 0, 5)), Mode::Direct);
+        assert_eq!(Mode::of(&p(0, 0, 0)), Mode::Direct, "nothing tracked: nothing staged");
+        assert_eq!(Mode::of(&p(0, 5, 0)), Mode::Staged);
+        assert_eq!(Mode::of(&p(5, 5, 0)), Mode::Staged);
+        assert_eq!(Mode::of(&p(5, 0, 5)), Mode::Staged);
+    }
+
+    #[test]
+    fn version_1_sections_still_read() {
+        let v1 = serde_json::json!({"mode": "direct", "chunk_bytes": 1, "gpus": [], "processes": [], "quiesce_seconds": 0.5, "copy_seconds": 0.25});
+        let s: Section = serde_json::from_value(v1).unwrap();
+        assert_eq!((s.mode, s.placed, s.staging_seconds), (Mode::Direct, Placed::default(), 0.0));
+        assert_eq!(describe(&serde_json::to_value(&s).unwrap()), vec!["agent: direct mode, quiesce and handover 0.50s"]);
+        let staged = Section { mode: Mode::Staged, placed: Placed { device: 1 << 30, host: 3 << 30, direct: 0 }, staging_seconds: 0.75, ..s };
+        let lines = describe(&serde_json::to_value(&staged).unwrap());
+        assert_eq!(lines[0], "agent: staged mode, quiesce and handover 0.50s");
+        assert!(lines[1].contains("1024 MiB copied on the GPU, 3072 MiB to host memory (staging area ready in 0.75s), 0 MiB written"), "{}", lines[1]);
+    }
+
+    #[test]
     fn mode_keeps_its_manifest_spelling() {
         assert_eq!(serde_json::to_value(Mode::DeviceSnapshot).unwrap(), "device-snapshot");
         assert_eq!(serde_json::from_value::<Mode>("direct".into()).unwrap(), Mode::Direct);
         assert!(serde_json::from_value::<Mode>("sideways".into()).is_err());
         assert_eq!(Mode::DeviceSnapshot.to_string(), "device-snapshot");
+        assert_eq!(serde_json::to_value(Mode::Staged).unwrap(), "staged");
     }
 
     #[test]

@@ -217,6 +217,8 @@ struct VmmFns {
     properties: fns::cuMemGetAllocationPropertiesFromHandle,
     host_alloc: fns::cuMemHostAlloc,
     free_host: fns::cuMemFreeHost,
+    host_register: fns::cuMemHostRegister_v2,
+    host_unregister: fns::cuMemHostUnregister,
     dtoh_async: fns::cuMemcpyDtoHAsync_v2,
     htod_async: fns::cuMemcpyHtoDAsync_v2,
     dtod_async: fns::cuMemcpyDtoDAsync_v2,
@@ -245,6 +247,8 @@ impl VmmFns {
             properties: sym(lib, "cuMemGetAllocationPropertiesFromHandle")?,
             host_alloc: sym(lib, "cuMemHostAlloc")?,
             free_host: sym(lib, "cuMemFreeHost")?,
+            host_register: sym(lib, "cuMemHostRegister_v2")?,
+            host_unregister: sym(lib, "cuMemHostUnregister")?,
             dtoh_async: sym(lib, "cuMemcpyDtoHAsync_v2")?,
             htod_async: sym(lib, "cuMemcpyHtoDAsync_v2")?,
             dtod_async: sym(lib, "cuMemcpyDtoDAsync_v2")?,
@@ -282,7 +286,72 @@ impl Drop for PinnedBuf<'_> {
     }
 }
 
+/// Host memory hiber mapped ([`crate::sys::Anon`]) and page-locked for the GPU with
+/// `cuMemHostRegister`: the staging area of a checkpoint that finds no room on the GPU.
+/// Unregistered (then unmapped) on drop.
+///
+/// It keeps the driver's entry points it needs, not a borrow of the [`CudaLib`], so that a
+/// checkpoint session can hold it beside its `Arc` of the library; the engine that made it
+/// keeps the library loaded for longer than any session.
+pub struct Staging {
+    unregister: fns::cuMemHostUnregister,
+    dtoh_async: fns::cuMemcpyDtoHAsync_v2,
+    stream_sync: fns::cuStreamSynchronize,
+    mem: crate::sys::Anon,
+}
+
+impl Staging {
+    /// Its length in bytes.
+    pub fn size(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// `n` bytes from `off`.
+    ///
+    /// # Safety
+    ///
+    /// No copy into that range may be in flight while the slice lives.
+    pub unsafe fn slice(&self, off: usize, n: usize) -> &[u8] {
+        // SAFETY: the caller's contract is the mapping's.
+        unsafe { self.mem.slice(off, n) }
+    }
+
+    /// Device → this staging area at `off`, waited for.
+    ///
+    /// # Safety
+    ///
+    /// `src` must be `len` bytes of device memory mapped by hiber, and no one else may use
+    /// `[off, off + len)` of the staging area meanwhile.
+    pub unsafe fn copy_in(&self, off: usize, src: u64, len: usize, s: &Stream<'_>) -> Result<(), CuResult> {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.mem.len()));
+        // SAFETY: the destination range is inside the registered mapping (asserted) and the
+        // caller's alone; `src` is `len` bytes of device memory; waited for before return.
+        unsafe {
+            check((self.dtoh_async)(self.mem.ptr_at(off).cast(), src, len, s.raw))?;
+            check((self.stream_sync)(s.raw))
+        }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: registered once in `CudaLib::staging`, unregistered once here, before the
+        // mapping goes.
+        unsafe { (self.unregister)(self.mem.ptr_at(0).cast()) };
+    }
+}
+
 impl CudaLib {
+    /// `len` bytes of host memory faulted in by `threads` threads, then page-locked.
+    pub fn staging(&self, len: usize, threads: usize) -> Result<Staging, String> {
+        let f = self.vmm_fns().map_err(|e| self.error_name(e))?;
+        let mem = crate::sys::Anon::populated(len, threads).map_err(|e| format!("mapping {} MiB: {e}", len >> 20))?;
+        // SAFETY: `mem` is `len` bytes of mapped memory this process owns for as long as the
+        // registration (Staging unregisters before it unmaps); flags 0 = plain page-locking.
+        check(unsafe { (f.host_register)(mem.ptr_at(0).cast(), len, 0) }).map_err(|e| format!("page-locking {} MiB: {}", len >> 20, self.error_name(e)))?;
+        Ok(Staging { unregister: f.host_unregister, dtoh_async: f.dtoh_async, stream_sync: f.stream_sync, mem })
+    }
+
     fn vmm_fns(&self) -> Result<&VmmFns, CuResult> {
         // SAFETY: cuInit takes flags by value; 0 is the only defined value.
         let r = *self.init_result.get_or_init(|| unsafe { (self.init)(0) });
