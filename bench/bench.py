@@ -229,6 +229,22 @@ class Stock:
 CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "hiber-stop": lambda: Hiber(stopping=True), "stock": Stock}
 
 
+def agent_figures(img):
+    """From a hiber image's agent section: where the device memory was while the job was
+    stopped (GiB copied on the GPU, to host memory, written before the release), the time
+    the host staging area took to make ready beforehand, and the quiesce-to-release time."""
+    try:
+        m = json.loads((img / "manifest.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    for d in m.get("devices", []):
+        if d["engine"] == "agent":
+            s, p = d["state"], d["state"].get("placed", {})
+            return {"agent_device_gib": p.get("device", 0) / (1 << 30), "agent_host_gib": p.get("host", 0) / (1 << 30), "agent_direct_gib": p.get("direct", 0) / (1 << 30),
+                    "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
+    return {}
+
+
 def one_sample(contender, w, rep, cold=True):
     img = WORK / "img"
     shutil.rmtree(img, ignore_errors=True)
@@ -255,6 +271,7 @@ def one_sample(contender, w, rep, cold=True):
             "image_gib": du(img) / (1 << 30),
             "ckpt_maxrss_gib": rss / (1 << 30),
         }
+        sample.update(agent_figures(img))
         if not stopping:
             contender.kill()
         for kind in ("warm", "cold") if cold else ("warm",):

@@ -39,6 +39,7 @@ pub struct Context {
 
 impl Context {
     pub fn phase(&self, what: &str) {
+        tracing::debug!(phase = what);
         (self.on_phase)(what)
     }
 

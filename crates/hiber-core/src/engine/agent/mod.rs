@@ -517,11 +517,13 @@ impl AgentCheckpoint {
                 }
             }
             let _ = socket::set_recv_timeout(&conn.sock, None);
+            let quiesced = Instant::now();
             let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
             let all = device::chunks(&mems);
             let (copies, direct, placed) = if self.opts.leave_running { self.place(all)? } else { (Copies::default(), all, Placed::default()) };
             let mut placed = placed;
             placed.direct = direct.iter().map(|c| c.len as u64).sum();
+            let copied = Instant::now();
             let written = if direct.is_empty() {
                 Vec::new()
             } else {
@@ -530,6 +532,15 @@ impl AgentCheckpoint {
                 let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
                 device::save(&self.gpus, &direct, None, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
             };
+            tracing::info!(
+                pid,
+                device_mib = placed.device >> 20,
+                host_mib = placed.host >> 20,
+                direct_mib = placed.direct >> 20,
+                copy_s = (copied - quiesced).as_secs_f64(),
+                direct_s = copied.elapsed().as_secs_f64(),
+                "device memory taken"
+            );
             conn.call::<Reply>(&Request::Release, None)?;
             conn.wait_closed();
             Ok((written, copies, placed))
@@ -624,7 +635,7 @@ impl AgentCheckpoint {
         }
         // Each process's memory is on its own GPUs, which hiber does not know before the
         // quiesce: the room of all GPUs together is what is counted here.
-        let need = total.saturating_sub(room.values().sum());
+        let need = total.saturating_sub(room.values().sum()).next_multiple_of(GRANULE);
         *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
         if need == 0 {
             return;
@@ -639,7 +650,7 @@ impl AgentCheckpoint {
         // `HIBER_HOST_STAGING_MIB` caps the staging area (0: none), for a host whose memory
         // is meant for other things.
         let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib << 20);
-        let len = need.min(budget).min(cap) / GRANULE * GRANULE;
+        let len = need.min(budget / GRANULE * GRANULE).min(cap);
         if len < need && cap == u64::MAX {
             tracing::warn!(
                 "host memory is too small to stage {} MiB of device memory ({} MiB can be spared); the rest is written to the image before the job resumes",
