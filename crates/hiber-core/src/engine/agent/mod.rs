@@ -634,8 +634,14 @@ impl AgentCheckpoint {
             room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
         }
         // Each process's memory is on its own GPUs, which hiber does not know before the
-        // quiesce: the room of all GPUs together is what is counted here.
-        let need = total.saturating_sub(room.values().sum()).next_multiple_of(GRANULE);
+        // quiesce: the room of all GPUs together is what is counted here. Chunks are placed
+        // whole, so each GPU's copy may leave up to a chunk unused: the staging area has a
+        // chunk more per GPU, and is a whole number of chunks.
+        let gpus = room.len() as u64;
+        let need = match total.saturating_sub(room.values().sum()) {
+            0 => 0,
+            n => (n + gpus * device::CHUNK).next_multiple_of(device::CHUNK),
+        };
         *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
         if need == 0 {
             return;
@@ -650,7 +656,7 @@ impl AgentCheckpoint {
         // `HIBER_HOST_STAGING_MIB` caps the staging area (0: none), for a host whose memory
         // is meant for other things.
         let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib << 20);
-        let len = need.min(budget / GRANULE * GRANULE).min(cap);
+        let len = need.min(budget / device::CHUNK * device::CHUNK).min(cap);
         if len < need && cap == u64::MAX {
             tracing::warn!(
                 "host memory is too small to stage {} MiB of device memory ({} MiB can be spared); the rest is written to the image before the job resumes",
