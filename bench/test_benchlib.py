@@ -91,6 +91,10 @@ class Stats(unittest.TestCase):
         self.assertIn("n/a", t)
         self.assertAlmostEqual(ratios(rows)["32 GiB"], 41.0 / 2.05)
 
+    def test_workloads_sort_by_the_gib_they_hold(self):
+        runs = [{"rows": [row("68 GiB held, 47 GiB data", "hiber", downtime_s=[2.0]), row("PyTorch 8 GiB", "hiber"), row("47 GiB", "stock"), row("4 GiB", "hiber")]}]
+        self.assertEqual([r["workload"] for r in merge_rows(runs)], ["4 GiB", "47 GiB", "68 GiB held, 47 GiB data", "PyTorch 8 GiB"])
+
     def test_runs_merge_by_workload_and_contender(self):
         a = {"rows": [{"workload": "32 GiB", "contender": "hiber", "samples": {"downtime_s": [1.0]}},
                       {"workload": "32 GiB", "contender": "stock", "samples": {"downtime_s": [9.0]}}]}
@@ -215,7 +219,7 @@ class Targets(unittest.TestCase):
         self.assertEqual(full_gpu_targets([run_with([row("32 GiB", "hiber", downtime_s=[1.0])])]), [])
         rows = [row("47 GiB", "hiber", downtime_s=[1.2, 1.4, 1.6], restore_warm_s=[3.5]), row("47 GiB", "stock", downtime_s=[70.0])]
         got = full_gpu_targets([run_with(rows)])
-        self.assertEqual(got[0], ("47 GiB (GPU without room for a copy): hiber downtime ≤ 1.5 s", "1.40 s", "met"))
+        self.assertEqual(got[0], ("47 GiB (GPU without room for a whole copy): hiber downtime ≤ 1.5 s", "1.40 s", "met"))
         self.assertEqual(got[1], ("47 GiB: hiber restore from page cache until progress ≤ 3 s", "3.50 s", "NOT met"))
         self.assertEqual(got[2][2], "met")
         self.assertIn("50.0x", got[2][1])
