@@ -45,6 +45,9 @@ pub struct Job {
     pub restored_from: Option<String>,
     /// Set when a checkpoint stopped the job: the image it went to.
     pub checkpointed_to: Option<String>,
+    /// The job's latest image (either kind of checkpoint): the parent of its next one.
+    #[serde(default)]
+    pub last_image: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -249,6 +252,7 @@ mod tests {
             created: "t".into(),
             restored_from: None,
             checkpointed_to: None,
+            last_image: None,
         };
         reg.save(&job).unwrap();
         assert_eq!(reg.load("a-1").unwrap(), job);

@@ -387,3 +387,63 @@ fn pyopencl_restores_and_moves_without_its_binary_cache() {
     assert_eq!(h.progress("nc2")[0].0, at + 1);
     assert!(devices_in(&h.log("nc2"))[0].starts_with(PTHREAD), "{:?}", devices_in(&h.log("nc2")));
 }
+
+/// The preemption loop of an inference job, incrementally. The program keeps 160 MiB of
+/// weights it never changes and a small state it updates every step. Its second checkpoint
+/// shares the weights with the first image instead of writing them (the job's latest image
+/// is the parent by default); the first image is then removed, and the second still
+/// restores, and the program goes on identically. A job restored from an image takes that
+/// image as the parent of its first checkpoint, and `--no-parent` writes everything.
+#[test]
+fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
+    let h = Hiber::new("ocl-weights");
+    let bin = program(&h, "weights");
+    let args = ["400", "160", "0", "10"];
+    let want = reference(&bin, &args);
+    start(&h, "wt", &bin, &args);
+    h.wait_step("wt", 20);
+    let checkpoint = |job: &str, out: &str, extra: &[&str]| -> serde_json::Value {
+        let mut a = vec!["checkpoint", job, "--out", out, "--json"];
+        a.extend_from_slice(extra);
+        serde_json::from_str(&h.ok(&a)).unwrap()
+    };
+    let weights = 160u64 << 20;
+    let first = h.images_dir().join("wt1").display().to_string();
+    let r1 = checkpoint("wt", &first, &["--leave-running"]);
+    assert_eq!(r1["shared_bytes"], 0, "a job's first image is whole: {r1}");
+    h.wait_step("wt", h.last_step("wt").unwrap() + 10);
+    let second = h.images_dir().join("wt2").display().to_string();
+    let r2 = checkpoint("wt", &second, &["--leave-running"]);
+    assert!(r2["shared_bytes"].as_u64().unwrap() >= weights, "the weights are shared: {r2}");
+    assert_eq!(r2["parent"].as_str().unwrap(), first, "{r2}");
+    let written = r2["image_bytes"].as_u64().unwrap() - r2["shared_bytes"].as_u64().unwrap();
+    let ocl = opencl_section(&second)["processes"][0]["bytes"].as_u64().unwrap();
+    assert!(ocl >= weights, "{ocl}");
+    let inspect = h.ok(&["inspect", &second]);
+    assert!(inspect.contains("parent ") && inspect.contains("shared with it"), "{inspect}");
+    let whole = r1["image_bytes"].as_u64().unwrap();
+    assert!(written + weights <= whole + (whole >> 4), "the second image wrote {written} bytes, the first {whole}");
+
+    // The first image goes; the second is whole without it.
+    h.ok(&["rm", "-f", "wt"]);
+    h.ok(&["rm", &first]);
+    assert!(!PathBuf::from(&first).exists());
+    h.ok(&["inspect", &second]);
+    restore(&h, &second, "wt3", &[]);
+    h.wait_step("wt3", h.progress("wt3").first().map(|p| p.0).unwrap_or(0) + 5);
+    let from = h.progress("wt3")[0].0;
+    // The restored job's first checkpoint shares with the image it came from.
+    let third = h.images_dir().join("wt3img").display().to_string();
+    let r3 = checkpoint("wt3", &third, &["--leave-running"]);
+    assert!(r3["shared_bytes"].as_u64().unwrap() >= weights, "{r3}");
+    assert_eq!(r3["parent"].as_str().unwrap(), second);
+    let fourth = h.images_dir().join("wt4img").display().to_string();
+    let r4 = checkpoint("wt3", &fourth, &["--no-parent"]);
+    assert_eq!(r4["shared_bytes"], 0, "{r4}");
+    h.ok(&["rm", &second, &third]);
+    restore(&h, &fourth, "wt4", &[]);
+    h.assert_verified("wt4", Duration::from_secs(120));
+    assert_continues(&want, &h.progress("wt3"), from);
+    let last = h.progress("wt4");
+    assert_continues(&want, &last, last[0].0);
+}

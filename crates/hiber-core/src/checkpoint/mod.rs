@@ -56,6 +56,8 @@ pub enum CheckpointError {
     NoSpace { dir: PathBuf, needed: u64, available: u64 },
     #[error(transparent)]
     Image(#[from] ImageError),
+    #[error("the parent image cannot be used: {source}")]
+    Parent { path: PathBuf, source: ImageError },
     #[error("{0}")]
     Engine(#[from] EngineError),
     #[error(transparent)]
@@ -79,6 +81,7 @@ impl CheckpointError {
             CheckpointError::Undumpable { what, .. } => what.hint(),
             CheckpointError::MissingTool { .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
+            CheckpointError::Parent { .. } => "name an image from `hiber ls` with --parent, or checkpoint in full with --no-parent".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
             CheckpointError::Resume { .. } => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
             CheckpointError::Criu(e) => match e.errno() {
@@ -100,6 +103,8 @@ pub struct CheckpointRequest {
     pub job: Option<Job>,
     pub dest: PathBuf,
     pub leave_running: bool,
+    /// An earlier image whose device data this one shares where it has not changed.
+    pub parent: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -112,6 +117,8 @@ pub struct CheckpointReport {
     pub dump: Duration,
     pub total: Duration,
     pub image_bytes: u64,
+    /// Of `image_bytes`, shared with the parent image rather than written.
+    pub shared_bytes: u64,
 }
 
 /// Refuses targets that cannot or must not be checkpointed, before anything is touched.

@@ -43,7 +43,10 @@ impl<'a> Checkpoint<'a> {
         let tree = preflight(req.pid)?;
         check_space(&req.dest, &tree)?;
         super::preflight::refuse_missing_tools(&ctx.criu, req.pid)?;
-        let sink = ImageWriter::create(&req.dest)?;
+        let mut sink = ImageWriter::create(&req.dest)?;
+        if let Some(parent) = &req.parent {
+            sink.share_with(parent).map_err(|source| CheckpointError::Parent { path: parent.clone(), source })?;
+        }
         let me = proctree::stat(sys::getpid())?;
         let entry = Entry {
             hiber_pid: sys::getpid(),
@@ -156,6 +159,7 @@ impl<'a> Checkpoint<'a> {
             processes: self.tree.clone(),
             devices: self.sections.clone(),
             frozen_seconds: 0.0,
+            parent: None,
             files: Vec::new(),
         }
     }
@@ -298,6 +302,7 @@ impl<'a> Checkpoint<'a> {
             dump: self.dump_start.map(|d| d.elapsed()).unwrap_or_default(),
             total: self.started.elapsed(),
             image_bytes,
+            shared_bytes: self.sink.shared().1,
         }
     }
 }

@@ -43,18 +43,25 @@ fn zero_hash(len: usize) -> String {
 /// A chunk of zeros (memory the application never wrote: most of a pool that JAX or an
 /// inference server reserves up front) becomes a sparse file of the same length: it reads
 /// back as the same zeros under the same checksum, and takes no disk space or write time.
+///
+/// A chunk the parent image of an incremental checkpoint already holds is shared with it
+/// ([`ImageSink::reuse`]), not written.
 pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, String> {
     let io = |e: std::io::Error| format!("{rel}: {e}");
-    let mut f = sink.create_file(rel).map_err(io)?;
-    let blake3 = if is_zero(data) {
-        f.set_len(data.len() as u64).map_err(io)?;
-        zero_hash(data.len())
-    } else {
+    let size = data.len() as u64;
+    if is_zero(data) {
+        let f = sink.create_file(rel).map_err(io)?;
+        f.set_len(size).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        return Ok(FileEntry { path: rel.to_string(), size, blake3: zero_hash(data.len()) });
+    }
+    let blake3 = blake3::hash(data).to_hex().to_string();
+    if !sink.reuse(rel, &blake3, size).map_err(io)? {
+        let mut f = sink.create_file(rel).map_err(io)?;
         f.write_all(data).map_err(io)?;
-        blake3::hash(data).to_hex().to_string()
-    };
-    f.sync_all().map_err(io)?;
-    Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3 })
+        f.sync_all().map_err(io)?;
+    }
+    Ok(FileEntry { path: rel.to_string(), size, blake3 })
 }
 
 /// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking it

@@ -89,7 +89,24 @@ pub struct Manifest {
     pub devices: Vec<DeviceSection>,
     /// Seconds the tree was frozen by CRIU, as hiber measured it.
     pub frozen_seconds: f64,
+    /// The earlier image this one shares files with (absent when it shares none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRef>,
     pub files: Vec<FileEntry>,
+}
+
+/// An incremental image's parent: the image whose unchanged files it shares (each such file
+/// is one file with two names, a hard link: removing either image leaves the other whole).
+/// Every shared file is still listed in this image's own `files`, with its checksum, so the
+/// image reads, verifies and restores without the parent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// Where the parent was when this image was written.
+    pub path: String,
+    /// The parent's manifest.blake3 then.
+    pub manifest_blake3: String,
+    pub shared_files: u64,
+    pub shared_bytes: u64,
 }
 
 /// The part of a manifest every version shares: enough to tell a hiber image of a

@@ -23,7 +23,7 @@ mod manifest;
 mod sink;
 mod writer;
 
-pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, Source};
+pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, ParentRef, Source};
 pub use sink::ImageSink;
 pub use writer::{is_temp_name, ImageWriter};
 

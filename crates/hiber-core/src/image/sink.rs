@@ -26,6 +26,14 @@ pub trait ImageSink: Send + Sync {
     /// Whether file `rel` is already in the image (written by an earlier step).
     fn has_file(&self, rel: &str) -> bool;
 
+    /// Puts into the image, as `rel`, a file of the parent image (an incremental
+    /// checkpoint's) with this content, instead of writing it: `Ok(true)` when it did.
+    /// `Ok(false)` when there is no parent, no such file, or it cannot be shared (another
+    /// filesystem): then the caller writes the file.
+    fn reuse(&self, _rel: &str, _blake3: &str, _size: u64) -> io::Result<bool> {
+        Ok(false)
+    }
+
     /// Where the sink keeps what it was given, for messages and for `hiber recover`.
     fn location(&self) -> &Path;
 }

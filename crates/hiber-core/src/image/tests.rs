@@ -46,6 +46,7 @@ fn sample_manifest() -> Manifest {
         processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
         devices: Vec::new(),
         frozen_seconds: 0.5,
+        parent: None,
         files: Vec::new(),
     }
 }
@@ -244,4 +245,70 @@ fn logs_are_handed_back_under_their_external_id_or_their_path() {
     src.stdout_external = Some("file[1b:2a]".into());
     src.stderr = None;
     assert_eq!(src.log_keys(), [Some("file[1b:2a]".into()), None]);
+}
+
+/// Writes an image whose device data is `chunks` (name, bytes), as an engine does, sharing
+/// with `parent` when given. Returns the image and what it shared.
+fn write_chunked(dest: &Path, chunks: &[(&str, Vec<u8>)], parent: Option<&Path>) -> (PathBuf, (u64, u64)) {
+    let mut w = ImageWriter::create(dest).unwrap();
+    if let Some(p) = parent {
+        w.share_with(p).unwrap();
+    }
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    let known: Vec<FileEntry> = chunks.iter().map(|(rel, data)| chunks::write(&w, rel, data).unwrap()).collect();
+    let shared = w.shared();
+    w.commit(sample_manifest(), &known).unwrap();
+    (dest.to_path_buf(), shared)
+}
+
+#[test]
+fn an_incremental_image_shares_unchanged_chunks_and_outlives_its_parent() {
+    use std::os::unix::fs::MetadataExt;
+    let t = TempDir::new("incr");
+    let weights = vec![3u8; 300_000];
+    let (first, shared) = write_chunked(&t.0.join("first"), &[("agent/1/1.00000", weights.clone()), ("agent/1/2.00000", vec![1u8; 1000])], None);
+    assert_eq!(shared, (0, 0));
+    assert_eq!(Image::open(&first).unwrap().manifest.parent, None);
+    // The weights did not change, the state did, and a new allocation appeared with the
+    // weights' bytes under another name: shared by content, not by name.
+    let (second, shared) = write_chunked(
+        &t.0.join("second"),
+        &[("agent/1/1.00000", weights.clone()), ("agent/1/2.00000", vec![2u8; 1000]), ("agent/1/9.00000", weights.clone())],
+        Some(&first),
+    );
+    assert_eq!(shared, (2, 600_000));
+    let ino = |p: PathBuf| fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(first.join("agent/1/1.00000")), ino(second.join("agent/1/1.00000")), "one file, two names");
+    assert_eq!(ino(first.join("agent/1/1.00000")), ino(second.join("agent/1/9.00000")));
+    assert_ne!(ino(first.join("agent/1/2.00000")), ino(second.join("agent/1/2.00000")), "the changed chunk is written");
+    let img = Image::open(&second).unwrap();
+    let p = img.manifest.parent.clone().unwrap();
+    assert_eq!((p.shared_files, p.shared_bytes), (2, 600_000));
+    assert_eq!(p.path, fs::canonicalize(&first).unwrap().display().to_string());
+    assert_eq!(p.manifest_blake3, fs::read_to_string(first.join("manifest.blake3")).unwrap().trim());
+    // Removing the parent leaves the child whole: every file is there, verified.
+    fs::remove_dir_all(&first).unwrap();
+    assert_eq!(Image::open(&second).unwrap().verify().unwrap(), 300_000 * 2 + 1000 + 4);
+    assert_eq!(fs::read(second.join("agent/1/9.00000")).unwrap(), weights);
+}
+
+#[test]
+fn a_parent_that_is_no_image_is_refused() {
+    let t = TempDir::new("badparent");
+    fs::create_dir_all(t.0.join("junk")).unwrap();
+    let mut w = ImageWriter::create(&t.0.join("img")).unwrap();
+    assert!(matches!(w.share_with(&t.0.join("junk")), Err(ImageError::NotAnImage(_))));
+    assert!(matches!(w.share_with(&t.0.join("nothing")), Err(ImageError::NotFound(_))));
+}
+
+#[test]
+fn a_parent_chunk_changed_since_is_written_not_shared() {
+    let t = TempDir::new("changed");
+    let (first, _) = write_chunked(&t.0.join("first"), &[("agent/1/1.00000", vec![5u8; 4096])], None);
+    let mut w = ImageWriter::create(&t.0.join("second")).unwrap();
+    w.share_with(&first).unwrap();
+    // Truncated after the parent's manifest was read: not shared (and the parent no longer verifies).
+    fs::OpenOptions::new().write(true).open(first.join("agent/1/1.00000")).unwrap().set_len(10).unwrap();
+    chunks::write(&w, "agent/1/1.00000", &[5u8; 4096]).unwrap();
+    assert_eq!(w.shared(), (0, 0));
 }

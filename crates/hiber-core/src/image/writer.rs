@@ -1,12 +1,25 @@
 //! The local image directory, the sink every checkpoint writes to today: a hidden
 //! temporary directory, renamed into place when complete.
 
+use std::collections::HashMap;
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{hash_file, list_files, FileEntry, ImageError, ImageSink, Manifest, CRIU_DIR, MANIFEST_FILE, MANIFEST_SUM_FILE};
+use super::{hash_file, list_files, FileEntry, Image, ImageError, ImageSink, Manifest, ParentRef, CRIU_DIR, MANIFEST_FILE, MANIFEST_SUM_FILE};
+
+/// The parent of an incremental image: its files by content, and what was shared so far.
+#[derive(Debug)]
+struct Parent {
+    dir: PathBuf,
+    manifest_blake3: String,
+    /// (blake3, size) → the file's path in the parent.
+    by_content: HashMap<(String, u64), String>,
+    shared_files: AtomicU64,
+    shared_bytes: AtomicU64,
+}
 
 /// An image being written. Dropping it without [`ImageWriter::commit`] removes the
 /// temporary directory, so a failed checkpoint leaves nothing behind.
@@ -16,6 +29,7 @@ pub struct ImageWriter {
     dest: PathBuf,
     committed: bool,
     keep: bool,
+    parent: Option<Parent>,
 }
 
 impl ImageWriter {
@@ -41,7 +55,32 @@ impl ImageWriter {
         b.mode(0o700);
         b.create(&tmp).map_err(ImageError::io(&tmp, "create directory"))?;
         b.create(tmp.join(CRIU_DIR)).map_err(ImageError::io(&tmp, "create directory"))?;
-        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false })
+        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false, parent: None })
+    }
+
+    /// Makes this an incremental image of `parent`: device data the parent already holds
+    /// (the same bytes, by blake3 and size) is shared with it, not written again. The
+    /// parent's manifest is checked now; each shared file's content is checked when either
+    /// image is verified or restored.
+    pub fn share_with(&mut self, parent: &Path) -> Result<(), ImageError> {
+        let image = Image::open(parent)?;
+        let sum_path = image.dir.join(MANIFEST_SUM_FILE);
+        let manifest_blake3 = fs::read_to_string(&sum_path).map_err(ImageError::io(&sum_path, "read"))?.trim().to_string();
+        let by_content = image
+            .manifest
+            .files
+            .iter()
+            .filter(|f| !f.path.starts_with(&format!("{CRIU_DIR}/")))
+            .map(|f| ((f.blake3.clone(), f.size), f.path.clone()))
+            .collect();
+        let dir = fs::canonicalize(&image.dir).map_err(ImageError::io(&image.dir, "resolve"))?;
+        self.parent = Some(Parent { dir, manifest_blake3, by_content, shared_files: AtomicU64::new(0), shared_bytes: AtomicU64::new(0) });
+        Ok(())
+    }
+
+    /// Files and bytes shared with the parent so far.
+    pub fn shared(&self) -> (u64, u64) {
+        self.parent.as_ref().map_or((0, 0), |p| (p.shared_files.load(Ordering::Relaxed), p.shared_bytes.load(Ordering::Relaxed)))
     }
 
     /// Keeps the temporary directory when dropped: it holds device data that `hiber
@@ -91,6 +130,12 @@ impl ImageWriter {
             entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size });
         }
         manifest.files = entries;
+        manifest.parent = self.parent.as_ref().filter(|p| p.shared_files.load(Ordering::Relaxed) > 0).map(|p| ParentRef {
+            path: p.dir.display().to_string(),
+            manifest_blake3: p.manifest_blake3.clone(),
+            shared_files: p.shared_files.load(Ordering::Relaxed),
+            shared_bytes: p.shared_bytes.load(Ordering::Relaxed),
+        });
         let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
         let sum = format!("{}\n", blake3::hash(&json).to_hex());
         for (name, bytes) in [(MANIFEST_FILE, json.as_slice()), (MANIFEST_SUM_FILE, sum.as_bytes())] {
@@ -130,6 +175,32 @@ impl ImageSink for ImageWriter {
 
     fn has_file(&self, rel: &str) -> bool {
         self.tmp.join(rel).exists()
+    }
+
+    /// A hard link to the parent's file: one file with two names, so removing either image
+    /// leaves the other whole (the filesystem counts the links).
+    fn reuse(&self, rel: &str, blake3: &str, size: u64) -> std::io::Result<bool> {
+        let Some(p) = &self.parent else { return Ok(false) };
+        let Some(src) = p.by_content.get(&(blake3.to_string(), size)).map(|r| p.dir.join(r)) else { return Ok(false) };
+        // The parent may have changed since it was opened: only a file of the right size is
+        // shared (its content is checked whenever either image is verified or restored).
+        if !fs::symlink_metadata(&src).is_ok_and(|m| m.is_file() && m.len() == size) {
+            return Ok(false);
+        }
+        let dst = self.tmp.join(rel);
+        let dir = dst.parent().unwrap_or(&self.tmp);
+        DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        match fs::hard_link(&src, &dst) {
+            Ok(()) => {}
+            // Another filesystem, or one without hard links: write it instead.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        // The new name is as durable as a written chunk would be.
+        File::open(dir)?.sync_all()?;
+        p.shared_files.fetch_add(1, Ordering::Relaxed);
+        p.shared_bytes.fetch_add(size, Ordering::Relaxed);
+        Ok(true)
     }
 
     fn location(&self) -> &Path {

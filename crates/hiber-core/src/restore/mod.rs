@@ -307,6 +307,8 @@ fn record_job(image: &Image, job: &JobTarget<'_>, root: i32) -> Result<Job, Rest
         created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         restored_from: Some(image.dir.display().to_string()),
         checkpointed_to: None,
+        // Its first checkpoint shares what has not changed with the image it came from.
+        last_image: Some(image.dir.display().to_string()),
     };
     job.registry.save(&record)?;
     Ok(record)

@@ -1,11 +1,11 @@
-//! `hiber checkpoint JOB|PID [--leave-running] [--out DIR]`
+//! `hiber checkpoint JOB|PID [--leave-running] [--out DIR] [--parent IMAGE | --no-parent]`
 
 use std::path::PathBuf;
 
 use hiber_core::checkpoint::{checkpoint, CheckpointRequest};
 use hiber_core::jobs::Registry;
 
-use super::{context, human_bytes, resolve_target, running_pid, secs, Target};
+use super::{context, human_bytes, image_path, resolve_target, running_pid, secs, Target};
 use crate::cli_error::CliError;
 
 #[derive(clap::Args)]
@@ -18,6 +18,14 @@ pub struct Args {
     /// Where to write the image (must not exist). Default: the state directory's images/.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Share the device data that has not changed with this earlier image (a name from
+    /// `hiber ls` or a path) instead of writing it again. Default: the job's latest image,
+    /// or the one it was restored from.
+    #[arg(long, value_name = "IMAGE", conflicts_with = "no_parent")]
+    parent: Option<String>,
+    /// Write every byte, sharing nothing with an earlier image.
+    #[arg(long)]
+    no_parent: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -43,7 +51,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
             ctx.state.images().join(format!("{base}-{}", stamp.trim_end_matches('Z')))
         }
     };
-    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running };
+    let parent =
+        match (&args.parent, args.no_parent) {
+            (Some(p), _) => Some(image_path(&ctx.state, p)),
+            (None, true) => None,
+            // The job's latest image, when it is still there and readable; otherwise a full one.
+            (None, false) => job.as_ref().and_then(|j| j.last_image.as_ref()).map(PathBuf::from).filter(|p| {
+                hiber_core::image::Image::open(p).inspect_err(|e| tracing::debug!(error = %e, "the job's latest image cannot be a parent")).is_ok()
+            }),
+        };
+    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone() };
     let report = checkpoint(&ctx, &req);
     if let Some(p) = progress {
         p.finish_and_clear();
@@ -52,11 +69,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if let Some(mut job) = job {
         if !args.leave_running {
             job.checkpointed_to = Some(report.image.display().to_string());
-            // The checkpoint itself succeeded: the application is stopped and its image is
-            // in place, whatever happens to this bookkeeping.
-            if let Err(e) = registry.save(&job) {
-                tracing::warn!(error = %e, "could not record the checkpoint in the job");
-            }
+        }
+        job.last_image = Some(report.image.display().to_string());
+        // The checkpoint itself succeeded: its image is in place, whatever happens to this
+        // bookkeeping.
+        if let Err(e) = registry.save(&job) {
+            tracing::warn!(error = %e, "could not record the checkpoint in the job");
         }
     }
     if args.json {
@@ -67,12 +85,18 @@ pub fn run(args: Args) -> Result<(), CliError> {
             "dump_seconds": report.dump.as_secs_f64(),
             "total_seconds": report.total.as_secs_f64(),
             "image_bytes": report.image_bytes,
+            "shared_bytes": report.shared_bytes,
+            "parent": parent.filter(|_| report.shared_bytes > 0),
             "left_running": args.leave_running,
         });
         println!("{v}");
     } else {
+        let shared = match &parent {
+            Some(p) if report.shared_bytes > 0 => format!(", {} of it shared with {}", human_bytes(report.shared_bytes), p.display()),
+            _ => String::new(),
+        };
         println!(
-            "checkpointed {} process(es) to {} ({}) in {} (devices {}, dump {}){}",
+            "checkpointed {} process(es) to {} ({}{shared}) in {} (devices {}, dump {}){}",
             report.processes,
             report.image.display(),
             human_bytes(report.image_bytes),

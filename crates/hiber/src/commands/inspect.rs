@@ -41,6 +41,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let src = m.source.job.as_ref().map(|j| format!("job {j}")).unwrap_or_else(|| "a process not started by hiber".into());
     println!("source      {src}, root pid {}{}", m.source.pid, if m.source.leave_running { ", left running" } else { "" });
     println!("frozen      {:.2}s during the dump", m.frozen_seconds);
+    if let Some(p) = &m.parent {
+        println!("parent      {} ({} in {} files shared with it)", p.path, human_bytes(p.shared_bytes), p.shared_files);
+    }
     println!("size        {} in {} files, {} of process memory", human_bytes(img.total_bytes()), m.files.len(), human_bytes(img.memory_bytes()));
     println!("processes   {}", m.processes.len());
     for p in &m.processes {

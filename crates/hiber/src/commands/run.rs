@@ -96,6 +96,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         restored_from: None,
         checkpointed_to: None,
+        last_image: None,
     };
     registry.save(&job)?;
     Ok(job)
