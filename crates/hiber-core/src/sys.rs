@@ -403,6 +403,9 @@ impl Anon {
         // SAFETY: [ptr, ptr+len) lies inside the mapping (the extra HUGE bytes cover the
         // alignment). Only advice: without huge pages the memory still works.
         unsafe { libc::madvise(ptr as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+        if len == 0 {
+            return Ok(me);
+        }
         let slice = len.div_ceil(threads.max(1)).next_multiple_of(HUGE);
         let addr = ptr as usize;
         let failed = std::thread::scope(|s| {
@@ -593,6 +596,12 @@ mod tests {
         // Faulted in: resident without being touched here.
         let rss_kb: usize = smaps_of(m.ptr_at(0) as usize).iter().find_map(|l| l.strip_prefix("Rss:")?.trim().strip_suffix("kB")?.trim().parse().ok()).unwrap();
         assert!(rss_kb * 1024 >= len, "only {rss_kb} kB of {len} bytes resident");
+    }
+
+    #[test]
+    fn empty_anon_memory_is_fine() {
+        let m = Anon::populated(0, 4).unwrap();
+        assert!(m.is_empty());
     }
 
     #[test]

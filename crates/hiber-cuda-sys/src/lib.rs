@@ -45,6 +45,8 @@ pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
 /// `CUstream_flags`: a stream that does not synchronize with the legacy default stream.
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `cuMemHostRegister`: the memory is page-locked for every context, not only the current one.
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 
 /// `CUprocessState`.
 pub const CU_PROCESS_STATE_RUNNING: c_int = 0;

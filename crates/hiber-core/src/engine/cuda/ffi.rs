@@ -349,8 +349,10 @@ impl CudaLib {
         let mem = crate::sys::Anon::populated(len, threads).map_err(|e| format!("mapping {} MiB: {e}", len >> 20))?;
         let populated = start.elapsed();
         // SAFETY: `mem` is `len` bytes of mapped memory this process owns for as long as the
-        // registration (Staging unregisters before it unmaps); flags 0 = plain page-locking.
-        check(unsafe { (f.host_register)(mem.ptr_at(0).cast(), len, 0) }).map_err(|e| format!("page-locking {} MiB: {}", len >> 20, self.error_name(e)))?;
+        // registration (Staging unregisters before it unmaps). Portable: hiber copies into
+        // it from each GPU's own context.
+        check(unsafe { (f.host_register)(mem.ptr_at(0).cast(), len, hiber_cuda_sys::CU_MEMHOSTREGISTER_PORTABLE) })
+            .map_err(|e| format!("page-locking {} MiB: {}", len >> 20, self.error_name(e)))?;
         tracing::debug!(mib = len >> 20, populate_s = populated.as_secs_f64(), register_s = (start.elapsed() - populated).as_secs_f64(), "staging area");
         Ok(Staging { unregister: f.host_unregister, dtoh_async: f.dtoh_async, stream_sync: f.stream_sync, mem })
     }
