@@ -2,10 +2,11 @@
 //!
 //! A checkpoint writes through an [`ImageSink`]: CRIU's files and the engines' chunks
 //! alike. Today the one sink is the local image directory ([`super::ImageWriter`]: a
-//! hidden temporary directory, renamed into place when complete). The same seam takes a
-//! content-addressed chunk store (incremental images: a chunk already stored is referenced,
-//! not written) and a stream to another host (migration: files are sent as they are
-//! written, and the manifest last).
+//! hidden temporary directory, renamed into place when complete), which makes incremental
+//! images too: a chunk its parent image already holds is hard-linked from there
+//! ([`ImageSink::reuse`]), so every image stays a whole directory and the filesystem counts
+//! the references, with no chunk store beside the images. The same seam takes a stream to
+//! another host (migration: files are sent as they are written, and the manifest last).
 //!
 //! CRIU writes its own files into a directory it is given (`images_dir`); a sink that is
 //! not a local directory gives CRIU a local staging directory and takes the files from
