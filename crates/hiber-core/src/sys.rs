@@ -393,7 +393,7 @@ impl Anon {
             return Err(io::Error::last_os_error());
         }
         let base = base as *mut u8;
-        let ptr = base.wrapping_add(base.align_offset(HUGE));
+        let ptr = base.wrapping_add((base as usize).next_multiple_of(HUGE) - base as usize);
         let me = Anon { base, map_len, ptr, len };
         // Not inherited by children: hiber forks (CRIU, shims) while the memory is pinned,
         // and the kernel copies pinned private pages into the child at fork, which for tens
@@ -414,23 +414,36 @@ impl Anon {
                     s.spawn(move || {
                         let (off, n) = (i * slice, slice.min(len - i * slice));
                         // SAFETY: a range inside the mapping; populating only faults pages in.
-                        let r = unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) };
-                        if r != 0 {
-                            // Kernels before 5.14: touch each page instead.
-                            for p in (off..off + n).step_by(4096) {
-                                // SAFETY: inside the mapping, and no one else reads it yet.
-                                unsafe { std::ptr::write_volatile((addr + p) as *mut u8, 0) };
-                            }
+                        if unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) } == 0 {
+                            return Ok(());
                         }
+                        let e = io::Error::last_os_error();
+                        if e.raw_os_error() != Some(libc::EINVAL) {
+                            // Out of memory, most likely: said, not pressed on page by page.
+                            return Err(e);
+                        }
+                        // Kernels before 5.14: touch each page instead.
+                        for p in (off..off + n).step_by(4096) {
+                            // SAFETY: inside the mapping, and no one else reads it yet.
+                            unsafe { std::ptr::write_volatile((addr + p) as *mut u8, 0) };
+                        }
+                        Ok(())
                     })
                 })
                 .collect();
-            workers.into_iter().any(|w| w.join().is_err())
+            let mut first = None;
+            for w in workers {
+                let r = w.join().unwrap_or_else(|_| Err(io::Error::other("a thread faulting in memory panicked")));
+                if let Err(e) = r {
+                    first.get_or_insert(e);
+                }
+            }
+            first
         });
-        if failed {
-            return Err(io::Error::other("faulting in staging memory failed"));
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(me),
         }
-        Ok(me)
     }
 
     pub fn len(&self) -> usize {
@@ -464,6 +477,18 @@ impl Drop for Anon {
         // SAFETY: the mapping made in `populated`, unmapped once.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.map_len) };
     }
+}
+
+/// What this process's memory cgroup (v2) still allows: `memory.max` less
+/// `memory.current`; `None` without a limit.
+pub fn cgroup_memory_left() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u64>().ok();
+    // "max" does not parse: no limit.
+    let max = read("memory.max")?;
+    Some(max.saturating_sub(read("memory.current").unwrap_or(0)))
 }
 
 /// `MemAvailable` of /proc/meminfo and `MemTotal`, in bytes.

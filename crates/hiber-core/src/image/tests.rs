@@ -307,8 +307,15 @@ fn a_parent_chunk_changed_since_is_written_not_shared() {
     let (first, _) = write_chunked(&t.0.join("first"), &[("agent/1/1.00000", vec![5u8; 4096])], None);
     let mut w = ImageWriter::create(&t.0.join("second")).unwrap();
     w.share_with(&first).unwrap();
-    // Truncated after the parent's manifest was read: not shared (and the parent no longer verifies).
-    fs::OpenOptions::new().write(true).open(first.join("agent/1/1.00000")).unwrap().set_len(10).unwrap();
-    chunks::write(&w, "agent/1/1.00000", &[5u8; 4096]).unwrap();
+    // Altered after the parent's manifest was read (same size, one byte): not shared, and
+    // the new image holds the right bytes.
+    let mut bytes = vec![5u8; 4096];
+    bytes[100] = 6;
+    fs::write(first.join("agent/1/1.00000"), &bytes).unwrap();
+    let e = chunks::write(&w, "agent/1/1.00000", &[5u8; 4096]).unwrap();
     assert_eq!(w.shared(), (0, 0));
+    w.commit(sample_manifest(), &[e]).unwrap();
+    assert_eq!(fs::read(t.0.join("second/agent/1/1.00000")).unwrap(), vec![5u8; 4096]);
+    assert_eq!(fs::read(first.join("agent/1/1.00000")).unwrap(), bytes, "the parent's file is left as it is");
+    Image::open(&t.0.join("second")).unwrap().verify().unwrap();
 }

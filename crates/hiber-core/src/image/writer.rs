@@ -66,11 +66,13 @@ impl ImageWriter {
         let image = Image::open(parent)?;
         let sum_path = image.dir.join(MANIFEST_SUM_FILE);
         let manifest_blake3 = fs::read_to_string(&sum_path).map_err(ImageError::io(&sum_path, "read"))?.trim().to_string();
+        // Device data only (not CRIU's files), and only paths inside the image.
+        let inside = |p: &str| Path::new(p).components().all(|c| matches!(c, std::path::Component::Normal(_)));
         let by_content = image
             .manifest
             .files
             .iter()
-            .filter(|f| !f.path.starts_with(&format!("{CRIU_DIR}/")))
+            .filter(|f| !f.path.starts_with(&format!("{CRIU_DIR}/")) && inside(&f.path))
             .map(|f| ((f.blake3.clone(), f.size), f.path.clone()))
             .collect();
         let dir = fs::canonicalize(&image.dir).map_err(ImageError::io(&image.dir, "resolve"))?;
@@ -178,29 +180,51 @@ impl ImageSink for ImageWriter {
     }
 
     /// A hard link to the parent's file: one file with two names, so removing either image
-    /// leaves the other whole (the filesystem counts the links).
+    /// leaves the other whole (the filesystem counts the links). The linked file is read
+    /// back and must hash to `blake3`: the parent may have changed since its manifest was
+    /// read, and this image's manifest vouches for every byte. Sharing only saves work, so
+    /// whatever goes wrong (another filesystem, a parent file gone or altered) makes the
+    /// caller write the chunk instead.
     fn reuse(&self, rel: &str, blake3: &str, size: u64) -> std::io::Result<bool> {
         let Some(p) = &self.parent else { return Ok(false) };
         let Some(src) = p.by_content.get(&(blake3.to_string(), size)).map(|r| p.dir.join(r)) else { return Ok(false) };
-        // The parent may have changed since it was opened: only a file of the right size is
-        // shared (its content is checked whenever either image is verified or restored).
-        if !fs::symlink_metadata(&src).is_ok_and(|m| m.is_file() && m.len() == size) {
-            return Ok(false);
-        }
         let dst = self.tmp.join(rel);
-        let dir = dst.parent().unwrap_or(&self.tmp);
-        DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-        match fs::hard_link(&src, &dst) {
-            Ok(()) => {}
-            // Another filesystem, or one without hard links: write it instead.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)) => return Ok(false),
-            Err(e) => return Err(e),
+        let mut linked = false;
+        let mut link = || -> std::io::Result<bool> {
+            if !fs::symlink_metadata(&src)?.is_file() {
+                return Ok(false);
+            }
+            let dir = dst.parent().unwrap_or(&self.tmp);
+            DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            fs::hard_link(&src, &dst)?;
+            linked = true;
+            let mut h = blake3::Hasher::new();
+            let n = std::io::copy(&mut File::open(&dst)?, &mut h)?;
+            if n != size || h.finalize().to_hex().as_str() != blake3 {
+                tracing::warn!(parent = %src.display(), "a file of the parent image no longer matches its manifest; written instead of shared");
+                fs::remove_file(&dst)?;
+                return Ok(false);
+            }
+            // The new name is as durable as a written chunk would be.
+            File::open(dir)?.sync_all()?;
+            Ok(true)
+        };
+        match link() {
+            Ok(true) => {
+                p.shared_files.fetch_add(1, Ordering::Relaxed);
+                p.shared_bytes.fetch_add(size, Ordering::Relaxed);
+                Ok(true)
+            }
+            Ok(false) => Ok(false),
+            Err(e) => {
+                tracing::debug!(parent = %src.display(), error = %e, "not shared with the parent; written instead");
+                // The link this made, if any, goes, so that the chunk can be written.
+                if linked {
+                    fs::remove_file(&dst)?;
+                }
+                Ok(false)
+            }
         }
-        // The new name is as durable as a written chunk would be.
-        File::open(dir)?.sync_all()?;
-        p.shared_files.fetch_add(1, Ordering::Relaxed);
-        p.shared_bytes.fetch_add(size, Ordering::Relaxed);
-        Ok(true)
     }
 
     fn location(&self) -> &Path {

@@ -453,7 +453,7 @@ impl DeviceEngine for AgentEngine {
             .name("hiber-agent-load".into())
             .spawn(move || loader.run())
             .map_err(|e| fail(format!("starting the device memory loader: {e}"), None))?;
-        Ok(Box::new(AgentRestore { section, loading: Some(loading), stop }))
+        Ok(Box::new(AgentRestore { gpus: self.gpus.clone(), section, loading: Some(loading), stop }))
     }
 }
 
@@ -628,26 +628,20 @@ impl AgentCheckpoint {
     /// page-locked staging area in host memory for the rest (while the application still
     /// runs: it takes about 0.07 s per GiB). Host memory too small is said, and what fits
     /// in neither is written before the release, as a stopping checkpoint does.
-    fn prepare_copies(&mut self, total: u64) {
+    fn prepare_copies(&mut self, total: u64, pids: &[i32]) {
         let mut room = HashMap::new();
         for d in 0..self.gpus.cuda.device_count().unwrap_or(0) {
             room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
         }
-        // Each process's memory is on its own GPUs, which hiber does not know before the
-        // quiesce: the room of all GPUs together is what is counted here. Chunks are placed
-        // whole, so each GPU's copy may leave up to a chunk unused: the staging area has a
-        // chunk more per GPU, and is a whole number of chunks.
-        let gpus = room.len() as u64;
-        let need = match total.saturating_sub(room.values().sum()) {
-            0 => 0,
-            n => (n + gpus * device::CHUNK).next_multiple_of(device::CHUNK),
-        };
+        let need = host_need(total, &room, self.held_by_gpu(pids).as_ref());
         *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
         if need == 0 {
             return;
         }
         let budget = match crate::sys::host_memory() {
-            Ok((available, all)) => available.saturating_sub((all / 10).max(HOST_RESERVE_MIN)),
+            Ok((available, all)) => available
+                .saturating_sub((all / 10).max(HOST_RESERVE_MIN))
+                .min(crate::sys::cgroup_memory_left().unwrap_or(u64::MAX).saturating_sub(HOST_RESERVE_MIN)),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the host's free memory; device memory without room on the GPU is written before the job resumes");
                 0
@@ -655,7 +649,7 @@ impl AgentCheckpoint {
         };
         // `HIBER_HOST_STAGING_MIB` caps the staging area (0: none), for a host whose memory
         // is meant for other things.
-        let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib << 20);
+        let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib.saturating_mul(1 << 20));
         let len = need.min(budget / device::CHUNK * device::CHUNK).min(cap);
         if len < need && cap == u64::MAX {
             tracing::warn!(
@@ -679,6 +673,56 @@ impl AgentCheckpoint {
     }
 }
 
+impl AgentCheckpoint {
+    /// Device memory the processes `pids` hold on each GPU (by CUDA ordinal), as NVML
+    /// accounts it; `None` where NVML cannot say.
+    fn held_by_gpu(&self, pids: &[i32]) -> Option<HashMap<i32, u64>> {
+        let nvml = ffi::Nvml::load()?;
+        let gpus = nvml.gpus();
+        let mut out = HashMap::new();
+        for d in 0..self.gpus.cuda.device_count().ok()? {
+            let uuid = self.gpus.uuid(d).ok()?;
+            let g = gpus.iter().find(|g| g.uuid == uuid)?;
+            // NVML answers u64::MAX where it cannot account a process's memory.
+            let held: u64 = g.processes.iter().filter(|(pid, _)| pids.contains(&(*pid as i32))).map(|(_, bytes)| *bytes).filter(|&b| b != u64::MAX).sum();
+            out.insert(d, held);
+        }
+        out.values().any(|&b| b > 0).then_some(out)
+    }
+
+    /// Takes the staging area down with a context current (the driver unregisters host
+    /// memory in one), before the memory goes.
+    fn drop_staging(&mut self) {
+        if let Some(s) = self.staging.take() {
+            let _ = self.gpus.enter(0);
+            drop(s);
+        }
+    }
+}
+
+impl Drop for AgentCheckpoint {
+    fn drop(&mut self) {
+        self.drop_staging();
+    }
+}
+
+/// Bytes of host staging a `--leave-running` checkpoint needs, in whole chunks: on each GPU,
+/// what the job holds there beyond the GPU's `room` for hiber's copies, plus a chunk (chunks
+/// are placed whole, so a GPU's copy may leave up to one unused). `held` is what the job's
+/// processes hold on each GPU; without it, the job's `total` is set against the GPU with
+/// the most room (more than needed when the job spans GPUs, never less).
+fn host_need(total: u64, room: &HashMap<i32, u64>, held: Option<&HashMap<i32, u64>>) -> u64 {
+    let over = |bytes: u64, room: u64| match bytes.saturating_sub(room) {
+        0 => 0,
+        n => n + device::CHUNK,
+    };
+    let need = match held {
+        Some(held) => held.iter().map(|(d, &bytes)| over(bytes, room.get(d).copied().unwrap_or(0))).sum(),
+        None => over(total, room.values().copied().max().unwrap_or(0)),
+    };
+    need.next_multiple_of(device::CHUNK)
+}
+
 impl CheckpointSession for AgentCheckpoint {
     fn pids(&self) -> &[i32] {
         &self.pids
@@ -692,7 +736,8 @@ impl CheckpointSession for AgentCheckpoint {
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
         // Copies let the application run again before the data reaches the disk.
         if self.opts.leave_running {
-            self.prepare_copies(busy.iter().map(|t| t.status.tracked_bytes).sum());
+            let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
+            self.prepare_copies(busy.iter().map(|t| t.status.tracked_bytes).sum(), &pids);
         }
         let staging_seconds = staging_start.elapsed().as_secs_f64();
         let start = Instant::now();
@@ -777,7 +822,12 @@ impl CheckpointSession for AgentCheckpoint {
         for t in &self.targets {
             if !crate::proctree::exists(t.pid) {
                 // It died during the checkpoint: nothing to hand back to, nothing to undo.
+                // Its copies are still written: the image holds the memory it had.
                 self.held.remove(&t.pid);
+                if let Some(c) = self.copies.remove(&t.pid) {
+                    self.pending.chunks.extend(c.chunks);
+                    self.pending.arenas.extend(c.arenas);
+                }
                 continue;
             }
             let r = match self.held.remove(&t.pid) {
@@ -820,7 +870,7 @@ impl CheckpointSession for AgentCheckpoint {
         }
         // The copies go as soon as they are on disk: GPU and host memory back to the job.
         drop(pending);
-        self.staging = None;
+        self.drop_staging();
         Ok(written)
     }
 }
@@ -876,6 +926,7 @@ impl Loader {
 /// The agent's share of one restore, checked against this machine's GPUs: its device
 /// memory loads from the moment the restore opens, beside CRIU.
 struct AgentRestore {
+    gpus: Arc<Gpus>,
     section: Section,
     loading: Option<Loading>,
     stop: Arc<AtomicBool>,
@@ -908,7 +959,7 @@ impl RestoreSession for AgentRestore {
             let mems = loaded.remove(&p.ns_pid).unwrap_or_default();
             let conn = connect(now.pid, &name)?;
             for (id, m) in &mems {
-                let fd = m.export_fd().map_err(|e| fail(format!("exporting device memory: {e}"), None))?;
+                let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
                 conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
             }
             conn.call::<Reply>(&Request::Resume, None)?;
@@ -982,6 +1033,24 @@ mod tests {
         assert!(shared_state(&Status { ipc_imports: 2, ..Status::default() }).unwrap().contains("cuIpcOpenMemHandle"));
         assert!(shared_state(&Status { shared_imports: 1, ..Status::default() }).unwrap().contains("cuMemImportFromShareableHandle"));
         assert_eq!(shared_state(&Status { peer_access: 1, ..Status::default() }), None, "peer access within one process is its own state");
+    }
+
+    #[test]
+    fn host_staging_is_sized_per_gpu() {
+        const G: u64 = 1 << 30;
+        let c = device::CHUNK;
+        let room: HashMap<i32, u64> = [(0, 30 * G), (1, 70 * G)].into();
+        // Everything fits: nothing staged.
+        assert_eq!(host_need(20 * G, &room, Some(&[(0, 20 * G)].into())), 0);
+        // The job fills GPU 0; GPU 1's room does not help it.
+        assert_eq!(host_need(47 * G, &room, Some(&[(0, 47 * G), (1, 0)].into())), 17 * G + c);
+        // Both GPUs over.
+        assert_eq!(host_need(180 * G, &room, Some(&[(0, 90 * G), (1, 90 * G)].into())), 60 * G + 20 * G + 2 * c);
+        // Unknown placement: against the roomiest GPU, in whole chunks.
+        assert_eq!(host_need(71 * G, &room, None), G + c);
+        assert_eq!(host_need(70 * G, &room, None), 0);
+        assert_eq!(host_need(G, &HashMap::new(), None), G + c);
+        assert_eq!(host_need(G + 5, &HashMap::new(), None) % c, 0);
     }
 
     #[test]

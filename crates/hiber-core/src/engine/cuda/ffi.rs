@@ -337,7 +337,11 @@ impl Drop for Staging {
     fn drop(&mut self) {
         // SAFETY: registered once in `CudaLib::staging`, unregistered once here, before the
         // mapping goes.
-        unsafe { (self.unregister)(self.mem.ptr_at(0).cast()) };
+        let r = unsafe { (self.unregister)(self.mem.ptr_at(0).cast()) };
+        if r != CUDA_SUCCESS {
+            // The mapping goes anyway; what stays locked is the driver's to reclaim at exit.
+            tracing::warn!(result = r, mib = self.mem.len() >> 20, "could not unregister the staging area");
+        }
     }
 }
 
