@@ -25,6 +25,12 @@ launches, small copies) and PyTorch training steps (train_big.py), each run to i
 a job N times with the agent and N times with `--no-agent`, interleaved. What is compared
 is each program's own timing (the median block or step time of a run, after warm-up).
 
+With --full DATA:RESERVE, counters that fill the GPU (DATA GiB changing, RESERVE GiB of
+zeroed pool); with --incremental STATIC:DATA, two --leave-running checkpoints of a job
+whose STATIC GiB never change, the second incremental (bytes written and time until durable
+against the first's); with --periodic GIB:BATCH:EVERY:STEPS, PyTorch training's throughput
+with a --leave-running checkpoint every EVERY steps against none.
+
     python3 bench/bench.py [--sizes 1,4,16,32] [--pytorch-gib 8] [--reps 3] [--tag NAME]
                            [--contenders hiber,stock] [--overhead-reps 0] [--overhead-pytorch-gib 8]
     python3 bench/bench.py --sizes '' --pytorch-gib 0 --overhead-reps 5 --tag overhead
@@ -35,6 +41,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +54,9 @@ from benchlib import (  # noqa: E402
     durable_rates,
     evaluate_targets,
     first_progress_after,
+    fmt,
     full_gpu_targets,
+    incremental_targets,
     merge_overhead,
     merge_rows,
     overhead_table,
@@ -57,7 +66,9 @@ from benchlib import (  # noqa: E402
     run_median,
     summary,
     table,
+    periodic_targets,
     targets_table,
+    throughput,
     typical_gap_ms,
 )
 
@@ -295,6 +306,103 @@ def one_sample(contender, w, rep, cold=True):
         shutil.rmtree(STATE, ignore_errors=True)
 
 
+def incremental_sample(static_gib, data_gib):
+    """Two --leave-running checkpoints of one job whose STATIC GiB never change (a model's
+    weights) while its DATA GiB change every step; the second image takes the first as its
+    parent (hiber's default for a job's next checkpoint). Then the second image restores
+    from page cache, with the first removed, until the job makes progress."""
+    argv = [BUILD / "counter", "--mib", str(data_gib * 1024), "--static-mib", str(static_gib * 1024), "--steps", "1000000000", "--interval-ms", "10"]
+    h = Hiber()
+    imgs = [WORK / "inc1", WORK / "inc2"]
+    for i in imgs:
+        shutil.rmtree(i, ignore_errors=True)
+    h.start(Workload("inc", argv, 20))
+    try:
+        wait_for("the job to make progress", 300, lambda: (parse_progress(h.log()) or [(-1, 0)])[-1][0] >= 20)
+        out, times = [], []
+        for img in imgs:
+            t0 = now_ms()
+            r, rss = run_rss([HIBER, "checkpoint", "bw", "--leave-running", "--out", img, "--json"])
+            t1 = now_ms()
+            out.append((json.loads(r), rss))
+            times.append((t0, t1))
+            wait_for("progress after the checkpoint", 120, lambda: first_progress_after(parse_progress(h.log()), t1))
+            at = parse_progress(h.log())[-1].step
+            wait_for("20 more steps", 120, lambda: parse_progress(h.log())[-1].step >= at + 20)
+        prog = parse_progress(h.log())
+        (r1, rss1), (r2, rss2) = out
+        sample = {
+            "first_gib": r1["image_bytes"] / (1 << 30),
+            "first_durable_s": (times[0][1] - times[0][0]) / 1000,
+            "first_downtime_s": downtime_ms(prog, *times[0]) / 1000,
+            "second_written_gib": (r2["image_bytes"] - r2["shared_bytes"]) / (1 << 30),
+            "second_shared_gib": r2["shared_bytes"] / (1 << 30),
+            "second_durable_s": (times[1][1] - times[1][0]) / 1000,
+            "second_downtime_s": downtime_ms(prog, *times[1]) / 1000,
+            "ckpt_maxrss_gib": max(rss1, rss2) / (1 << 30),
+        }
+        h.kill()
+        shutil.rmtree(imgs[0])
+        t2 = now_ms()
+        h.restore(imgs[1], "inc-copy")
+        wait_for("progress after the restore", 300, lambda: first_progress_after(parse_progress(h.log("inc-copy")), t2))
+        sample["second_restore_warm_s"] = (first_progress_after(parse_progress(h.log("inc-copy")), t2) - t2) / 1000
+        h.kill("inc-copy")
+        return sample
+    finally:
+        for job in ("bw", "inc-copy"):
+            try:
+                h.kill(job)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for i in imgs:
+            shutil.rmtree(i, ignore_errors=True)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+def periodic_sample(gib, batch, every, steps, with_checkpoints):
+    """PyTorch training (train_big.py, GIB GiB of weights and optimizer state, BATCH rows per
+    step) run for STEPS steps as a job, with `hiber checkpoint --leave-running` every EVERY
+    steps or without; returns its throughput (steps per second after 20 steps of warm-up,
+    by its own clock), the median step time without the sleep, the checkpoints' count and
+    median time. Each checkpoint's image replaces the one before (a job's next checkpoint
+    takes its latest image as parent, then that one is removed)."""
+    argv = ["python3", REPO / "bench/programs/train_big.py", "--gib", str(gib), "--batch", str(batch), "--steps", str(steps), "--interval-ms", "0"]
+    hiber_run(True, "pd", argv)
+    d = STATE / "jobs" / "pd"
+    log = lambda: (d / "stdout.log").read_text() if (d / "stdout.log").exists() else ""  # noqa: E731
+    took, kept, n = [], None, 0
+    try:
+        next_at = every
+        while not (d / "exit.json").exists():
+            prog = parse_progress(log())
+            if with_checkpoints and prog and prog[-1].step >= next_at and prog[-1].step < steps - 1:
+                img = WORK / f"per{n}"
+                t = time.time()
+                run([HIBER, "checkpoint", "pd", "--leave-running", "--out", img])
+                took.append(time.time() - t)
+                n += 1
+                if kept is not None:
+                    shutil.rmtree(kept, ignore_errors=True)
+                kept = img
+                # The next one is due EVERY steps after this one was taken.
+                next_at = parse_progress(log())[-1].step + every
+            time.sleep(0.05)
+        text = log()
+        if "done" not in text.splitlines():
+            raise RuntimeError(f"train_big ended without `done`: {(d / 'exit.json').read_text().strip()} {text[-300:]}")
+        prog = parse_progress(text)
+        return {"steps_per_s": throughput(prog, 20), "step_ms": run_median(parse_timings(text, "step", "step_ms"), 20), "checkpoints": n,
+                "checkpoint_s": statistics.median(took) if took else None}
+    finally:
+        try:
+            run([HIBER, "rm", "-f", "pd"])
+        except RuntimeError:
+            pass
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)
+
+
 class OverheadBenchmark:
     """A program run to its end as a hiber job; `figure` turns its log into one number."""
 
@@ -396,6 +504,17 @@ def machine():
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": os.environ.get("HIBER_COMMIT", "unknown"), "disk": df, "cpus": os.cpu_count()}
 
 
+def merge_entries(runs, key):
+    """Entries of `key` ("incremental", "periodic") of several runs, merged by workload."""
+    out = {}
+    for r in runs:
+        for e in r.get(key, []):
+            m = out.setdefault(e["workload"], {k: v for k, v in e.items() if k not in ("samples", "details")} | {"samples": {}})
+            for k, v in e["samples"].items():
+                m["samples"].setdefault(k, []).extend(v)
+    return list(out.values())
+
+
 def report(paths):
     runs = [json.loads(Path(p).read_text()) for p in paths]
     rows = merge_rows(runs)
@@ -434,6 +553,31 @@ def report(paths):
     lines.append("")
     lines.append(targets_table(evaluate_targets(runs)))
     lines.append("")
+    inc = merge_entries(runs, "incremental")
+    if inc:
+        lines.append("Incremental images: two `--leave-running` checkpoints of one job, the second with the first as parent")
+        lines.append("(medians, min–max):")
+        lines.append("")
+        keys = ["first_gib", "first_durable_s", "first_downtime_s", "second_written_gib", "second_shared_gib", "second_durable_s", "second_downtime_s",
+                "second_restore_warm_s", "ckpt_maxrss_gib"]
+        lines.append("| workload | " + " | ".join(keys) + " |")
+        lines.append("|---|" + "---|" * len(keys))
+        for e in inc:
+            lines.append(f"| {e['workload']} | " + " | ".join(fmt(summary(e["samples"].get(k, [])), "") for k in keys) + " |")
+        lines.append("")
+        lines.append(targets_table(incremental_targets(inc)))
+        lines.append("")
+    per = merge_entries(runs, "periodic")
+    if per:
+        lines.append("Training with a `--leave-running` checkpoint every N steps, against none (steps per second after warm-up):")
+        lines.append("")
+        lines.append("| workload | every | without | with |")
+        lines.append("|---|---|---|---|")
+        for e in per:
+            lines.append(f"| {e['workload']} | {e['every']} | {fmt(summary(e['samples']['without']), '')} | {fmt(summary(e['samples']['with']), '')} |")
+        lines.append("")
+        lines.append(targets_table(periodic_targets(per)))
+        lines.append("")
     full = full_gpu_targets(runs)
     if full:
         lines.append("Targets on a full GPU:")
@@ -456,6 +600,8 @@ def main():
     ap.add_argument("--sizes", default="1,4,16,32")
     ap.add_argument("--full", default="", help="DATA:RESERVE GiB pairs, comma-separated: counters that fill the GPU (e.g. 47:21 on an H100)")
     ap.add_argument("--no-cold", action="store_true", help="restore from page cache only (saves a disk-bound restore per sample)")
+    ap.add_argument("--incremental", default="", help="STATIC:DATA GiB: two checkpoints of a job whose STATIC GiB never change (reps samples)")
+    ap.add_argument("--periodic", default="", help="GIB:BATCH:EVERY:STEPS: PyTorch throughput with a checkpoint every EVERY steps, against none (reps pairs)")
     ap.add_argument("--pytorch-gib", type=int, default=8, help="0 to skip")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tag", default="run")
@@ -483,7 +629,7 @@ def main():
     run(["gcc", "-O2", "-I", cuda_inc, REPO / "bench/stock/cuda_ckpt.c", "-o", BUILD / "cuda_ckpt", "-ldl"])
     if a.overhead_reps:
         run(["nvcc", "-O2", "-o", BUILD / "microbench", REPO / "bench/programs/microbench.cu"])
-    result = {"machine": machine(), "ceilings": ceilings(), "rows": [], "overhead": [], "errors": []}
+    result = {"machine": machine(), "ceilings": ceilings(), "rows": [], "overhead": [], "incremental": [], "periodic": [], "errors": []}
     print(json.dumps(result["machine"]), json.dumps(result["ceilings"]), flush=True)
 
     def save():
@@ -491,6 +637,38 @@ def main():
 
     if a.overhead_reps:
         measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save)
+    if a.incremental:
+        static, data = map(int, a.incremental.split(":"))
+        entry = {"workload": f"{static} GiB unchanged, {data} GiB changing", "samples": {}}
+        result["incremental"].append(entry)
+        for rep in range(a.reps):
+            try:
+                s = incremental_sample(static, data)
+            except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
+                result["errors"].append({"workload": entry["workload"], "contender": "hiber", "rep": rep, "error": str(e)[-800:]})
+                print(f"[error] {entry['workload']} rep {rep}: {e}", flush=True)
+                continue
+            for k, v in s.items():
+                entry["samples"].setdefault(k, []).append(round(v, 3))
+            print(f"{entry['workload']} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
+            save()
+    if a.periodic:
+        gib, batch, every, steps = map(int, a.periodic.split(":"))
+        entry = {"workload": f"PyTorch {gib} GiB, batch {batch}", "every": every, "steps": steps, "samples": {"with": [], "without": []}, "details": []}
+        result["periodic"].append(entry)
+        for rep in range(a.reps):
+            for with_ in ((False, True) if rep % 2 == 0 else (True, False)):
+                side = "with" if with_ else "without"
+                try:
+                    s = periodic_sample(gib, batch, every, steps, with_)
+                except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
+                    result["errors"].append({"workload": entry["workload"], "contender": side, "rep": rep, "error": str(e)[-800:]})
+                    print(f"[error] {entry['workload']} {side} rep {rep}: {e}", flush=True)
+                    continue
+                entry["samples"][side].append(round(s["steps_per_s"], 4))
+                entry["details"].append(dict(s, side=side, rep=rep))
+                print(f"{entry['workload']} {side} checkpoints rep {rep}: {s}", flush=True)
+                save()
     full = [tuple(map(int, f.split(":"))) for f in a.full.split(",") if f]
     workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + [counter(d, r) for d, r in full] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
     for w in workloads:

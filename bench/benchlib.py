@@ -305,3 +305,38 @@ def targets_table(targets):
     lines = ["| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {t} | {m} | {v} |" for t, m, v in targets]
     return "\n".join(lines)
+
+
+def throughput(progress, warmup):
+    """Steps per second from step `warmup` to the last step, by the workload's own clock."""
+    after = [p for p in progress if p.step >= warmup]
+    if len(after) < 2 or after[-1].t_ms == after[0].t_ms:
+        return None
+    return (after[-1].step - after[0].step) / ((after[-1].t_ms - after[0].t_ms) / 1000)
+
+
+def incremental_targets(entries):
+    """The issue's targets for a second checkpoint of a job whose weights did not change:
+    bytes written ≤ 5% of the first checkpoint's, time until durable ≤ 30% of the first's
+    (medians over the samples of each entry)."""
+    out = []
+    for e in entries:
+        s = e["samples"]
+        written = summary([w / f if f else None for w, f in zip(s.get("second_written_gib", []), s.get("first_gib", []))])
+        durable = summary([b / a if a else None for b, a in zip(s.get("second_durable_s", []), s.get("first_durable_s", []))])
+        out.append(_verdict(f"{e['workload']}: second checkpoint writes ≤ 5% of the first's bytes", written and written["median"], lambda v: v <= 0.05,
+                            lambda: f"{written['median'] * 100:.1f}%"))
+        out.append(_verdict(f"{e['workload']}: second checkpoint durable in ≤ 30% of the first's time", durable and durable["median"], lambda v: v <= 0.30,
+                            lambda: f"{durable['median'] * 100:.1f}%"))
+    return out
+
+
+def periodic_targets(entries):
+    """The issue's target for training checkpointed every N steps: throughput falls ≤ 2%."""
+    out = []
+    for e in entries:
+        base, ck = summary(e["samples"].get("without", [])), summary(e["samples"].get("with", []))
+        fall = 1 - ck["median"] / base["median"] if base and ck else None
+        out.append(_verdict(f"{e['workload']}: throughput falls ≤ 2% with a checkpoint every {e['every']} steps", fall, lambda v: v <= 0.02,
+                            lambda: f"{fall * 100:+.2f}% ({ck['median']:.3f} against {base['median']:.3f} steps/s)"))
+    return out

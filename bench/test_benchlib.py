@@ -9,6 +9,9 @@ from benchlib import (
     downtime_ms,
     evaluate_targets,
     full_gpu_targets,
+    incremental_targets,
+    periodic_targets,
+    throughput,
     first_progress_after,
     merge_overhead,
     merge_rows,
@@ -223,6 +226,25 @@ class Targets(unittest.TestCase):
         self.assertEqual(got[1], ("47 GiB: hiber restore from page cache until progress ≤ 3 s", "3.50 s", "NOT met"))
         self.assertEqual(got[2][2], "met")
         self.assertIn("50.0x", got[2][1])
+
+    def test_throughput_is_steps_per_second_after_warmup(self):
+        p = [Progress(i, 0, 1000 + 100 * i) for i in range(11)]
+        self.assertAlmostEqual(throughput(p, 5), 10.0)
+        self.assertIsNone(throughput(p, 10))
+        self.assertIsNone(throughput([], 0))
+
+    def test_incremental_and_periodic_targets(self):
+        inc = [{"workload": "40 GiB static, 1 GiB changing", "samples": {"first_gib": [42.0, 42.0], "second_written_gib": [1.5, 1.7],
+                                                                         "first_durable_s": [30.0, 32.0], "second_durable_s": [4.0, 12.0]}}]
+        got = incremental_targets(inc)
+        self.assertEqual(got[0], ("40 GiB static, 1 GiB changing: second checkpoint writes ≤ 5% of the first's bytes", "3.8%", "met"))
+        self.assertEqual(got[1][2], "met")
+        self.assertEqual(got[1][1], "25.4%")
+        self.assertEqual(incremental_targets([{"workload": "w", "samples": {}}])[0][2], "not measured")
+        per = [{"workload": "PyTorch 8 GiB", "every": 100, "samples": {"without": [5.0, 5.1], "with": [4.8, 4.9]}}]
+        got = periodic_targets(per)
+        self.assertEqual(got[0][2], "NOT met")
+        self.assertIn("+3.96%", got[0][1])
 
     def test_nothing_measured(self):
         got = evaluate_targets([run_with()])

@@ -14,6 +14,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--gib", type=float, default=8.0)
 p.add_argument("--interval-ms", type=int, default=10)
 p.add_argument("--steps", type=int, default=0, help="0: run until killed")
+p.add_argument("--batch", type=int, default=64, help="rows per step: sets the step's compute")
 args = p.parse_args()
 torch.manual_seed(0)
 width = 8192
@@ -21,7 +22,7 @@ width = 8192
 layers = max(1, round(args.gib * (1 << 30) / 16 / (width * width)))
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-x = torch.randn(64, width, device="cuda")
+x = torch.randn(args.batch, width, device="cuda")
 print(f"start train_big layers {layers} params {sum(p.numel() for p in model.parameters())} pid {os.getpid()}", flush=True)
 step = 0
 while not args.steps or step < args.steps:

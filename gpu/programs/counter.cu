@@ -7,6 +7,7 @@
 //
 //   counter [--mib N] [--steps S] [--interval-ms I] [--fork] [--spin-at STEP --spin-ms MS]
 //           [--reserve-mib R]  (R MiB more, zeroed and never touched: an allocator's pool)
+//           [--static-mib W]   (W MiB more, written once and never changed: a model's weights)
 //   counter --hog-free-mib N    (holds all but N MiB of device memory until killed)
 #include <cstdio>
 #include <cstdlib>
@@ -57,7 +58,7 @@ static unsigned long long now_ms() {
     return (unsigned long long)ts.tv_sec * 1000ULL + ts.tv_nsec / 1000000ULL;
 }
 
-static uint64_t reserve_mib = 0;
+static uint64_t reserve_mib = 0, static_mib = 0;
 
 static int run(const char *who, uint64_t mib, uint64_t steps, unsigned interval_ms, uint64_t seed, long spin_at, long spin_ms) {
     uint64_t n = mib * 1024 * 1024 / 8, sample_n = 8192;
@@ -68,6 +69,11 @@ static int run(const char *who, uint64_t mib, uint64_t steps, unsigned interval_
         void *pool;
         CHECK(cudaMalloc(&pool, reserve_mib << 20));
         CHECK(cudaMemset(pool, 0, reserve_mib << 20));
+    }
+    if (static_mib) {
+        uint64_t *weights;
+        CHECK(cudaMalloc(&weights, static_mib << 20));
+        k_init<<<1024, 256>>>(weights, (static_mib << 20) / 8, seed ^ 0x5eed);
     }
     k_init<<<1024, 256>>>(buf, n, seed);
     CHECK(cudaDeviceSynchronize());
@@ -113,6 +119,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--hog-free-mib") && i + 1 < argc) hog_free = atol(argv[++i]);
         else if (!strcmp(argv[i], "--device") && i + 1 < argc) device = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reserve-mib") && i + 1 < argc) reserve_mib = strtoull(argv[++i], 0, 10);
+        else if (!strcmp(argv[i], "--static-mib") && i + 1 < argc) static_mib = strtoull(argv[++i], 0, 10);
         else { fprintf(stderr, "unknown argument %s\n", argv[i]); return 2; }
     }
     // --device picks the GPU (default 0) before any other CUDA call; with --fork, each
