@@ -181,6 +181,28 @@ fn output_directory_that_exists() {
     still_progressing(&h, "ex");
 }
 
+#[test]
+fn a_parent_that_is_no_image_is_refused_before_anything_stops() {
+    let _mounts = shared();
+    let h = Hiber::new("badparent");
+    h.start("bp", &["cpu", "--steps", "400", "--mem-mib", "8"]);
+    h.wait_step("bp", 3);
+    let junk = h.scratch.join("junk");
+    std::fs::create_dir(&junk).unwrap();
+    let out = h.scratch.join("img");
+    for parent in [junk.to_str().unwrap(), "no-such-image"] {
+        let f = h.fails(&["checkpoint", "bp", "--out", out.to_str().unwrap(), "--parent", parent]);
+        assert!(f.stderr.contains("the parent image cannot be used"), "{}", f.stderr);
+        assert!(f.stderr.contains("--no-parent"), "the hint names the way out: {}", f.stderr);
+        assert!(!out.exists(), "no image");
+        still_progressing(&h, "bp");
+    }
+    // --parent and --no-parent contradict each other.
+    let o = h.output(&["checkpoint", "bp", "--parent", "x", "--no-parent"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("cannot be used with"));
+    still_progressing(&h, "bp");
+}
+
 struct Tmpfs(std::path::PathBuf);
 
 impl Tmpfs {
