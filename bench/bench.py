@@ -162,10 +162,11 @@ def hiber_run(agent, job, argv):
 
 
 class Hiber:
-    def __init__(self, agent=True, stopping=False):
+    def __init__(self, agent=True, stopping=False, compress=False):
         self.agent = agent
         self.stopping = stopping
-        self.name = ("hiber" if agent else "hiber-no-agent") + ("-stop" if stopping else "")
+        self.compress = compress
+        self.name = ("hiber" if agent else "hiber-no-agent") + ("-stop" if stopping else "") + ("-zstd" if compress else "")
 
     def start(self, w):
         hiber_run(self.agent, "bw", w.argv)
@@ -178,7 +179,7 @@ class Hiber:
             return ""
 
     def checkpoint(self, pid, img):
-        _, rss = run_rss([HIBER, "checkpoint", "bw"] + ([] if self.stopping else ["--leave-running"]) + ["--out", img])
+        _, rss = run_rss([HIBER, "checkpoint", "bw"] + ([] if self.stopping else ["--leave-running"]) + (["--compress"] if self.compress else []) + ["--out", img])
         return rss  # hiber returns once the image is fsync'd and renamed into place
 
     def kill(self, job="bw"):
@@ -237,7 +238,7 @@ class Stock:
         return None
 
 
-CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "hiber-stop": lambda: Hiber(stopping=True), "stock": Stock}
+CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hiber(agent=False), "hiber-stop": lambda: Hiber(stopping=True), "hiber-zstd": lambda: Hiber(compress=True), "stock": Stock}
 
 
 def agent_figures(img):

@@ -447,3 +447,30 @@ fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
     let last = h.progress("wt4");
     assert_continues(&want, &last, last[0].0);
 }
+
+/// `--compress`: the device data that compresses is stored as zstd frames (and the image
+/// says so), what does not is stored as it is, and the program restores and goes on
+/// identically.
+#[test]
+fn compressed_chunks_restore_identically() {
+    let h = Hiber::new("ocl-zstd");
+    let bin = program(&h, "weights");
+    let args = ["200", "64", "0", "10", "small"];
+    let want = reference(&bin, &args);
+    start(&h, "wz", &bin, &args);
+    h.wait_step("wz", 20);
+    let image = h.images_dir().join("wz").display().to_string();
+    let r: serde_json::Value = serde_json::from_str(&h.ok(&["checkpoint", "wz", "--out", &image, "--compress=3", "--json"])).unwrap();
+    let at = h.last_step("wz").unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(PathBuf::from(&image).join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["format"]["minor"], 2, "compressed images are format 1.2");
+    let zstd: Vec<&serde_json::Value> = m["files"].as_array().unwrap().iter().filter(|f| f["encoding"] == "zstd").collect();
+    assert!(!zstd.is_empty(), "the weights' chunks are compressed: {r}");
+    let stored: u64 = zstd.iter().map(|f| f["size"].as_u64().unwrap()).sum();
+    assert!(stored < (64 << 20) / 4, "64 MiB of small integers stored in {stored} bytes");
+    let inspect = h.ok(&["inspect", &image]);
+    assert!(inspect.contains("device data chunks with zstd"), "{inspect}");
+    restore(&h, &image, "wz2", &[]);
+    h.assert_verified("wz2", Duration::from_secs(120));
+    assert_continues(&want, &h.progress("wz2"), at + 1);
+}

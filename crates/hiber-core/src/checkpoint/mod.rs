@@ -105,6 +105,8 @@ pub struct CheckpointRequest {
     pub leave_running: bool,
     /// An earlier image whose device data this one shares where it has not changed.
     pub parent: Option<PathBuf>,
+    /// zstd level for device data chunks; `None` stores them as they are.
+    pub compress: Option<i32>,
 }
 
 #[derive(Debug, Clone)]

@@ -44,6 +44,9 @@ impl<'a> Checkpoint<'a> {
         check_space(&req.dest, &tree)?;
         super::preflight::refuse_missing_tools(&ctx.criu, req.pid)?;
         let mut sink = ImageWriter::create(&req.dest)?;
+        if let Some(level) = req.compress {
+            sink.compress(level);
+        }
         if let Some(parent) = &req.parent {
             sink.share_with(parent).map_err(|source| CheckpointError::Parent { path: parent.clone(), source })?;
         }

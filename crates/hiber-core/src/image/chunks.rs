@@ -44,43 +44,66 @@ fn zero_hash(len: usize) -> String {
 /// inference server reserves up front) becomes a sparse file of the same length: it reads
 /// back as the same zeros under the same checksum, and takes no disk space or write time.
 ///
-/// A chunk the parent image of an incremental checkpoint already holds is shared with it
-/// ([`ImageSink::reuse`]), not written.
+/// With the sink's compression on, a chunk is stored as one zstd frame when that is
+/// shorter than the data, and as it is otherwise: so a chunk file shorter than its data is
+/// compressed, whether or not a manifest says so (`hiber recover` reads partial images).
+///
+/// A chunk the parent image of an incremental checkpoint already holds (the same stored
+/// bytes) is shared with it ([`ImageSink::reuse`]), not written.
 pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, String> {
     let io = |e: std::io::Error| format!("{rel}: {e}");
-    let size = data.len() as u64;
     if is_zero(data) {
         let f = sink.create_file(rel).map_err(io)?;
-        f.set_len(size).map_err(io)?;
+        f.set_len(data.len() as u64).map_err(io)?;
         f.sync_all().map_err(io)?;
-        return Ok(FileEntry { path: rel.to_string(), size, blake3: zero_hash(data.len()) });
+        return Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3: zero_hash(data.len()), encoding: None });
     }
-    let blake3 = blake3::hash(data).to_hex().to_string();
+    let compressed = match sink.compression() {
+        Some(level) => Some(zstd::bulk::compress(data, level).map_err(io)?).filter(|c| c.len() < data.len()),
+        None => None,
+    };
+    let stored = compressed.as_deref().unwrap_or(data);
+    let size = stored.len() as u64;
+    let blake3 = blake3::hash(stored).to_hex().to_string();
     if !sink.reuse(rel, &blake3, size).map_err(io)? {
         let mut f = sink.create_file(rel).map_err(io)?;
-        f.write_all(data).map_err(io)?;
+        f.write_all(stored).map_err(io)?;
         f.sync_all().map_err(io)?;
     }
-    Ok(FileEntry { path: rel.to_string(), size, blake3 })
+    Ok(FileEntry { path: rel.to_string(), size, blake3, encoding: compressed.map(|_| "zstd".to_string()) })
 }
 
-/// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking it
+/// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking the file
 /// against its manifest checksum (`sums` is `None` only when recovering from a partial
-/// image, which has no manifest yet: then only the size is checked).
+/// image, which has no manifest yet: then only the length is checked). A file shorter than
+/// `buf` is a zstd frame, which must decompress to exactly `buf`'s length.
 pub fn read(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String, String>>) -> Result<(), String> {
     let path = dir.join(rel);
     let io = |e: std::io::Error| format!("{}: {e}", path.display());
     let mut f = File::open(&path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
-    if len != buf.len() as u64 {
-        return Err(format!("{} has {len} bytes, expected {}", path.display(), buf.len()));
-    }
-    f.read_exact(buf).map_err(io)?;
-    if let Some(sums) = sums {
-        let want = sums.get(rel).ok_or_else(|| format!("{rel} is not in the manifest"))?;
-        if blake3::hash(buf).to_hex().as_str() != want {
-            return Err(format!("{} does not match its checksum", path.display()));
+    let check = |stored: &[u8]| -> Result<(), String> {
+        if let Some(sums) = sums {
+            let want = sums.get(rel).ok_or_else(|| format!("{rel} is not in the manifest"))?;
+            if blake3::hash(stored).to_hex().as_str() != want {
+                return Err(format!("{} does not match its checksum", path.display()));
+            }
         }
+        Ok(())
+    };
+    if len == buf.len() as u64 {
+        f.read_exact(buf).map_err(io)?;
+        return check(buf);
+    }
+    if len > buf.len() as u64 {
+        return Err(format!("{} has {len} bytes, expected {} at most", path.display(), buf.len()));
+    }
+    let mut stored = Vec::with_capacity(len as usize);
+    f.read_to_end(&mut stored).map_err(io)?;
+    check(&stored)?;
+    let n = zstd::bulk::decompress_to_buffer(&stored, buf).map_err(|e| format!("{}: not a zstd frame of its data: {e}", path.display()))?;
+    if n != buf.len() {
+        return Err(format!("{} holds {n} bytes, expected {}", path.display(), buf.len()));
     }
     Ok(())
 }

@@ -70,8 +70,14 @@ fn first_section_version() -> u32 {
 pub struct FileEntry {
     /// Relative to the image directory.
     pub path: String,
+    /// Of the file as stored.
     pub size: u64,
+    /// Of the file as stored.
     pub blake3: String,
+    /// How the file encodes its data, when not as is: "zstd" for a device data chunk
+    /// compressed into one zstd frame (always shorter than the data it holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -34,8 +34,12 @@ use std::path::{Path, PathBuf};
 
 pub const MAGIC: &str = "HIBER-IMAGE";
 /// 1.1: engine sections carry their own version; processes list the device files they
-/// hold instead of a flag for NVIDIA's. A 1.1 reader takes 1.0 images.
+/// hold instead of a flag for NVIDIA's. A 1.1 reader takes 1.0 images. Images are written
+/// as 1.1 unless they need [`FORMAT_COMPRESSED`].
 pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 1 };
+/// 1.2: device data chunks may be zstd frames (a file's `encoding`), which a 1.1 reader
+/// would take for truncated files. The newest format this hiber reads.
+pub const FORMAT_COMPRESSED: FormatVersion = FormatVersion { major: 1, minor: 2 };
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The hex blake3 of `manifest.json`, on one line.
 pub const MANIFEST_SUM_FILE: &str = "manifest.blake3";
@@ -52,7 +56,7 @@ pub enum ImageError {
     NotAnImage(PathBuf),
     #[error("{path}: manifest is corrupt: {reason}")]
     CorruptManifest { path: PathBuf, reason: String },
-    #[error("{path}: image format {found} is not supported (this hiber reads {}.0 to {})", FORMAT.major, FORMAT)]
+    #[error("{path}: image format {found} is not supported (this hiber reads {}.0 to {})", FORMAT_COMPRESSED.major, FORMAT_COMPRESSED)]
     UnsupportedFormat { path: PathBuf, found: FormatVersion },
     #[error("{0}: file listed in the manifest is missing")]
     MissingFile(PathBuf),
@@ -107,7 +111,7 @@ impl Image {
         if head.magic != MAGIC {
             return Err(ImageError::NotAnImage(dir.to_path_buf()));
         }
-        if head.format.major != FORMAT.major || head.format.minor > FORMAT.minor {
+        if head.format.major != FORMAT_COMPRESSED.major || head.format.minor > FORMAT_COMPRESSED.minor {
             return Err(ImageError::UnsupportedFormat { path: dir.to_path_buf(), found: head.format });
         }
         // The manifest says what every other file must be; it is checked first itself.

@@ -35,6 +35,11 @@ pub trait ImageSink: Send + Sync {
         Ok(false)
     }
 
+    /// The zstd level device data chunks are compressed at, if at all.
+    fn compression(&self) -> Option<i32> {
+        None
+    }
+
     /// Where the sink keeps what it was given, for messages and for `hiber recover`.
     fn location(&self) -> &Path;
 }

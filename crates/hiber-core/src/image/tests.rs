@@ -150,7 +150,7 @@ fn other_versions_and_foreign_directories_are_rejected() {
     let dest = write_image(&t.0);
     let mpath = dest.join(MANIFEST_FILE);
     let text = fs::read_to_string(&mpath).unwrap();
-    for (major, minor) in [(2, 0), (1, 2), (0, 9)] {
+    for (major, minor) in [(2, 0), (1, 3), (0, 9)] {
         let bumped = text.replacen("\"major\": 1", &format!("\"major\": {major}"), 1).replacen("\"minor\": 1", &format!("\"minor\": {minor}"), 1);
         fs::write(&mpath, bumped).unwrap();
         match Image::open(&dest) {
@@ -179,7 +179,7 @@ fn device_chunks_hashed_by_their_writer_are_trusted_for_commit_and_checked_on_re
     fs::create_dir_all(w.tmp_dir().join("agent/1")).unwrap();
     let chunk = vec![3u8; 4096];
     fs::write(w.tmp_dir().join("agent/1/1.00000"), &chunk).unwrap();
-    let known = FileEntry { path: "agent/1/1.00000".into(), size: 4096, blake3: blake3::hash(&chunk).to_hex().to_string() };
+    let known = FileEntry { path: "agent/1/1.00000".into(), size: 4096, blake3: blake3::hash(&chunk).to_hex().to_string(), encoding: None };
     w.commit(sample_manifest(), std::slice::from_ref(&known)).unwrap();
     let img = Image::open(&dest).unwrap();
     assert!(img.manifest.files.contains(&known));
@@ -204,7 +204,7 @@ fn a_known_entry_whose_file_changed_size_is_refused() {
     let dest = t.0.join("img");
     let mut w = ImageWriter::create(&dest).unwrap();
     fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
-    let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into() };
+    let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into(), encoding: None };
     assert!(matches!(w.commit(sample_manifest(), &[known]), Err(ImageError::SizeMismatch { .. })));
     assert!(!dest.exists());
 }
@@ -318,4 +318,55 @@ fn a_parent_chunk_changed_since_is_written_not_shared() {
     assert_eq!(fs::read(t.0.join("second/agent/1/1.00000")).unwrap(), vec![5u8; 4096]);
     assert_eq!(fs::read(first.join("agent/1/1.00000")).unwrap(), bytes, "the parent's file is left as it is");
     Image::open(&t.0.join("second")).unwrap().verify().unwrap();
+}
+
+#[test]
+fn compressed_chunks_read_back_and_need_format_1_2() {
+    let t = TempDir::new("zstd");
+    let dest = t.0.join("img");
+    let mut w = ImageWriter::create(&dest).unwrap();
+    w.compress(1);
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    // A pattern compresses; blake3's output stream does not.
+    let pattern: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let mut noise = vec![0u8; 300_000];
+    blake3::Hasher::new().finalize_xof().fill(&mut noise);
+    let a = chunks::write(&w, "agent/1/1.00000", &pattern).unwrap();
+    let b = chunks::write(&w, "agent/1/2.00000", &noise).unwrap();
+    assert_eq!(a.encoding.as_deref(), Some("zstd"));
+    assert!(a.size < pattern.len() as u64 / 10, "{} bytes stored", a.size);
+    assert_eq!((b.encoding.as_deref(), b.size), (None, noise.len() as u64), "stored as it is when zstd does not help");
+    // Read back before the commit (a partial image: no sums), then from the image.
+    let mut buf = vec![0u8; pattern.len()];
+    chunks::read(w.tmp_dir(), "agent/1/1.00000", &mut buf, None).unwrap();
+    assert_eq!(buf, pattern);
+    w.commit(sample_manifest(), &[a.clone(), b]).unwrap();
+    let img = Image::open(&dest).unwrap();
+    assert_eq!(img.manifest.format, FORMAT_COMPRESSED);
+    img.verify().unwrap();
+    let sums: std::collections::HashMap<String, String> = img.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect();
+    let mut buf = vec![0u8; pattern.len()];
+    chunks::read(&dest, "agent/1/1.00000", &mut buf, Some(&sums)).unwrap();
+    assert_eq!(buf, pattern);
+    let mut buf = vec![0u8; noise.len()];
+    chunks::read(&dest, "agent/1/2.00000", &mut buf, Some(&sums)).unwrap();
+    assert_eq!(buf, noise);
+    // The wrong length, or a damaged frame, is an error, not data.
+    let mut short = vec![0u8; pattern.len() - 1];
+    assert!(chunks::read(&dest, "agent/1/1.00000", &mut short, None).unwrap_err().contains("zstd"));
+    let path = dest.join("agent/1/1.00000");
+    let mut bytes = fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+    fs::write(&path, &bytes).unwrap();
+    let mut buf = vec![0u8; pattern.len()];
+    assert!(chunks::read(&dest, "agent/1/1.00000", &mut buf, Some(&sums)).unwrap_err().contains("checksum"));
+}
+
+#[test]
+fn uncompressed_images_stay_format_1_1() {
+    let t = TempDir::new("fmt11");
+    let (img, _) = write_chunked(&t.0.join("img"), &[("agent/1/1.00000", vec![9u8; 5000])], None);
+    assert_eq!(Image::open(&img).unwrap().manifest.format, FORMAT);
 }

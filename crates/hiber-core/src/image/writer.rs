@@ -30,6 +30,7 @@ pub struct ImageWriter {
     committed: bool,
     keep: bool,
     parent: Option<Parent>,
+    compression: Option<i32>,
 }
 
 impl ImageWriter {
@@ -55,7 +56,7 @@ impl ImageWriter {
         b.mode(0o700);
         b.create(&tmp).map_err(ImageError::io(&tmp, "create directory"))?;
         b.create(tmp.join(CRIU_DIR)).map_err(ImageError::io(&tmp, "create directory"))?;
-        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false, parent: None })
+        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false, parent: None, compression: None })
     }
 
     /// Makes this an incremental image of `parent`: device data the parent already holds
@@ -78,6 +79,11 @@ impl ImageWriter {
         let dir = fs::canonicalize(&image.dir).map_err(ImageError::io(&image.dir, "resolve"))?;
         self.parent = Some(Parent { dir, manifest_blake3, by_content, shared_files: AtomicU64::new(0), shared_bytes: AtomicU64::new(0) });
         Ok(())
+    }
+
+    /// Compresses device data chunks with zstd at `level` (where that makes them shorter).
+    pub fn compress(&mut self, level: i32) {
+        self.compression = Some(level);
     }
 
     /// Files and bytes shared with the parent so far.
@@ -129,7 +135,10 @@ impl ImageWriter {
             let f = File::open(&path).map_err(ImageError::io(&path, "open"))?;
             f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
             let size = f.metadata().map_err(ImageError::io(&path, "stat"))?.len();
-            entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size });
+            entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size, encoding: None });
+        }
+        if entries.iter().any(|e| e.encoding.is_some()) {
+            manifest.format = super::FORMAT_COMPRESSED;
         }
         manifest.files = entries;
         manifest.parent = self.parent.as_ref().filter(|p| p.shared_files.load(Ordering::Relaxed) > 0).map(|p| ParentRef {
@@ -229,6 +238,10 @@ impl ImageSink for ImageWriter {
 
     fn location(&self) -> &Path {
         &self.tmp
+    }
+
+    fn compression(&self) -> Option<i32> {
+        self.compression
     }
 }
 

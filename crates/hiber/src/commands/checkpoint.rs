@@ -26,6 +26,12 @@ pub struct Args {
     /// Write every byte, sharing nothing with an earlier image.
     #[arg(long)]
     no_parent: bool,
+    /// Compress device data chunks with zstd (`--compress` or `--compress=LEVEL`, 1-19,
+    /// default 1) where that makes them
+    /// shorter. Pays where the disk is slower than the CPUs and the data compresses
+    /// (bf16 weights about 1.28x, fp32 about 1.08x, random bytes not at all).
+    #[arg(long, value_name = "LEVEL", num_args = 0..=1, require_equals = true, default_missing_value = "1", value_parser = clap::value_parser!(i32).range(1..=19))]
+    compress: Option<i32>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -60,7 +66,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 hiber_core::image::Image::open(p).inspect_err(|e| tracing::debug!(error = %e, "the job's latest image cannot be a parent")).is_ok()
             }),
         };
-    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone() };
+    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone(), compress: args.compress };
     let report = checkpoint(&ctx, &req);
     if let Some(p) = progress {
         p.finish_and_clear();

@@ -41,6 +41,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let src = m.source.job.as_ref().map(|j| format!("job {j}")).unwrap_or_else(|| "a process not started by hiber".into());
     println!("source      {src}, root pid {}{}", m.source.pid, if m.source.leave_running { ", left running" } else { "" });
     println!("frozen      {:.2}s during the dump", m.frozen_seconds);
+    let compressed: Vec<_> = m.files.iter().filter(|f| f.encoding.is_some()).collect();
+    if !compressed.is_empty() {
+        println!("compressed  {} device data chunks with zstd, {} stored", compressed.len(), human_bytes(compressed.iter().map(|f| f.size).sum()));
+    }
     if let Some(p) = &m.parent {
         println!("parent      {} ({} in {} files shared with it)", p.path, human_bytes(p.shared_bytes), p.shared_files);
     }

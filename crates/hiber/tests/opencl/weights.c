@@ -2,7 +2,8 @@
  * that every step updates from it (each step reads a different weight per element), with a
  * host reference beside it. Prints `step N checksum X t MS dev NAME`, then `verify ok` when
  * the device's state equals the host's after the last step.
- * Usage: weights STEPS WEIGHTS_MIB DEVICE SLEEP_MS */
+ * Usage: weights STEPS WEIGHTS_MIB DEVICE SLEEP_MS [small]
+ *   small: weights of small integers (they compress, as quantized weights do) */
 #include "common.h"
 
 #define STATE 4096
@@ -39,7 +40,8 @@ int main(int argc, char **argv) {
     cl_kernel k = clCreateKernel(prog, "infer", &err);
     CHECK(err);
     uint32_t *w = malloc((size_t)nw * 4), *ref = malloc(STATE * 4), *tmp = malloc(STATE * 4), *host = malloc(STATE * 4);
-    for (uint32_t i = 0; i < nw; i++) w[i] = i * 2246822519u + 374761393u;
+    int small = argc > 5 && strcmp(argv[5], "small") == 0;
+    for (uint32_t i = 0; i < nw; i++) w[i] = small ? (i * 2246822519u) >> 28 : i * 2246822519u + 374761393u;
     for (uint32_t i = 0; i < STATE; i++) ref[i] = i;
     cl_mem wbuf = clCreateBuffer(ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, (size_t)nw * 4, w, &err);
     CHECK(err);
