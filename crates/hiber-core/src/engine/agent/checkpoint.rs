@@ -1,0 +1,527 @@
+//! The agent engine's checkpoint: quiesce each process through its agent, take its device
+//! memory, copy it where the application does not need it (hiber's memory on the same GPU,
+//! the host staging area) or write it, release, and after the dump hand it back and write
+//! the copies.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hiber_wire::{socket, Reply, Request};
+
+use super::device::{self, DeviceMem, Gpus, Place};
+use super::{chunk_prefix, connect, cuda_fail, fail, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};
+use crate::engine::cuda::{self, ffi, ffi::Staging};
+use crate::engine::layer::Conn;
+use crate::engine::{CheckpointOptions, CheckpointSession, EngineError};
+use crate::image::{FileEntry, ImageSink};
+use crate::proctree::ProcessInfo;
+
+/// Room left on a GPU beside hiber's copies, for the driver's own needs.
+const SNAPSHOT_MARGIN: u64 = 1 << 30;
+/// The granularity of hiber's device memory (cuMemCreate's on current GPUs).
+const GRANULE: u64 = 2 << 20;
+/// Host memory a staging area leaves to everything else: a tenth of the machine, and at
+/// least this much.
+const HOST_RESERVE_MIN: u64 = 2 << 30;
+
+/// What hiber took from one process.
+struct Taken {
+    held: Vec<Held>,
+    /// Chunks written before the release.
+    written: Vec<FileEntry>,
+    copies: Copies,
+    placed: Placed,
+}
+
+/// Chunks copied to hiber's device memory (`arenas`) or to the staging area, to be written
+/// once the application runs again.
+#[derive(Default)]
+struct Copies {
+    chunks: Vec<device::Chunk>,
+    arenas: Vec<DeviceMem>,
+}
+
+/// One allocation hiber holds during a checkpoint.
+struct Held {
+    id: u64,
+    /// The descriptor the agent sent: given back as it is.
+    fd: OwnedFd,
+    mem: DeviceMem,
+    gpu: String,
+}
+
+/// Hands `held` back over `conn` and opens the agent's gate.
+fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
+    for h in held {
+        conn.call::<Reply>(&Request::Load { id: h.id }, Some(&h.fd))?;
+    }
+    conn.call::<Reply>(&Request::Resume, None).map(|_| ())
+}
+
+/// Hands `held` back to the agent of `pid` and opens its gate.
+fn give_back(pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
+    give_back_on(&connect(pid, name)?, held)
+}
+
+/// The agent's share of one checkpoint: the processes it claimed and the memory hiber
+/// holds for them until it hands it back.
+pub(super) struct AgentCheckpoint {
+    /// Before `gpus`: the staging area is unregistered while the library is surely loaded.
+    staging: Option<Staging>,
+    gpus: Arc<Gpus>,
+    timeout_ms: u64,
+    opts: CheckpointOptions,
+    pids: Vec<i32>,
+    targets: Vec<Target>,
+    held: HashMap<i32, Vec<Held>>,
+    /// Held while a process's memory is written: one at a time.
+    saving: Mutex<()>,
+    /// Bytes each GPU can still take of hiber's copies (`--leave-running` only).
+    device_room: Mutex<HashMap<i32, u64>>,
+    /// Bytes of the staging area handed out.
+    host_used: AtomicUsize,
+    /// Copies by process, until it runs again.
+    copies: HashMap<i32, Copies>,
+    /// Copies whose processes run again, waiting for `finish`.
+    pending: Copies,
+    written: Vec<FileEntry>,
+    section: Option<Section>,
+}
+
+impl AgentCheckpoint {
+    pub(super) fn new(gpus: Arc<Gpus>, timeout_ms: u64, opts: CheckpointOptions, targets: Vec<Target>) -> AgentCheckpoint {
+        AgentCheckpoint {
+            staging: None,
+            gpus,
+            timeout_ms,
+            opts,
+            pids: targets.iter().map(|t| t.pid).collect(),
+            targets,
+            held: HashMap::new(),
+            saving: Mutex::new(()),
+            device_room: Mutex::new(HashMap::new()),
+            host_used: AtomicUsize::new(0),
+            copies: HashMap::new(),
+            pending: Copies::default(),
+            written: Vec::new(),
+            section: None,
+        }
+    }
+
+    /// Quiesces one process and takes its memory; on error the process is as before.
+    /// On error, what hiber still holds and could not hand back at once comes with it, for
+    /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
+    fn take(&self, t: &Target, sink: &dyn ImageSink) -> Result<Taken, (EngineError, Vec<Held>)> {
+        let pid = t.pid;
+        let conn = connect(pid, &t.name).map_err(|e| (e, Vec::new()))?;
+        // The agent bounds its wait for calls in flight; a kernel still running when it
+        // synchronizes is bounded here. Timing out closes the connection, and the agent,
+        // finding no one to hand its memory to, opens its gate again.
+        let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
+        conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None).map_err(|e| (e, Vec::new()))?;
+        let mut held = Vec::new();
+        let mut timed_out = false;
+        let taken = (|| {
+            loop {
+                let msg = conn.recv::<Reply>().inspect_err(|_| timed_out = true)?;
+                match msg {
+                    (Reply::Alloc { id, size, .. }, Some(fd)) => {
+                        let mem =
+                            DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| cuda_fail(&self.gpus, "importing device memory from the agent", e))?;
+                        let gpu = self.gpus.uuid(mem.dev).map_err(|e| cuda_fail(&self.gpus, "device UUID", e))?;
+                        held.push(Held { id, fd, mem, gpu });
+                    }
+                    (Reply::Done { count }, _) if count == held.len() as u64 => break,
+                    (Reply::Err(m), _) => {
+                        return Err(fail(
+                            format!("agent of process {pid} could not quiesce: {m}"),
+                            Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
+                        ))
+                    }
+                    (other, _) => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
+                }
+            }
+            let _ = socket::set_recv_timeout(&conn.sock, None);
+            let quiesced = Instant::now();
+            let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+            let all = device::chunks(&mems);
+            let (copies, direct, placed) = if self.opts.leave_running { self.place(all)? } else { (Copies::default(), all, Placed::default()) };
+            let mut placed = placed;
+            placed.direct = direct.iter().map(|c| c.len as u64).sum();
+            let copied = Instant::now();
+            let written = if direct.is_empty() {
+                Vec::new()
+            } else {
+                // One process's memory at a time: each save runs its own pinned buffers and
+                // workers, and the disk is the limit anyway.
+                let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
+                device::save(&self.gpus, &direct, None, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
+            };
+            tracing::info!(
+                pid,
+                device_mib = placed.device >> 20,
+                host_mib = placed.host >> 20,
+                direct_mib = placed.direct >> 20,
+                copy_s = (copied - quiesced).as_secs_f64(),
+                direct_s = copied.elapsed().as_secs_f64(),
+                "device memory taken"
+            );
+            conn.call::<Reply>(&Request::Release, None)?;
+            conn.wait_closed();
+            Ok((written, copies, placed))
+        })();
+        match taken {
+            Ok((written, copies, placed)) => Ok(Taken { held, written, copies, placed }),
+            // After a timeout the agent is still busy and released nothing: it opens its
+            // gate itself once it finds the connection closed, and hiber's references go.
+            Err(e) if timed_out => Err((e, Vec::new())),
+            // Otherwise the agent gets back whatever it released and opens its gate; if
+            // even that fails, the memory stays with the session for resume.
+            Err(e) => match give_back_on(&conn, &held) {
+                Ok(()) => Err((e, Vec::new())),
+                Err(_) => Err((e, held)),
+            },
+        }
+    }
+}
+
+impl AgentCheckpoint {
+    /// Copies each chunk of `all` (a process's memory, on its GPUs) to hiber's memory on
+    /// the same GPU while that has room, else to the staging area while that has room.
+    /// Returns the copies, the chunks that fit in neither (to be written before the
+    /// release), and the bytes copied each way.
+    fn place(&self, all: Vec<device::Chunk>) -> Result<(Copies, Vec<device::Chunk>, Placed), EngineError> {
+        let mut want: BTreeMap<i32, u64> = BTreeMap::new();
+        for c in &all {
+            if let Place::Gpu { dev, .. } = c.at {
+                *want.entry(dev).or_default() += c.len as u64;
+            }
+        }
+        // One arena per GPU, as large as this process needs and the GPU's room allows.
+        let mut arenas: Vec<DeviceMem> = Vec::new();
+        let mut next: HashMap<i32, (usize, u64)> = HashMap::new();
+        for (dev, bytes) in want {
+            let take = {
+                let mut room = self.device_room.lock().unwrap_or_else(|e| e.into_inner());
+                let r = room.entry(dev).or_default();
+                let take = (*r).min(bytes.next_multiple_of(GRANULE)) / GRANULE * GRANULE;
+                *r -= take;
+                take
+            };
+            if take == 0 {
+                continue;
+            }
+            match DeviceMem::create(&self.gpus, take, dev, false) {
+                Ok(m) => {
+                    next.insert(dev, (arenas.len(), 0));
+                    arenas.push(m);
+                }
+                // The GPU's free memory shrank since it was measured: the host takes it.
+                Err(e) => tracing::debug!(dev, bytes = take, error = %self.gpus.cuda.error_name(e), "no copy on the GPU"),
+            }
+        }
+        let host_len = self.staging.as_ref().map_or(0, |s| s.size());
+        let (mut from, mut to, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+        let mut placed = Placed::default();
+        for c in all {
+            let Place::Gpu { dev, .. } = c.at else { continue };
+            let len = c.len as u64;
+            if let Some((i, used)) = next.get_mut(&dev).filter(|(i, used)| *used + len <= arenas[*i].size) {
+                to.push(Place::Gpu { dev, va: arenas[*i].va + *used });
+                *used += len;
+                placed.device += len;
+                from.push(c);
+                continue;
+            }
+            let span = c.len.next_multiple_of(4096);
+            match self.host_used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + span <= host_len).then_some(u + span)) {
+                Ok(off) => {
+                    to.push(Place::Host { off });
+                    placed.host += len;
+                    from.push(c);
+                }
+                Err(_) => direct.push(c),
+            }
+        }
+        device::stage(&self.gpus, &from, &to, self.staging.as_ref()).map_err(|e| fail(format!("copying device memory: {e}"), None))?;
+        let chunks = from.into_iter().zip(to).map(|(c, at)| device::Chunk { at, ..c }).collect();
+        Ok((Copies { chunks, arenas }, direct, placed))
+    }
+
+    /// Makes room for the copies a `--leave-running` checkpoint makes: measures each GPU's
+    /// room, and when the GPUs lack room for all of `total` device bytes, prepares a
+    /// page-locked staging area in host memory for the rest (while the application still
+    /// runs: it takes about 0.07 s per GiB). Host memory too small is said, and what fits
+    /// in neither is written before the release, as a stopping checkpoint does.
+    fn prepare_copies(&mut self, total: u64, pids: &[i32]) {
+        let mut room = HashMap::new();
+        for d in 0..self.gpus.cuda.device_count().unwrap_or(0) {
+            room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
+        }
+        let need = host_need(total, &room, self.held_by_gpu(pids).as_ref());
+        *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
+        if need == 0 {
+            return;
+        }
+        let budget = match crate::sys::host_memory() {
+            Ok((available, all)) => available
+                .saturating_sub((all / 10).max(HOST_RESERVE_MIN))
+                .min(crate::sys::cgroup_memory_left().unwrap_or(u64::MAX).saturating_sub(HOST_RESERVE_MIN)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the host's free memory; device memory without room on the GPU is written before the job resumes");
+                0
+            }
+        };
+        // `HIBER_HOST_STAGING_MIB` caps the staging area (0: none), for a host whose memory
+        // is meant for other things.
+        let cap = std::env::var("HIBER_HOST_STAGING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |mib| mib.saturating_mul(1 << 20));
+        let len = need.min(budget / device::CHUNK * device::CHUNK).min(cap);
+        if len < need && cap == u64::MAX {
+            tracing::warn!(
+                "host memory is too small to stage {} MiB of device memory ({} MiB can be spared); the rest is written to the image before the job resumes",
+                need >> 20,
+                len >> 20
+            );
+        }
+        if len == 0 {
+            return;
+        }
+        let start = Instant::now();
+        let threads = std::thread::available_parallelism().map_or(8, |n| n.get()).min(16);
+        match self.gpus.cuda.staging(len as usize, threads) {
+            Ok(s) => {
+                tracing::info!(mib = len >> 20, seconds = start.elapsed().as_secs_f64(), "host staging area ready");
+                self.staging = Some(s);
+            }
+            Err(e) => tracing::warn!("no staging area in host memory ({e}); device memory without room on the GPU is written before the job resumes"),
+        }
+    }
+}
+
+impl AgentCheckpoint {
+    /// Device memory the processes `pids` hold on each GPU (by CUDA ordinal), as NVML
+    /// accounts it; `None` where NVML cannot say.
+    fn held_by_gpu(&self, pids: &[i32]) -> Option<HashMap<i32, u64>> {
+        let nvml = ffi::Nvml::load()?;
+        let gpus = nvml.gpus();
+        let mut out = HashMap::new();
+        for d in 0..self.gpus.cuda.device_count().ok()? {
+            let uuid = self.gpus.uuid(d).ok()?;
+            let g = gpus.iter().find(|g| g.uuid == uuid)?;
+            // NVML answers u64::MAX where it cannot account a process's memory.
+            let held: u64 = g.processes.iter().filter(|(pid, _)| pids.contains(&(*pid as i32))).map(|(_, bytes)| *bytes).filter(|&b| b != u64::MAX).sum();
+            out.insert(d, held);
+        }
+        out.values().any(|&b| b > 0).then_some(out)
+    }
+
+    /// Takes the staging area down with a context current (the driver unregisters host
+    /// memory in one), before the memory goes.
+    fn drop_staging(&mut self) {
+        if let Some(s) = self.staging.take() {
+            let _ = self.gpus.enter(0);
+            drop(s);
+        }
+    }
+}
+
+impl Drop for AgentCheckpoint {
+    fn drop(&mut self) {
+        self.drop_staging();
+    }
+}
+
+/// Bytes of host staging a `--leave-running` checkpoint needs, in whole chunks: on each GPU,
+/// what the job holds there beyond the GPU's `room` for hiber's copies, plus a chunk (chunks
+/// are placed whole, so a GPU's copy may leave up to one unused). `held` is what the job's
+/// processes hold on each GPU; without it, the job's `total` is set against the GPU with
+/// the most room (more than needed when the job spans GPUs, never less).
+fn host_need(total: u64, room: &HashMap<i32, u64>, held: Option<&HashMap<i32, u64>>) -> u64 {
+    let over = |bytes: u64, room: u64| match bytes.saturating_sub(room) {
+        0 => 0,
+        n => n + device::CHUNK,
+    };
+    let need = match held {
+        Some(held) => held.iter().map(|(d, &bytes)| over(bytes, room.get(d).copied().unwrap_or(0))).sum(),
+        None => over(total, room.values().copied().max().unwrap_or(0)),
+    };
+    need.next_multiple_of(device::CHUNK)
+}
+
+impl CheckpointSession for AgentCheckpoint {
+    fn pids(&self) -> &[i32] {
+        &self.pids
+    }
+
+    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
+        // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
+        crate::sys::raise_open_files_limit();
+        let staging_start = Instant::now();
+        let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
+        // Copies let the application run again before the data reaches the disk.
+        if self.opts.leave_running {
+            let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
+            self.prepare_copies(busy.iter().map(|t| t.status.tracked_bytes).sum(), &pids);
+        }
+        let staging_seconds = staging_start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        // The processes of a job are quiesced together: ranks that wait on each other
+        // must all stop at once, and the copies overlap.
+        let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
+            let this = &*self;
+            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new())))).collect()
+        });
+        let mut done = Vec::new();
+        let mut first_error = None;
+        for (t, r) in busy.iter().zip(results) {
+            match r {
+                Ok(taken) => done.push((t.pid, taken)),
+                Err((e, kept)) => {
+                    if !kept.is_empty() {
+                        self.held.insert(t.pid, kept);
+                    }
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            // The processes that were quiesced are resumed by the undo that follows, which
+            // hands their memory back, or saves it for `hiber recover` if it cannot.
+            for (pid, taken) in done {
+                self.held.insert(pid, taken.held);
+                self.copies.insert(pid, taken.copies);
+            }
+            return Err(e);
+        }
+        let copy_seconds = start.elapsed().as_secs_f64();
+        let mut processes = Vec::new();
+        let mut placed = Placed::default();
+        for t in &self.targets {
+            let Some((_, Taken { held, written, copies, placed: p })) = done.iter_mut().find(|(pid, _)| *pid == t.pid) else {
+                // An agent that tracked nothing: recorded for what it left to the driver.
+                processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
+                continue;
+            };
+            self.written.append(written);
+            processes.push(AgentProcess {
+                ns_pid: t.ns_pid,
+                comm: t.comm.clone(),
+                bytes: held.iter().map(|h| h.mem.size).sum(),
+                allocations: held
+                    .iter()
+                    .map(|h| Allocation {
+                        id: h.id,
+                        size: h.mem.size,
+                        gpu: h.gpu.clone(),
+                        files: device::chunk_files(&chunk_prefix(t.ns_pid, h.id), h.mem.size),
+                    })
+                    .collect(),
+                passthrough: passthrough(&t.status),
+            });
+            self.held.insert(t.pid, std::mem::take(held));
+            self.copies.insert(t.pid, std::mem::take(copies));
+            placed.add(p);
+        }
+        self.section = Some(Section {
+            mode: Mode::of(&placed),
+            chunk_bytes: device::CHUNK,
+            gpus: cuda::nvml_gpus(),
+            processes,
+            quiesce_seconds: start.elapsed().as_secs_f64(),
+            copy_seconds,
+            placed,
+            staging_seconds,
+        });
+        Ok(())
+    }
+
+    fn capture(&mut self, _tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError> {
+        let section = self.section.as_ref().ok_or_else(|| fail("capture before quiesce", None))?;
+        Ok(serde_json::to_value(section).expect("section serializes"))
+    }
+
+    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+        let mut first = None;
+        for t in &self.targets {
+            if !crate::proctree::exists(t.pid) {
+                // It died during the checkpoint: nothing to hand back to, nothing to undo.
+                // Its copies are still written: the image holds the memory it had.
+                self.held.remove(&t.pid);
+                if let Some(c) = self.copies.remove(&t.pid) {
+                    self.pending.chunks.extend(c.chunks);
+                    self.pending.arenas.extend(c.arenas);
+                }
+                continue;
+            }
+            let r = match self.held.remove(&t.pid) {
+                Some(held) => {
+                    let mut r = give_back(t.pid, &t.name, &held);
+                    if r.is_err() {
+                        // hiber holds the only reference and is about to fail: put the memory
+                        // where `hiber recover` looks for it (in direct mode it is there already).
+                        let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
+                        let missing: Vec<device::Chunk> = device::chunks(&mems).into_iter().filter(|c| !sink.has_file(&c.rel)).collect();
+                        if let Err(e) = device::save(&self.gpus, &missing, None, sink) {
+                            r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
+                        }
+                    }
+                    if let Some(c) = self.copies.remove(&t.pid) {
+                        self.pending.chunks.extend(c.chunks);
+                        self.pending.arenas.extend(c.arenas);
+                    }
+                    r
+                }
+                // Nothing held (an undo before the handover): open the gate.
+                None => match connect(t.pid, &t.name) {
+                    Ok(c) => c.call::<Reply>(&Request::Resume, None).map(|_| ()),
+                    Err(_) => Ok(()),
+                },
+            };
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut written = std::mem::take(&mut self.written);
+        if !pending.chunks.is_empty() {
+            written
+                .extend(device::save(&self.gpus, &pending.chunks, self.staging.as_ref(), sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?);
+        }
+        // The copies go as soon as they are on disk: GPU and host memory back to the job.
+        drop(pending);
+        self.drop_staging();
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_staging_is_sized_per_gpu() {
+        const G: u64 = 1 << 30;
+        let c = device::CHUNK;
+        let room: HashMap<i32, u64> = [(0, 30 * G), (1, 70 * G)].into();
+        // Everything fits: nothing staged.
+        assert_eq!(host_need(20 * G, &room, Some(&[(0, 20 * G)].into())), 0);
+        // The job fills GPU 0; GPU 1's room does not help it.
+        assert_eq!(host_need(47 * G, &room, Some(&[(0, 47 * G), (1, 0)].into())), 17 * G + c);
+        // Both GPUs over.
+        assert_eq!(host_need(180 * G, &room, Some(&[(0, 90 * G), (1, 90 * G)].into())), 60 * G + 20 * G + 2 * c);
+        // Unknown placement: against the roomiest GPU, in whole chunks.
+        assert_eq!(host_need(71 * G, &room, None), G + c);
+        assert_eq!(host_need(70 * G, &room, None), 0);
+        assert_eq!(host_need(G, &HashMap::new(), None), G + c);
+        assert_eq!(host_need(G + 5, &HashMap::new(), None) % c, 0);
+    }
+}

@@ -1,0 +1,129 @@
+//! The agent engine's restore: the device memory of every allocation is created and loaded
+//! (each chunk checked) from the moment the restore opens, beside CRIU, then handed to each
+//! restored process's agent.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hiber_wire::{Reply, Request};
+
+use super::device::{self, DeviceMem, Gpus};
+use super::{chunk_prefix, connect, cuda_fail, fail, recovered_name, Section};
+use crate::engine::{EngineError, RestoreSession, RestoredPid};
+
+/// Device memory of each process (by namespace PID), loaded and checked: allocation ids
+/// and the memory to hand over.
+type LoadedMemory = HashMap<i32, Vec<(u64, DeviceMem)>>;
+
+/// What the loader thread answers: the memory, and the seconds it took to create it and to
+/// load it.
+type Loading = std::thread::JoinHandle<Result<(LoadedMemory, f64, f64), EngineError>>;
+
+/// Creates the memory of every allocation of an image on its (mapped) GPU and streams the
+/// chunks into it, checking each.
+struct Loader {
+    gpus: Arc<Gpus>,
+    section: Section,
+    map: BTreeMap<String, String>,
+    image_dir: PathBuf,
+    checksums: HashMap<String, String>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Loader {
+    fn run(self) -> Result<(LoadedMemory, f64, f64), EngineError> {
+        let t0 = Instant::now();
+        let mut loaded: LoadedMemory = HashMap::new();
+        let mut jobs = Vec::new();
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+            let mut mems = Vec::new();
+            for a in &p.allocations {
+                let uuid = self.map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
+                let dev =
+                    self.gpus.ordinal(&uuid).map_err(|e| cuda_fail(&self.gpus, "listing GPUs", e))?.ok_or_else(|| fail(format!("no GPU {uuid} here"), None))?;
+                let mem = DeviceMem::create(&self.gpus, a.size, dev, true).map_err(|e| cuda_fail(&self.gpus, "allocating device memory", e))?;
+                mems.push((a.id, mem));
+            }
+            loaded.insert(p.ns_pid, mems);
+        }
+        for p in self.section.processes.iter() {
+            for (id, m) in loaded.get(&p.ns_pid).into_iter().flatten() {
+                jobs.push((m, chunk_prefix(p.ns_pid, *id)));
+            }
+        }
+        let t1 = Instant::now();
+        device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums), Some(&self.stop))
+            .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+        drop(jobs);
+        Ok((loaded, (t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64()))
+    }
+}
+
+/// The agent's share of one restore, checked against this machine's GPUs: its device
+/// memory loads from the moment the restore opens, beside CRIU.
+pub(super) struct AgentRestore {
+    gpus: Arc<Gpus>,
+    section: Section,
+    loading: Option<Loading>,
+    stop: Arc<AtomicBool>,
+}
+
+impl AgentRestore {
+    /// Starts loading the section's device memory on its own thread (`map`: old GPU UUID →
+    /// new), while the rest of the restore goes on.
+    pub(super) fn start(
+        gpus: Arc<Gpus>,
+        section: Section,
+        map: BTreeMap<String, String>,
+        image_dir: PathBuf,
+        checksums: HashMap<String, String>,
+    ) -> Result<AgentRestore, EngineError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let loader = Loader { gpus: gpus.clone(), section: section.clone(), map, image_dir, checksums, stop: stop.clone() };
+        let loading = std::thread::Builder::new()
+            .name("hiber-agent-load".into())
+            .spawn(move || loader.run())
+            .map_err(|e| fail(format!("starting the device memory loader: {e}"), None))?;
+        Ok(AgentRestore { gpus, section, loading: Some(loading), stop })
+    }
+}
+
+impl Drop for AgentRestore {
+    fn drop(&mut self) {
+        // A restore that failed elsewhere: the loader stops at its next chunk and frees the
+        // memory it made.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.loading.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl RestoreSession for AgentRestore {
+    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        let handle = self.loading.take().ok_or_else(|| fail("device memory restored twice", None))?;
+        let (mut loaded, create_s, load_s) = handle.join().unwrap_or_else(|_| Err(fail("the device memory loader panicked", None)))?;
+        let waited_s = t0.elapsed().as_secs_f64();
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+            let now = pids
+                .iter()
+                .find(|r| r.ns_pid == p.ns_pid)
+                .ok_or_else(|| fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
+            let name = recovered_name(now.pid).ok_or_else(|| fail(format!("process {} has no agent token in its environment", now.pid), None))?;
+            let t2 = Instant::now();
+            let mems = loaded.remove(&p.ns_pid).unwrap_or_default();
+            let conn = connect(now.pid, &name)?;
+            for (id, m) in &mems {
+                let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
+                conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
+            }
+            conn.call::<Reply>(&Request::Resume, None)?;
+            tracing::info!(pid = now.pid, create_s, load_s, waited_s, handover_s = t2.elapsed().as_secs_f64(), bytes = p.bytes, "agent memory restored");
+        }
+        Ok(())
+    }
+}
