@@ -421,6 +421,8 @@ fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
     assert!(ocl >= weights, "{ocl}");
     let inspect = h.ok(&["inspect", &second]);
     assert!(inspect.contains("parent ") && inspect.contains("shared with it"), "{inspect}");
+    let ls = h.ok(&["ls"]);
+    assert!(ls.lines().any(|l| l.contains("wt2") && l.contains("shared with wt1")), "{ls}");
     let whole = r1["image_bytes"].as_u64().unwrap();
     assert!(written + weights <= whole + (whole >> 4), "the second image wrote {written} bytes, the first {whole}");
 

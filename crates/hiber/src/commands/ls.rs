@@ -47,7 +47,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
         let images: Vec<_> = images
             .iter()
             .map(|(n, i)| match i {
-                Ok(i) => serde_json::json!({"name": n, "path": i.dir, "created": i.manifest.created, "bytes": i.total_bytes(), "processes": i.manifest.processes.len(), "job": i.manifest.source.job, "valid": true}),
+                Ok(i) => serde_json::json!({"name": n, "path": i.dir, "created": i.manifest.created, "bytes": i.total_bytes(), "processes": i.manifest.processes.len(), "job": i.manifest.source.job,
+                    "parent": i.manifest.parent.as_ref().map(|p| &p.path), "shared_bytes": i.manifest.parent.as_ref().map_or(0, |p| p.shared_bytes), "valid": true}),
                 Err(e) => serde_json::json!({"name": n, "valid": false, "error": e.to_string()}),
             })
             .collect();
@@ -80,7 +81,23 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 Ok(i) => {
                     let src = i.manifest.source.job.clone().unwrap_or_else(|| format!("pid {}", i.manifest.source.pid));
                     let gpu = if i.manifest.devices.is_empty() { "" } else { " +gpu" };
-                    println!("  {:<40} {:<22} {:>10} {:>6}  {src}{gpu}", n, i.manifest.created, human_bytes(i.total_bytes()), i.manifest.processes.len());
+                    // Files shared with a parent are counted in both images' sizes.
+                    let shared = i
+                        .manifest
+                        .parent
+                        .as_ref()
+                        .map(|p| {
+                            let parent = std::path::Path::new(&p.path).file_name().map_or(p.path.clone(), |f| f.to_string_lossy().into_owned());
+                            format!(" ({} shared with {parent})", human_bytes(p.shared_bytes))
+                        })
+                        .unwrap_or_default();
+                    println!(
+                        "  {:<40} {:<22} {:>10} {:>6}  {src}{gpu}{shared}",
+                        n,
+                        i.manifest.created,
+                        human_bytes(i.total_bytes()),
+                        i.manifest.processes.len()
+                    );
                 }
                 Err(e) => println!("  {n:<40} invalid: {e}"),
             }
