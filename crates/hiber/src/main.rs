@@ -37,6 +37,9 @@ enum Command {
     Demo(commands::demo::Args),
     /// Check what this machine offers: CRIU, kernel, privileges, NVIDIA driver.
     Doctor(commands::doctor::Args),
+    /// Hold several checkpoints or restores (hibers with --coordinator) at each phase until
+    /// all reach it: one consistent cut across processes and hosts.
+    Coordinate(commands::coordinate::Args),
     /// Undo checkpoints that were interrupted (hiber killed mid-way).
     Recover,
     /// Built-in workloads used by `hiber demo` and the tests.
@@ -77,6 +80,7 @@ fn main() {
                 Command::Logs(a) => commands::logs::run(a),
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
+                Command::Coordinate(a) => commands::coordinate::run(a),
                 Command::Recover | Command::Workload(_) | Command::Shim => unreachable!("handled above"),
             }
         }

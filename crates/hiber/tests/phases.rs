@@ -81,3 +81,87 @@ fn a_restore_failing_at_any_phase_leaves_no_job() {
     h.assert_verified("rp-r", LONG);
     assert_continues(&before, &h.progress("rp-r"), before.last().unwrap().0 + 1);
 }
+
+/// `hiber coordinate` on a free loopback port, with the session token given.
+fn coordinator(h: &Hiber, participants: &str) -> (std::process::Child, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let child = h
+        .command(&["coordinate", "--participants", participants, "--listen", &addr, "--timeout", "120"])
+        .env("HIBER_SESSION", "t0k3n")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Listening once it says so.
+    wait("the coordinator to listen", Duration::from_secs(10), || std::net::TcpStream::connect(&addr).map(drop).is_ok());
+    (child, addr)
+}
+
+/// Two jobs checkpointed as one cut through `hiber coordinate` (as two hosts would): both
+/// images, each restorable. Then one participant fails at a phase (here: injected at the
+/// commit of a --leave-running checkpoint, after both dumped): the other aborts too, both
+/// jobs run on, and no image of the cut is left. The stranger without the token is turned
+/// away without disturbing the session.
+#[test]
+fn two_jobs_checkpoint_as_one_cut_and_abort_together() {
+    let h = Hiber::new("coord");
+    for j in ["ca", "cb"] {
+        h.start(j, &["cpu", "--steps", "600", "--mem-mib", "16", "--interval-ms", "40"]);
+        h.wait_step(j, 3);
+    }
+    let (mut server, addr) = coordinator(&h, "2");
+    let stranger = h.command(&["checkpoint", "ca", "--coordinator", &addr, "--out", "/nonexistent/x"]).env("HIBER_SESSION", "wrong").output().unwrap();
+    assert!(!stranger.status.success() && String::from_utf8_lossy(&stranger.stderr).contains("not a participant of this session"));
+    let ckpt = |job: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let image = h.images_dir().join(job);
+        let mut args = vec!["checkpoint", job, "--coordinator", &addr, "--out", image.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let mut c = h.command(&args);
+        c.env("HIBER_SESSION", "t0k3n");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        (c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap(), image)
+    };
+    let (a, ia) = ckpt("ca", &["--leave-running"], &[]);
+    let (b, ib) = ckpt("cb", &["--leave-running"], &[]);
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "{}\n{}", String::from_utf8_lossy(&a.stderr), String::from_utf8_lossy(&b.stderr));
+    let out = server.wait_with_output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("every participant passed Committed"));
+    let before = h.progress("cb");
+    h.ok(&["restore", ib.to_str().unwrap(), "--name", "cb-r"]);
+    h.ok(&["inspect", ia.to_str().unwrap()]);
+
+    // The second cut: cb's commit fails, so ca's committed image goes too.
+    let (s2, addr2) = coordinator(&h, "2");
+    server = s2;
+    let ckpt2 = |job: &str, env: &[(&str, &str)]| {
+        let image = h.images_dir().join(format!("{job}-2"));
+        let mut c = h.command(&["checkpoint", job, "--leave-running", "--coordinator", &addr2, "--out", image.to_str().unwrap()]);
+        c.env("HIBER_SESSION", "t0k3n");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        (c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap(), image)
+    };
+    let (a, ia2) = ckpt2("ca", &[]);
+    let (b, ib2) = ckpt2("cb", &[("HIBER_FAIL_AT", "committed")]);
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(!b.status.success() && String::from_utf8_lossy(&b.stderr).contains("injected failure"));
+    let ea = String::from_utf8_lossy(&a.stderr);
+    assert!(!a.status.success() && ea.contains("another participant failed"), "{ea}");
+    assert!(!ia2.exists() && !ib2.exists(), "no image of an aborted cut is kept");
+    let out = server.wait_with_output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("aborted everywhere"));
+    for j in ["ca", "cb"] {
+        assert_eq!(h.state_of(j), "running", "{j} runs on");
+        let now = h.last_step(j).unwrap();
+        h.wait_step(j, now + 2);
+    }
+    // The first cut's copy went on from where the image caught it.
+    h.wait_step("cb-r", before.last().unwrap().0 + 5);
+    let copy = h.progress("cb-r");
+    assert_continues(&h.progress("cb"), &copy, copy[0].0);
+}

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use hiber_core::checkpoint::{checkpoint, CheckpointRequest};
+use hiber_core::checkpoint::{checkpoint_with, CheckpointRequest};
 use hiber_core::jobs::Registry;
 
 use super::{context, human_bytes, image_path, resolve_target, running_pid, secs, Target};
@@ -32,6 +32,10 @@ pub struct Args {
     /// (bf16 weights about 1.28x, fp32 about 1.08x, random bytes not at all).
     #[arg(long, value_name = "LEVEL", num_args = 0..=1, require_equals = true, default_missing_value = "1", value_parser = clap::value_parser!(i32).range(1..=19))]
     compress: Option<i32>,
+    /// Hold at each phase until every participant of `hiber coordinate`'s session at ADDR
+    /// reached it (the token in $HIBER_SESSION): one cut across several jobs or hosts.
+    #[arg(long, value_name = "ADDR")]
+    coordinator: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -67,7 +71,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
             }),
         };
     let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone(), compress: args.compress };
-    let report = checkpoint(&ctx, &req);
+    let coord = super::coordinator(args.coordinator.as_deref(), job.as_ref().map_or(&args.target, |j| &j.name))?;
+    let report = checkpoint_with(&ctx, &req, coord.as_ref());
     if let Some(p) = progress {
         p.finish_and_clear();
     }

@@ -1,6 +1,7 @@
 //! One module per verb, plus what several of them share.
 
 pub mod checkpoint;
+pub mod coordinate;
 pub mod demo;
 pub mod doctor;
 pub mod inspect;
@@ -42,6 +43,25 @@ pub fn show_progress(ctx: &mut Context, json: bool) -> Option<indicatif::Progres
         shown.set_message(what.to_string());
     });
     Some(bar)
+}
+
+/// The coordinator a checkpoint or restore holds at between phases: `hiber coordinate`'s
+/// at `addr` (the session token in `$HIBER_SESSION`), or none (every phase runs on; faults
+/// may be injected with `HIBER_FAIL_AT`).
+pub fn coordinator(addr: Option<&str>, name: &str) -> Result<Box<dyn hiber_core::coordinator::Coordinator>, CliError> {
+    use hiber_core::coordinator::{from_env, net::Remote};
+    let Some(addr) = addr else { return Ok(Box::new(from_env())) };
+    let session = std::env::var(coordinate::SESSION_ENV).map_err(|_| {
+        CliError::new(crate::cli_error::FAILED, format!("--coordinator needs the session's token in ${}", coordinate::SESSION_ENV))
+            .hint("`hiber coordinate` prints it when it starts")
+    })?;
+    let secs = std::env::var("HIBER_BARRIER_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    let host = hiber_core::sys::uname().1;
+    let remote = Remote::join(addr, &session, &format!("{host}/{name}"), Duration::from_secs(secs), from_env()).map_err(|e| {
+        CliError::new(crate::cli_error::FAILED, e.to_string())
+            .hint("start `hiber coordinate --participants N` first, and give every participant its address and token")
+    })?;
+    Ok(Box::new(remote))
 }
 
 /// A job name or a PID, as `checkpoint` and `rm` take them.

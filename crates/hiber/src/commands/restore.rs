@@ -2,7 +2,7 @@
 
 use hiber_core::engine::cuda::parse_gpu_map;
 use hiber_core::engine::DeviceRestoreOptions;
-use hiber_core::restore::{restore, RestoreRequest};
+use hiber_core::restore::{restore_with, RestoreRequest};
 
 use super::{context, image_path, secs};
 use crate::cli_error::{CliError, FAILED};
@@ -27,6 +27,10 @@ pub struct Args {
     /// with the sockets of an original that still runs.
     #[arg(long)]
     isolate_net: bool,
+    /// Hold at each phase until every participant of `hiber coordinate`'s session at ADDR
+    /// reached it (the token in $HIBER_SESSION): restore several jobs or hosts as one.
+    #[arg(long, value_name = "ADDR")]
+    coordinator: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -45,7 +49,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
         devices: DeviceRestoreOptions { gpu_map, opencl_device: args.opencl_device, ..Default::default() },
         isolate_net: args.isolate_net,
     };
-    let report = restore(&ctx, &req);
+    let coord = super::coordinator(args.coordinator.as_deref(), &args.image)?;
+    let report = restore_with(&ctx, &req, coord.as_ref());
     if let Some(p) = progress {
         p.finish_and_clear();
     }

@@ -9,6 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod net;
+
 /// The phases of a checkpoint and of a restore, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
