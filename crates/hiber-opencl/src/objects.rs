@@ -159,6 +159,30 @@ pub struct Obj {
     pub maps: AtomicI64,
     pub rec: Mutex<Record>,
     pub destructors: Mutex<Vec<Destructor>>,
+    /// An event's callbacks that have not run yet.
+    pub callbacks: Mutex<Vec<PendingCallback>>,
+}
+
+/// An event callback the application registered that has not run yet. A checkpoint releases
+/// the real event before the platform may have run it; the layer registers it again on the
+/// event it makes in its place, so that it runs once, on the event the application knows.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingCallback {
+    pub id: u64,
+    /// The execution status it waits for (CL_COMPLETE, CL_RUNNING, CL_SUBMITTED).
+    pub status: i32,
+    /// The application's `void (*)(cl_event, cl_int, void *)`.
+    pub f: EventNotify,
+    pub data: usize,
+}
+
+/// An event callback's type.
+pub type EventNotify = unsafe extern "C" fn(H, cl_int, *mut c_void);
+
+/// A fresh id for a [`PendingCallback`].
+pub fn next_callback_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Obj {
@@ -336,6 +360,7 @@ pub fn make(kind: Kind, real: H, rec: Record) -> Arc<Obj> {
         maps: AtomicI64::new(0),
         rec: Mutex::new(rec),
         destructors: Mutex::new(Vec::new()),
+        callbacks: Mutex::new(Vec::new()),
     });
     reg.live.insert(o.seq, Arc::downgrade(&o));
     reg.handles.insert(Arc::as_ptr(&o) as usize, kind);

@@ -454,8 +454,13 @@ pub fn release() -> Result<(), String> {
         }
         let real = x.real();
         if !real.is_null() {
+            // Forgotten first, then released: an event callback the platform runs from now
+            // on finds its event's real object gone and leaves it for the replay.
+            {
+                let _callbacks = x.callbacks.lock().unwrap_or_else(|e| e.into_inner());
+                x.set_real(null_mut());
+            }
             o::release_real(x.kind, real);
-            x.set_real(null_mut());
         }
     }
     o::registry().released = true;
@@ -603,6 +608,17 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
         }
         let real = recreate(x).map_err(|e| format!("re-creating {:?} {}: {e}", x.kind, x.seq))?;
         x.set_real(real);
+        if x.kind == Kind::Event {
+            // Callbacks that had not run: registered on the new event (one already complete
+            // runs them at once).
+            let pending = x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            for p in pending {
+                let r = crate::api::register_event_callback(x, p);
+                if r != cl::CL_SUCCESS {
+                    return Err(format!("registering an event callback again: error {r}"));
+                }
+            }
+        }
     }
     // Arguments last: a kernel's arguments may be objects made after it.
     for k in objects.iter().filter(|x| x.kind == Kind::Kernel) {

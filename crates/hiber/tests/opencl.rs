@@ -476,3 +476,24 @@ fn compressed_chunks_restore_identically() {
     h.assert_verified("wz2", Duration::from_secs(120));
     assert_continues(&want, &h.progress("wz2"), at + 1);
 }
+
+/// Event callbacks survive a checkpoint: one registered on a user event before the
+/// checkpoint runs, once, when the restored program sets the event; every step's kernel
+/// event callback runs exactly once, including those whose command finished just before
+/// the layer released the real events. Checked by the program itself, on the other device.
+#[test]
+fn event_callbacks_run_once_across_a_checkpoint() {
+    let h = Hiber::new("ocl-callbacks");
+    let bin = program(&h, "callbacks");
+    let args = ["300", "150", "0", "5"];
+    let want = reference(&bin, &args);
+    start(&h, "cb", &bin, &args);
+    h.wait_step("cb", 40);
+    let image = h.images_dir().join("cb").display().to_string();
+    h.ok(&["checkpoint", "cb", "--out", &image]);
+    let at = h.last_step("cb").unwrap();
+    assert!(at < 150, "the checkpoint falls before the user event is set (step {at})");
+    restore(&h, &image, "cb2", &["--opencl-device", "0:1"]);
+    h.assert_verified("cb2", Duration::from_secs(120));
+    assert_continues(&want, &h.progress("cb2"), at + 1);
+}
