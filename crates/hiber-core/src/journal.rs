@@ -48,6 +48,12 @@ pub struct Entry {
     pub leave_running: bool,
     pub claims: Vec<Claim>,
     pub phase: Phase,
+    /// Part of a cut held by a coordinator of several hibers: its image counts only once
+    /// every participant passed the last barrier (`cut_passed`).
+    #[serde(default)]
+    pub coordinated: bool,
+    #[serde(default)]
+    pub cut_passed: bool,
 }
 
 /// An open journal entry; [`Journal::finish`] removes it.
@@ -150,6 +156,12 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
     let _ = fs::remove_dir_all(&entry.tmp_dir);
     let root_running = proctree::exists(entry.root_pid);
     let mut image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());
+    if image_complete.is_some() && entry.coordinated && !entry.cut_passed {
+        // Committed here, but hiber died before the coordinator said every participant
+        // had: the others removed theirs, so this one is no part of a whole cut.
+        let _ = fs::remove_dir_all(&entry.dest);
+        image_complete = None;
+    }
     if image_complete.is_some() && root_running && !entry.leave_running {
         // The image was finished but CRIU never stopped the tree (hiber died before it
         // acknowledged): the checkpoint did not take effect, and restoring that image next
@@ -200,6 +212,8 @@ mod tests {
             leave_running: false,
             claims: vec![],
             phase: Phase::Dumping,
+            coordinated: false,
+            cut_passed: false,
         };
         let j = Journal::begin(&state, live.clone()).unwrap();
         assert!(stale_entries(&state).is_empty(), "a running hiber's entry is not stale");
@@ -213,5 +227,65 @@ mod tests {
         assert!(!tmp.exists(), "the partial image is removed");
         assert!(stale_entries(&state).is_empty());
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_coordinated_image_counts_only_once_the_cut_passed() {
+        let root = std::env::temp_dir().join(format!("hiber-journal-cut-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let state = StateDir::at(&root);
+        let me = proctree::stat(std::process::id() as i32).unwrap();
+        for passed in [false, true] {
+            // A committed image of a leave-running checkpoint whose hiber died at the last barrier.
+            let dest = root.join(format!("img-{passed}"));
+            let mut w = crate::image::ImageWriter::create(&dest).unwrap();
+            w.commit(sample_manifest(), &[]).unwrap();
+            let entry = Entry {
+                hiber_pid: std::process::id() as i32,
+                hiber_start_time: me.start_time + 1,
+                root_pid: 999_999,
+                tmp_dir: root.join(".gone"),
+                dest: dest.clone(),
+                leave_running: true,
+                claims: vec![],
+                phase: Phase::Committed,
+                coordinated: true,
+                cut_passed: passed,
+            };
+            let _j = Journal::begin(&state, entry).unwrap();
+            let rec = recover(&state, &[]);
+            assert_eq!(rec.len(), 1);
+            assert_eq!(rec[0].image_complete.is_some(), passed, "kept only when the cut passed");
+            assert_eq!(dest.exists(), passed);
+        }
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn sample_manifest() -> crate::image::Manifest {
+        crate::image::Manifest {
+            magic: crate::image::MAGIC.into(),
+            format: crate::image::FORMAT,
+            created: "2026-11-23T00:00:00Z".into(),
+            host: "h".into(),
+            kernel: "k".into(),
+            criu_version: "4.1.1".into(),
+            hiber_version: "0".into(),
+            source: crate::image::Source {
+                job: None,
+                pid: 1,
+                leave_running: true,
+                pid_namespace: true,
+                mount_namespace: true,
+                stdout: None,
+                stderr: None,
+                stdout_external: None,
+                stderr_external: None,
+            },
+            processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
+            devices: Vec::new(),
+            frozen_seconds: 0.0,
+            parent: None,
+            files: Vec::new(),
+        }
     }
 }

@@ -1536,11 +1536,12 @@ unsafe extern "C" fn event_trampoline(_real: H, status: cl_int, data: *mut c_voi
         let mut pending = cb.event.callbacks.lock().unwrap_or_else(|e| e.into_inner());
         // A real event the layer released for a checkpoint: the callback is registered
         // again on the one made in its place, and runs there.
-        let current = cb.event.real() as usize == cb.real;
-        if current {
+        // Run only by the registration that takes it off the pending list: never twice.
+        let before = pending.len();
+        if cb.event.real() as usize == cb.real {
             pending.retain(|p| p.id != cb.pending.id);
         }
-        current
+        pending.len() < before
     };
     if run {
         // SAFETY: the application's callback with its own event handle and data.

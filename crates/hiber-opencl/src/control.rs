@@ -47,7 +47,7 @@ fn serve(listener: OwnedFd) {
             reg.released || !reg.pending.is_empty()
         };
         if gate::is_closed() && !held {
-            gate::open();
+            replay::open_gate();
         }
     })
 }
@@ -126,7 +126,7 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 } else if pending > 0 {
                     reply(conn, Reply::Err(format!("{pending} memory objects are not written back yet; load them first")))?;
                 } else {
-                    gate::open();
+                    replay::open_gate();
                     quiesced = false;
                     reply(conn, Reply::Ok)?;
                 }

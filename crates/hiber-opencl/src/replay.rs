@@ -14,6 +14,8 @@ use std::ptr::null_mut;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hiber_wire::gate;
+
 use crate::cl::{self, cl_int, cl_uint, ImageDesc, H};
 use crate::objects::{self as o, Arg, Kind, Obj, ProgramSource, Record, Shape};
 
@@ -427,6 +429,28 @@ fn with_all_queues_finished() -> Result<(), String> {
     Ok(())
 }
 
+/// Events whose pending callbacks wait for the gate to open after a replay.
+fn deferred() -> std::sync::MutexGuard<'static, Vec<Arc<Obj>>> {
+    static DEFERRED: std::sync::Mutex<Vec<Arc<Obj>>> = std::sync::Mutex::new(Vec::new());
+    DEFERRED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Opens the gate, then registers again the event callbacks a replay left pending (see
+/// [`replay`]), each on the event made in place of the one it was registered on.
+pub fn open_gate() {
+    gate::open();
+    let events = std::mem::take(&mut *deferred());
+    for x in events {
+        let pending = x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for p in pending {
+            let r = crate::api::register_event_callback(&x, p);
+            if r != cl::CL_SUCCESS {
+                crate::log(&format!("could not register an event callback again (error {r}); it will not run"));
+            }
+        }
+    }
+}
+
 /// Releases every real object (the newest first); the records stay for [`replay`].
 pub fn release() -> Result<(), String> {
     let get_event = f!(clGetEventInfo);
@@ -608,16 +632,11 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
         }
         let real = recreate(x).map_err(|e| format!("re-creating {:?} {}: {e}", x.kind, x.seq))?;
         x.set_real(real);
-        if x.kind == Kind::Event {
-            // Callbacks that had not run: registered on the new event (one already complete
-            // runs them at once).
-            let pending = x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            for p in pending {
-                let r = crate::api::register_event_callback(x, p);
-                if r != cl::CL_SUCCESS {
-                    return Err(format!("registering an event callback again: error {r}"));
-                }
-            }
+        if x.kind == Kind::Event && !x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            // Callbacks that had not run are registered on the new event once the gate is
+            // open ([`open_gate`]): an event already complete runs them at once, and they
+            // may call OpenCL, and expect the memory objects' bytes back.
+            deferred().push(x.clone());
         }
     }
     // Arguments last: a kernel's arguments may be objects made after it.

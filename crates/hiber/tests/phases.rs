@@ -82,13 +82,15 @@ fn a_restore_failing_at_any_phase_leaves_no_job() {
     assert_continues(&before, &h.progress("rp-r"), before.last().unwrap().0 + 1);
 }
 
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
 /// `hiber coordinate` on a free loopback port, with the session token given.
 fn coordinator(h: &Hiber, participants: &str) -> (std::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
     let child = h
         .command(&["coordinate", "--participants", participants, "--listen", &addr, "--timeout", "120"])
-        .env("HIBER_SESSION", "t0k3n")
+        .env("HIBER_SESSION", TOKEN)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -118,7 +120,7 @@ fn two_jobs_checkpoint_as_one_cut_and_abort_together() {
         let mut args = vec!["checkpoint", job, "--coordinator", &addr, "--out", image.to_str().unwrap()];
         args.extend_from_slice(extra);
         let mut c = h.command(&args);
-        c.env("HIBER_SESSION", "t0k3n");
+        c.env("HIBER_SESSION", TOKEN);
         for (k, v) in env {
             c.env(k, v);
         }
@@ -140,7 +142,7 @@ fn two_jobs_checkpoint_as_one_cut_and_abort_together() {
     let ckpt2 = |job: &str, env: &[(&str, &str)]| {
         let image = h.images_dir().join(format!("{job}-2"));
         let mut c = h.command(&["checkpoint", job, "--leave-running", "--coordinator", &addr2, "--out", image.to_str().unwrap()]);
-        c.env("HIBER_SESSION", "t0k3n");
+        c.env("HIBER_SESSION", TOKEN);
         for (k, v) in env {
             c.env(k, v);
         }

@@ -206,6 +206,12 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
 /// Checkpoints, holding at `coord`'s barrier after each phase.
 pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coordinator) -> Result<CheckpointReport, CheckpointError> {
     let mut c = Checkpoint::prepare(ctx, req)?;
+    if coord.is_shared() {
+        if let Err(e) = c.coordinated() {
+            c.abort(&e)?;
+            return Err(e);
+        }
+    }
     let steps = (|| {
         coord.barrier(Phase::Prepared)?;
         c.quiesce()?;

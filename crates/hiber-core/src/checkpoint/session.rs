@@ -60,6 +60,8 @@ impl<'a> Checkpoint<'a> {
             leave_running: req.leave_running,
             claims: Vec::new(),
             phase: journal::Phase::Started,
+            coordinated: false,
+            cut_passed: false,
         };
         let mut journal = Journal::begin(&ctx.state, entry).map_err(CheckpointError::Journal)?;
         let opts = CheckpointOptions { leave_running: req.leave_running };
@@ -207,6 +209,11 @@ impl<'a> Checkpoint<'a> {
                     CheckpointError::from(e)
                 })
             });
+            if committed.is_ok() {
+                if let Some(j) = journal {
+                    let _ = j.update(|e| e.cut_passed = true);
+                }
+            }
             committed.map_err(|e| {
                 let msg = e.to_string();
                 commit_error = Some(e);
@@ -288,6 +295,15 @@ impl<'a> Checkpoint<'a> {
 
     /// Ends a checkpoint whose application runs (again) and has nothing left to undo,
     /// successful or not: the journal entry goes.
+    /// Marks the journal entry as part of a cut of several hibers: `hiber recover` keeps
+    /// its image only once the cut passed.
+    pub fn coordinated(&mut self) -> Result<(), CheckpointError> {
+        match &mut self.journal {
+            Some(j) => j.update(|e| e.coordinated = true).map_err(CheckpointError::Journal),
+            None => Ok(()),
+        }
+    }
+
     pub fn close(&mut self) {
         if let Some(j) = self.journal.take() {
             j.finish();

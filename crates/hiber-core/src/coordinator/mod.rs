@@ -40,6 +40,11 @@ pub struct BarrierError(pub String);
 pub trait Coordinator: Sync {
     /// Returns once every participant has reached `phase`; an error aborts the operation.
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError>;
+
+    /// Whether other participants take part (an image then counts only once all committed).
+    fn is_shared(&self) -> bool {
+        false
+    }
 }
 
 /// What a [`Local`] coordinator runs at each barrier.

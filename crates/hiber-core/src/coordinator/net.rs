@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! participant → coordinator   {"v": 1, "hello": {"session": TOKEN, "name": NAME}}
-//! coordinator → participant   {"welcome": {"index": I, "participants": N}}    (once all N joined)
+//! coordinator → participant   {"welcome": {"index": I, "participants": N, "timeout_s": T}}
+//!                                                                   (once all N joined)
 //! participant → coordinator   {"reached": PHASE}                                (after each phase)
 //! coordinator → participant   {"go": PHASE}   once every participant reached PHASE
 //!                             {"abort": REASON}  when one failed, left, or reached another phase
@@ -19,8 +20,15 @@
 //! `devices_restored`) the coordinator ends. Nothing in the protocol is tied to one host:
 //! participants name themselves, and the coordinator knows them only by their connection.
 //!
+//! Time: the coordinator gives every phase one deadline, T seconds from the moment the
+//! previous one passed (joining too), and aborts everyone when it passes; a participant
+//! waits T plus a margin, so that it hears the abort rather than giving up on its own
+//! while the others are told to go on.
+//!
 //! The session token keeps strangers out of a session (the coordinator listens on a TCP
-//! port); it is a shared secret, compared in full, and never written to a log.
+//! port): a shared secret of at least 128 bits, compared in constant time, never written
+//! to a log. It travels in the clear: across hosts, run the session on a trusted network
+//! or through a tunnel.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -32,6 +40,12 @@ use serde::{Deserialize, Serialize};
 use super::{BarrierError, Coordinator, Local, Phase};
 
 pub const PROTOCOL_VERSION: u32 = 1;
+/// The longest line either side reads: a message is far shorter.
+const MAX_LINE: u64 = 64 << 10;
+/// How long past the coordinator's deadline a participant waits before it gives up.
+const PARTICIPANT_MARGIN: Duration = Duration::from_secs(60);
+/// A token shorter than this (in characters) is refused.
+pub const MIN_TOKEN_CHARS: usize = 32;
 
 /// A fresh session token: 128 random bits, in hex.
 pub fn session_token() -> std::io::Result<String> {
@@ -58,7 +72,7 @@ pub enum Up {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Down {
-    Welcome { index: usize, participants: usize },
+    Welcome { index: usize, participants: usize, timeout_s: u64 },
     Go(Phase),
     Abort(String),
 }
@@ -69,11 +83,14 @@ fn send<T: Serialize>(mut w: &TcpStream, msg: &T) -> std::io::Result<()> {
     w.write_all(&line)
 }
 
-/// Reads one message; `None` at the end of the stream.
+/// Reads one message (at most [`MAX_LINE`] bytes); `None` at the end of the stream.
 fn recv<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<T>> {
     let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
+    if std::io::Read::take(&mut *r, MAX_LINE).read_line(&mut line)? == 0 {
         return Ok(None);
+    }
+    if !line.ends_with('\n') {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "a message too long, or cut short"));
     }
     serde_json::from_str(&line).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
@@ -91,7 +108,7 @@ impl Up {
 
     fn from_value(v: &serde_json::Value) -> Option<Up> {
         if let Some(h) = v.get("hello") {
-            return Some(Up::Hello { v: v.get("v")?.as_u64()? as u32, hello: serde_json::from_value(h.clone()).ok()? });
+            return Some(Up::Hello { v: u32::try_from(v.get("v")?.as_u64()?).ok()?, hello: serde_json::from_value(h.clone()).ok()? });
         }
         Some(Up::Reached { reached: serde_json::from_value(v.get("reached")?.clone()).ok()? })
     }
@@ -122,26 +139,49 @@ impl Remote {
     /// `timeout`) until every participant has joined.
     pub fn join(addr: &str, session: &str, name: &str, timeout: Duration, local: Local) -> Result<Remote, BarrierError> {
         let err = |what: &str, e: &dyn std::fmt::Display| BarrierError(format!("{what} {addr}: {e}"));
-        let sa = addr.to_socket_addrs().map_err(|e| err("cannot resolve", &e))?.next().ok_or_else(|| BarrierError(format!("{addr} names no address")))?;
-        let stream = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).map_err(|e| err("cannot reach the coordinator at", &e))?;
+        let mut last = None;
+        let mut stream = None;
+        for sa in addr.to_socket_addrs().map_err(|e| err("cannot resolve", &e))? {
+            match TcpStream::connect_timeout(&sa, Duration::from_secs(10)) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let stream = match (stream, last) {
+            (Some(s), _) => s,
+            (None, Some(e)) => return Err(err("cannot reach the coordinator at", &e)),
+            (None, None) => return Err(BarrierError(format!("{addr} names no address"))),
+        };
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(Some(timeout)).map_err(|e| err("socket", &e))?;
         let mut reader = BufReader::new(stream.try_clone().map_err(|e| err("socket", &e))?);
         send_up(&stream, &Up::Hello { v: PROTOCOL_VERSION, hello: Hello { session: session.into(), name: name.into() } })
             .map_err(|e| err("cannot talk to the coordinator at", &e))?;
-        match recv::<Down>(&mut reader) {
-            Ok(Some(Down::Welcome { index, participants })) => {
+        let timeout = match recv::<Down>(&mut reader) {
+            Ok(Some(Down::Welcome { index, participants, timeout_s })) => {
                 tracing::debug!(index, participants, "joined the coordinator's session");
+                // Past the coordinator's own deadline: it aborts everyone before this one
+                // would give up alone.
+                let t = Duration::from_secs(timeout_s) + PARTICIPANT_MARGIN;
+                stream.set_read_timeout(Some(t)).map_err(|e| err("socket", &e))?;
+                t
             }
             Ok(Some(Down::Abort(why))) => return Err(BarrierError(format!("the coordinator refused: {why}"))),
             Ok(other) => return Err(BarrierError(format!("the coordinator at {addr} answered {other:?}"))),
             Err(e) => return Err(err("no welcome from the coordinator at", &e)),
-        }
+        };
         Ok(Remote { local, conn: Mutex::new((stream, reader)), timeout })
     }
 }
 
 impl Coordinator for Remote {
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
         self.local.barrier(phase)?;
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -169,64 +209,164 @@ pub enum Outcome {
     Aborted(String),
 }
 
+/// What a connection's reader thread hands the coordinator.
+enum Heard {
+    /// Participant I joined, by this name: its connection, for answers.
+    Joined(usize, String, TcpStream),
+    Reached(usize, Phase),
+    /// A participant left, failed, or sent what it should not.
+    Lost(usize, String),
+}
+
+/// Whether two tokens are equal, in time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    blake3::hash(a.as_bytes()) == blake3::hash(b.as_bytes())
+}
+
 /// Serves one session on `listener`: waits for `participants` to join with `session`, then
 /// holds them at each barrier until all reach it, and tells all to abort when one fails,
-/// leaves, or reaches another phase. Ends after the last phase of the operation.
+/// leaves, reaches another phase, or the phase's deadline (`timeout` after the last one)
+/// passes. Ends after the last phase of the operation. Every connection has a reader
+/// thread of its own, so that neither a slow participant nor a stranger holds the others.
 pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout: Duration) -> std::io::Result<Outcome> {
-    let mut conns: Vec<(String, TcpStream, BufReader<TcpStream>)> = Vec::new();
-    while conns.len() < participants {
-        let (stream, peer) = listener.accept()?;
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let mut reader = BufReader::new(stream.try_clone()?);
-        match recv_up(&mut reader) {
-            Ok(Some(Up::Hello { v, hello })) if v == PROTOCOL_VERSION && hello.session == session => {
-                tracing::info!(name = %hello.name, %peer, "participant joined");
-                stream.set_read_timeout(Some(timeout))?;
-                conns.push((hello.name, stream, reader));
+    let (tx, rx) = std::sync::mpsc::channel::<Heard>();
+    let joined = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let accept = listener.try_clone()?;
+    accept.set_nonblocking(false)?;
+    // Handshakes: each connection on its own thread, which then keeps reading for it.
+    {
+        let (tx, joined, session) = (tx.clone(), joined.clone(), session.to_string());
+        std::thread::Builder::new().name("hiber-coordinator-accept".into()).spawn(move || {
+            while joined.load(std::sync::atomic::Ordering::SeqCst) < participants {
+                let Ok((stream, peer)) = accept.accept() else { return };
+                let (tx, joined, session) = (tx.clone(), joined.clone(), session.clone());
+                let _ = std::thread::Builder::new()
+                    .name("hiber-coordinator-conn".into())
+                    .spawn(move || handshake_then_read(stream, peer, &session, participants, &joined, &tx));
             }
-            Ok(Some(Up::Hello { v, .. })) if v != PROTOCOL_VERSION => {
-                let _ = send(&stream, &Down::Abort(format!("protocol version {v}; this coordinator speaks {PROTOCOL_VERSION}")));
-            }
-            // A stranger, or a participant of another session: turned away, the session waits on.
-            _ => {
-                tracing::warn!(%peer, "a connection without this session's token was turned away");
-                let _ = send(&stream, &Down::Abort("not a participant of this session".into()));
-            }
-        }
+        })?;
     }
-    for (i, (_, s, _)) in conns.iter().enumerate() {
-        send(s, &Down::Welcome { index: i, participants })?;
-    }
-    let abort = |conns: &[(String, TcpStream, BufReader<TcpStream>)], why: String| {
-        for (_, s, _) in conns {
+    drop(tx);
+    let abort = |conns: &[(String, TcpStream)], why: String| {
+        for (_, s) in conns {
             let _ = send(s, &Down::Abort(why.clone()));
         }
         Ok(Outcome::Aborted(why))
     };
+    let deadline = std::time::Instant::now() + timeout;
+    let mut slots: Vec<Option<(String, TcpStream)>> = (0..participants).map(|_| None).collect();
+    let mut early: Vec<Heard> = Vec::new();
+    while slots.iter().any(Option::is_none) {
+        match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+            Ok(Heard::Joined(i, name, stream)) => slots[i] = Some((name, stream)),
+            // A participant that reports before all joined is answered once they have.
+            Ok(h) => early.push(h),
+            Err(_) => {
+                let joined: Vec<(String, TcpStream)> = slots.into_iter().flatten().collect();
+                return abort(&joined, format!("only {} of {participants} participants joined within {} s", joined.len(), timeout.as_secs()));
+            }
+        }
+    }
+    let conns: Vec<(String, TcpStream)> = slots.into_iter().flatten().collect();
+    for (i, (_, s)) in conns.iter().enumerate() {
+        send(s, &Down::Welcome { index: i, participants, timeout_s: timeout.as_secs() })?;
+    }
+    let mut pending = early.into_iter();
     loop {
-        let mut phase = None;
-        for i in 0..conns.len() {
-            let name = conns[i].0.clone();
-            let got = match recv_up(&mut conns[i].2) {
-                Ok(Some(Up::Reached { reached })) => reached,
-                Ok(None) => return abort(&conns, format!("participant '{name}' failed or left before {}", next_name(phase))),
-                Ok(Some(other)) => return abort(&conns, format!("participant '{name}' sent {other:?}")),
-                Err(e) => return abort(&conns, format!("participant '{name}': {e}")),
+        let deadline = std::time::Instant::now() + timeout;
+        let mut phase: Option<Phase> = None;
+        let mut reached = vec![false; participants];
+        while reached.iter().any(|r| !r) {
+            let heard = match pending.next() {
+                Some(h) => h,
+                None => match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+                    Ok(h) => h,
+                    Err(_) => {
+                        let late: Vec<&str> = conns.iter().zip(&reached).filter(|(_, r)| !**r).map(|((n, _), _)| n.as_str()).collect();
+                        return abort(&conns, format!("{} did not reach {} within {} s", late.join(", "), next_name(phase), timeout.as_secs()));
+                    }
+                },
             };
-            match phase {
-                None => phase = Some(got),
-                Some(p) if p == got => {}
-                Some(p) => return abort(&conns, format!("participant '{name}' reached {got:?} while the others reached {p:?}")),
+            match heard {
+                Heard::Reached(i, got) => {
+                    let name = &conns[i].0;
+                    match phase {
+                        None => phase = Some(got),
+                        Some(p) if p == got => {}
+                        Some(p) => return abort(&conns, format!("participant '{name}' reached {got:?} while the others reached {p:?}")),
+                    }
+                    if std::mem::replace(&mut reached[i], true) {
+                        return abort(&conns, format!("participant '{name}' reported {got:?} twice"));
+                    }
+                }
+                Heard::Lost(i, why) => return abort(&conns, format!("participant '{}' {why} before {}", conns[i].0, next_name(phase))),
+                Heard::Joined(..) => {}
             }
         }
         let p = phase.expect("at least one participant");
-        for (_, s, _) in &conns {
-            send(s, &Down::Go(p))?;
+        // Every participant is waiting for this answer; one that cannot be told makes the
+        // rest abort (those told to go already have: a connection lost in these
+        // microseconds is the one case the protocol cannot make whole).
+        for (k, (name, s)) in conns.iter().enumerate() {
+            if let Err(e) = send(s, &Down::Go(p)) {
+                return abort(&conns[k + 1..], format!("participant '{name}' could not be told to go on past {p:?}: {e}"));
+            }
         }
         tracing::info!(phase = ?p, "every participant passed");
         if matches!(p, Phase::Committed | Phase::DevicesRestored) {
             return Ok(Outcome::Done(p));
+        }
+    }
+}
+
+/// One connection: its hello (turned away without the session's token), then every
+/// message it sends, as [`Heard`], until it ends.
+fn handshake_then_read(
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    session: &str,
+    participants: usize,
+    joined: &std::sync::atomic::AtomicUsize,
+    tx: &std::sync::mpsc::Sender<Heard>,
+) {
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let Ok(clone) = stream.try_clone() else { return };
+    let mut reader = BufReader::new(clone);
+    let name = match recv_up(&mut reader) {
+        Ok(Some(Up::Hello { v, hello })) if v == PROTOCOL_VERSION && same_token(&hello.session, session) => hello.name,
+        Ok(Some(Up::Hello { v, .. })) if v != PROTOCOL_VERSION => {
+            let _ = send(&stream, &Down::Abort(format!("protocol version {v}; this coordinator speaks {PROTOCOL_VERSION}")));
+            return;
+        }
+        // A stranger, or a participant of another session: turned away, the session waits on.
+        _ => {
+            tracing::warn!(%peer, "a connection without this session's token was turned away");
+            let _ = send(&stream, &Down::Abort("not a participant of this session".into()));
+            return;
+        }
+    };
+    let index = joined.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    if index >= participants {
+        let _ = send(&stream, &Down::Abort(format!("the session already has its {participants} participants")));
+        return;
+    }
+    tracing::info!(%name, %peer, "participant joined");
+    let _ = stream.set_read_timeout(None);
+    let Ok(answer) = stream.try_clone() else { return };
+    if tx.send(Heard::Joined(index, name, answer)).is_err() {
+        return;
+    }
+    loop {
+        let heard = match recv_up(&mut reader) {
+            Ok(Some(Up::Reached { reached })) => Heard::Reached(index, reached),
+            Ok(None) => Heard::Lost(index, "failed or left".into()),
+            Ok(Some(other)) => Heard::Lost(index, format!("sent {other:?}")),
+            Err(e) => Heard::Lost(index, format!("broke the protocol ({e})")),
+        };
+        let lost = matches!(heard, Heard::Lost(..));
+        if tx.send(heard).is_err() || lost {
+            return;
         }
     }
 }
@@ -330,6 +470,50 @@ mod tests {
     }
 
     #[test]
+    fn silent_or_endless_strangers_do_not_hold_the_session() {
+        let (addr, server) = coordinator(2);
+        // One connects and says nothing; another sends a line that never ends.
+        let _silent = TcpStream::connect(&addr).unwrap();
+        let mut endless = TcpStream::connect(&addr).unwrap();
+        let _ = endless.write_all(&vec![b'a'; 200 << 10]);
+        let parts: Vec<_> = (0..2)
+            .map(|i| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", &format!("p{i}"), Duration::from_secs(20), Local::default()).unwrap();
+                    CHECKPOINT.iter().map(|&p| r.barrier(p)).collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        for p in parts {
+            p.join().unwrap().unwrap();
+        }
+        assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
+    }
+
+    #[test]
+    fn a_participant_that_never_arrives_aborts_the_others_at_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || serve(&l, 2, "secret", Duration::from_secs(1)).unwrap());
+        let a = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let r = Remote::join(&addr, "secret", "a", Duration::from_secs(20), Local::default()).unwrap();
+                r.barrier(Phase::Prepared).unwrap();
+                r.barrier(Phase::Quiesced)
+            })
+        };
+        // b is prepared, then hangs (a stuck quiesce): it never reports again.
+        let b = Remote::join(&addr, "secret", "b", Duration::from_secs(20), Local::default()).unwrap();
+        b.barrier(Phase::Prepared).unwrap();
+        let e = a.join().unwrap().unwrap_err();
+        assert!(e.0.contains("'b'") || e.0.contains("b did not reach"), "{}", e.0);
+        assert!(matches!(server.join().unwrap(), Outcome::Aborted(why) if why.contains("did not reach")));
+        drop(b);
+    }
+
+    #[test]
     fn wire_format_is_the_documented_one() {
         assert_eq!(Up::Reached { reached: Phase::Quiesced }.to_value(), serde_json::json!({"reached": "quiesced"}));
         assert_eq!(
@@ -337,7 +521,10 @@ mod tests {
             serde_json::json!({"v": 1, "hello": {"session": "s", "name": "n"}})
         );
         assert_eq!(serde_json::to_value(Down::Go(Phase::DevicesRestored)).unwrap(), serde_json::json!({"go": "devices_restored"}));
-        assert_eq!(serde_json::to_value(Down::Welcome { index: 1, participants: 2 }).unwrap(), serde_json::json!({"welcome": {"index": 1, "participants": 2}}));
+        assert_eq!(
+            serde_json::to_value(Down::Welcome { index: 1, participants: 2, timeout_s: 5 }).unwrap(),
+            serde_json::json!({"welcome": {"index": 1, "participants": 2, "timeout_s": 5}})
+        );
         assert_eq!(serde_json::to_value(Down::Abort("x".into())).unwrap(), serde_json::json!({"abort": "x"}));
     }
 }

@@ -1,11 +1,13 @@
-//! The image format, version 1.1 (a reader takes 1.0 too), and the sink an image is written through.
+//! The image format, version 1.1, or 1.2 when device data chunks are zstd-compressed (a
+//! reader takes 1.0 to 1.2), and the sink an image is written through.
 //!
 //! An image is a directory:
 //! ```text
 //! IMAGE/
 //!   manifest.json   magic "HIBER-IMAGE", format {major, minor}, creation time, host,
 //!                   kernel, CRIU and hiber versions, the process tree, one section per
-//!                   device engine, and every other file with its size and blake3 hash
+//!                   device engine, the parent image it shares files with (if any), and
+//!                   every other file with its size, blake3 hash and encoding as stored
 //!   criu/           CRIU's image files
 //!   <engine>/       files a device engine wrote (the agent's device memory chunks)
 //! ```

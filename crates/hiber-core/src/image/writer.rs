@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -200,7 +200,9 @@ impl ImageSink for ImageWriter {
         let dst = self.tmp.join(rel);
         let mut linked = false;
         let mut link = || -> std::io::Result<bool> {
-            if !fs::symlink_metadata(&src)?.is_file() {
+            // Only a plain file as private as this image's own: hiber's, 0600.
+            let m = fs::symlink_metadata(&src)?;
+            if !m.is_file() || m.uid() != crate::sys::geteuid() || m.mode() & 0o077 != 0 {
                 return Ok(false);
             }
             let dir = dst.parent().unwrap_or(&self.tmp);

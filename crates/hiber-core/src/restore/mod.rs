@@ -234,8 +234,10 @@ fn restore_into_job(
         .barrier(Phase::ProcessesRestored)
         .map_err(RestoreError::from)
         .and_then(|()| restore_devices(ctx, sessions, root, leave_stopped))
-        .and_then(|()| coord.barrier(Phase::DevicesRestored).map_err(RestoreError::from))
-        .and_then(|()| record_job(image, job, root));
+        // Recorded before the last barrier: a participant that cannot record its job fails
+        // there, with every other one, rather than after they were told to go on.
+        .and_then(|()| record_job(image, job, root))
+        .and_then(|j| coord.barrier(Phase::DevicesRestored).map(|()| j).map_err(RestoreError::from));
     match finished {
         Ok(j) => Ok((j, criu, devices_start.elapsed())),
         Err(e) => {

@@ -6,7 +6,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use hiber_core::coordinator::net::{serve, session_token, Outcome};
+use hiber_core::coordinator::net::{serve, session_token, Outcome, MIN_TOKEN_CHARS};
 
 use crate::cli_error::{CliError, FAILED};
 
@@ -30,7 +30,11 @@ pub const SESSION_ENV: &str = "HIBER_SESSION";
 
 pub fn run(args: Args) -> Result<(), CliError> {
     let session = match std::env::var(SESSION_ENV) {
-        Ok(s) if !s.is_empty() => s,
+        Ok(s) if s.chars().count() < MIN_TOKEN_CHARS => {
+            return Err(CliError::new(FAILED, format!("${SESSION_ENV} is too short to keep a session private (at least {MIN_TOKEN_CHARS} characters)"))
+                .hint(format!("unset {SESSION_ENV} and the coordinator draws a token of its own")))
+        }
+        Ok(s) => s,
         _ => {
             let t = session_token().map_err(|e| CliError::new(FAILED, format!("cannot draw a session token: {e}")))?;
             println!("session token (give it to each participant as {SESSION_ENV}): {t}");

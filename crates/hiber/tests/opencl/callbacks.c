@@ -2,7 +2,9 @@
  * only at step SET (after the test has checkpointed and restored the program): its
  * callback must run then, once. Every step's kernel event also gets a callback, which
  * counts: at the end the count must equal the steps, each callback having run exactly once
- * whether or not a checkpoint fell between its command and its call.
+ * whether or not a checkpoint fell between its command and its call. The callbacks call
+ * OpenCL themselves (as StarPU's do): the user event's releases the reference the program
+ * took for it, and a step's asks its event's status.
  * Prints `step N checksum X t MS dev NAME`, then `verify ok`.
  * Usage: callbacks STEPS SET DEVICE SLEEP_MS */
 #include "common.h"
@@ -15,16 +17,19 @@ static const char *SRC =
 static atomic_int user_calls, step_calls;
 static atomic_int user_status = 1;
 
+static atomic_int bad_status;
+
 static void CL_CALLBACK on_user(cl_event e, cl_int status, void *data) {
-    (void)e;
     if (data != (void *)&user_calls) abort();
+    if (clReleaseEvent(e) != CL_SUCCESS) atomic_fetch_add(&bad_status, 1);
     atomic_store(&user_status, status);
     atomic_fetch_add(&user_calls, 1);
 }
 
 static void CL_CALLBACK on_step(cl_event e, cl_int status, void *data) {
-    (void)e;
     (void)data;
+    cl_int st = -1;
+    if (clGetEventInfo(e, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) != CL_SUCCESS || st != CL_COMPLETE) atomic_fetch_add(&bad_status, 1);
     if (status == CL_COMPLETE) atomic_fetch_add(&step_calls, 1);
 }
 
@@ -51,6 +56,7 @@ int main(int argc, char **argv) {
     CHECK(err);
     cl_event user = clCreateUserEvent(ctx, &err);
     CHECK(err);
+    CHECK(clRetainEvent(user)); /* the callback's, released there */
     CHECK(clSetEventCallback(user, CL_COMPLETE, on_user, &user_calls));
     char name[256];
     for (int s = 1; s <= steps; s++) {
@@ -88,8 +94,9 @@ int main(int argc, char **argv) {
     CHECK(clFinish(q));
     for (int w = 0; w < 200 && atomic_load(&step_calls) < steps; w++) usleep(5000);
     usleep(50000);
-    if (atomic_load(&step_calls) != steps || atomic_load(&user_calls) != 1) {
-        printf("verify failed: %d step callbacks for %d steps, %d user callbacks\n", atomic_load(&step_calls), steps, atomic_load(&user_calls));
+    if (atomic_load(&step_calls) != steps || atomic_load(&user_calls) != 1 || atomic_load(&bad_status) != 0) {
+        printf("verify failed: %d step callbacks for %d steps, %d user callbacks, %d OpenCL calls failed in callbacks\n", atomic_load(&step_calls), steps,
+               atomic_load(&user_calls), atomic_load(&bad_status));
         return 1;
     }
     printf("verify ok\n");
