@@ -578,6 +578,36 @@ def agent_full_gpu_staged_leave_running(m):
 
 
 @scenario
+def agent_incremental_image_outlives_its_parent(m):
+    """Two --leave-running checkpoints of a job whose 2 GiB of weights never change (counter
+    --static-mib) and whose 1 GiB of data does: the second image shares the weights' chunks
+    with the first (hard links) instead of writing them; the first is removed, the second
+    restores, and the copy goes on with the original's checksums and verifies every word."""
+    run_job("inc", program("counter"), "--mib", "1024", "--static-mib", "2048", "--steps", "300", agent=True)
+    wait_step("inc", 30)
+    first, second = image_of("inc1"), image_of("inc2")
+    r1 = hiber_json("checkpoint", "inc", "--leave-running", "--out", first)
+    at1 = progress("inc")[-1][0]
+    wait_step("inc", at1 + 20)
+    before = progress("inc")[-1][0]
+    r2 = hiber_json("checkpoint", "inc", "--leave-running", "--out", second)
+    at = progress("inc")[-1][0]
+    m.update(first_mib=r1["image_bytes"] >> 20, second_mib=r2["image_bytes"] >> 20, shared_mib=r2["shared_bytes"] >> 20,
+             first_s=round(r1["total_seconds"], 2), second_s=round(r2["total_seconds"], 2))
+    assert r1["shared_bytes"] == 0, r1
+    assert r2["shared_bytes"] >= 2 << 30, f"the weights are shared: {r2}"
+    assert r2["parent"] == first, r2
+    assert_verified("inc")
+    hiber("rm", first)
+    rs = hiber_json("restore", second, "--name", "inc-copy")
+    assert_verified("inc-copy")
+    copy = progress("inc-copy")
+    assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
+    assert_continues(progress("inc"), copy, copy[0][0])
+    m.update(restore_s=round(rs["total_seconds"], 2))
+
+
+@scenario
 def agent_hiber_killed_after_handover_recovers(m):
     """SIGKILL hiber once the agent has released the job's device memory (hiber held the
     only reference): `hiber recover` loads it back from the chunks hiber wrote first, and
