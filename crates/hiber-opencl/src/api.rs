@@ -1521,48 +1521,6 @@ pub unsafe extern "C" fn clSetUserEventStatus(e: H, status: cl_int) -> cl_int {
     r
 }
 
-/// What the platform hands the trampoline: one registration of one callback on one real event.
-struct EventCallback {
-    pending: o::PendingCallback,
-    event: Arc<Obj>,
-    /// The real event it was registered on.
-    real: usize,
-}
-
-unsafe extern "C" fn event_trampoline(_real: H, status: cl_int, data: *mut c_void) {
-    // SAFETY: `data` is the box `register_event_callback` leaked for this one call.
-    let cb = unsafe { Box::from_raw(data as *mut EventCallback) };
-    let run = {
-        let mut pending = cb.event.callbacks.lock().unwrap_or_else(|e| e.into_inner());
-        // A real event the layer released for a checkpoint: the callback is registered
-        // again on the one made in its place, and runs there.
-        // Run only by the registration that takes it off the pending list: never twice.
-        let before = pending.len();
-        if cb.event.real() as usize == cb.real {
-            pending.retain(|p| p.id != cb.pending.id);
-        }
-        pending.len() < before
-    };
-    if run {
-        // SAFETY: the application's callback with its own event handle and data.
-        unsafe { (cb.pending.f)(cb.event.handle(), status, cb.pending.data as *mut c_void) };
-    }
-}
-
-/// Registers `p` with the platform on `x`'s real event, through the trampoline.
-pub(crate) fn register_event_callback(x: &Arc<Obj>, p: o::PendingCallback) -> cl_int {
-    let real_f = real_fn!(clSetEventCallback, cl::CL_INVALID_OPERATION);
-    let real = x.real();
-    let data = Box::into_raw(Box::new(EventCallback { pending: p, event: x.clone(), real: real as usize }));
-    // SAFETY: the real event; the trampoline gives the application its own handle.
-    let r = unsafe { real_f(real, p.status, Some(event_trampoline), data as *mut c_void) };
-    if r != cl::CL_SUCCESS {
-        // SAFETY: not registered, so not called: the box is ours to free.
-        drop(unsafe { Box::from_raw(data) });
-    }
-    r
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn clSetEventCallback(e: H, kind: cl_int, f: Option<EventNotify>, user_data: *mut c_void) -> cl_int {
     let _pass = gate::enter();
@@ -1571,7 +1529,7 @@ pub unsafe extern "C" fn clSetEventCallback(e: H, kind: cl_int, f: Option<EventN
     let p = o::PendingCallback { id: o::next_callback_id(), status: kind, f, data: user_data as usize };
     // Pending before the platform has it: a callback it runs at once finds itself there.
     x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-    let r = register_event_callback(&x, p);
+    let r = o::register_event_callback(&x, p);
     if r != cl::CL_SUCCESS {
         x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).retain(|q| q.id != p.id);
     }

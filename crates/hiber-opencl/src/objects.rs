@@ -176,6 +176,48 @@ pub struct PendingCallback {
     pub data: usize,
 }
 
+/// What the platform hands the trampoline: one registration of one callback on one real event.
+struct EventCallback {
+    pending: PendingCallback,
+    event: Arc<Obj>,
+    /// The real event it was registered on.
+    real: usize,
+}
+
+unsafe extern "C" fn event_trampoline(_real: H, status: cl_int, data: *mut c_void) {
+    // SAFETY: `data` is the box `register_event_callback` leaked for this one call.
+    let cb = unsafe { Box::from_raw(data as *mut EventCallback) };
+    let run = {
+        let mut pending = cb.event.callbacks.lock().unwrap_or_else(|e| e.into_inner());
+        // A real event the layer released for a checkpoint: the callback is registered
+        // again on the one made in its place, and runs there.
+        // Run only by the registration that takes it off the pending list: never twice.
+        let before = pending.len();
+        if cb.event.real() as usize == cb.real {
+            pending.retain(|p| p.id != cb.pending.id);
+        }
+        pending.len() < before
+    };
+    if run {
+        // SAFETY: the application's callback with its own event handle and data.
+        unsafe { (cb.pending.f)(cb.event.handle(), status, cb.pending.data as *mut c_void) };
+    }
+}
+
+/// Registers `p` with the platform on `x`'s real event, through the trampoline.
+pub(crate) fn register_event_callback(x: &Arc<Obj>, p: PendingCallback) -> cl_int {
+    let Some(real_f) = cl::real().and_then(|r| r.clSetEventCallback) else { return cl::CL_INVALID_OPERATION };
+    let real = x.real();
+    let data = Box::into_raw(Box::new(EventCallback { pending: p, event: x.clone(), real: real as usize }));
+    // SAFETY: the real event; the trampoline gives the application its own handle.
+    let r = unsafe { real_f(real, p.status, Some(event_trampoline), data as *mut c_void) };
+    if r != cl::CL_SUCCESS {
+        // SAFETY: not registered, so not called: the box is ours to free.
+        drop(unsafe { Box::from_raw(data) });
+    }
+    r
+}
+
 /// An event callback's type.
 pub type EventNotify = unsafe extern "C" fn(H, cl_int, *mut c_void);
 

@@ -443,7 +443,7 @@ pub fn open_gate() {
     for x in events {
         let pending = x.callbacks.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for p in pending {
-            let r = crate::api::register_event_callback(&x, p);
+            let r = o::register_event_callback(&x, p);
             if r != cl::CL_SUCCESS {
                 crate::log(&format!("could not register an event callback again (error {r}); it will not run"));
             }
