@@ -239,7 +239,7 @@ mod tests {
             // A committed image of a leave-running checkpoint whose hiber died at the last barrier.
             let dest = root.join(format!("img-{passed}"));
             let mut w = crate::image::ImageWriter::create(&dest).unwrap();
-            w.commit(sample_manifest(), &[]).unwrap();
+            w.commit(crate::image::tests::sample_manifest(), &[]).unwrap();
             let entry = Entry {
                 hiber_pid: std::process::id() as i32,
                 hiber_start_time: me.start_time + 1,
@@ -259,33 +259,5 @@ mod tests {
             assert_eq!(dest.exists(), passed);
         }
         fs::remove_dir_all(&root).unwrap();
-    }
-
-    fn sample_manifest() -> crate::image::Manifest {
-        crate::image::Manifest {
-            magic: crate::image::MAGIC.into(),
-            format: crate::image::FORMAT,
-            created: "2026-11-23T00:00:00Z".into(),
-            host: "h".into(),
-            kernel: "k".into(),
-            criu_version: "4.1.1".into(),
-            hiber_version: "0".into(),
-            source: crate::image::Source {
-                job: None,
-                pid: 1,
-                leave_running: true,
-                pid_namespace: true,
-                mount_namespace: true,
-                stdout: None,
-                stderr: None,
-                stdout_external: None,
-                stderr_external: None,
-            },
-            processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
-            devices: Vec::new(),
-            frozen_seconds: 0.0,
-            parent: None,
-            files: Vec::new(),
-        }
     }
 }

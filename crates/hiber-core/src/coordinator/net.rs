@@ -390,12 +390,11 @@ mod tests {
 
     const CHECKPOINT: [Phase; 5] = [Phase::Prepared, Phase::Quiesced, Phase::Captured, Phase::Dumped, Phase::Committed];
 
-    #[test]
-    fn all_participants_pass_every_phase_together() {
-        let (addr, server) = coordinator(3);
-        let parts: Vec<_> = (0..3)
+    /// `n` participants join the session at `addr` and pass every phase of a checkpoint.
+    fn all_pass_every_checkpoint_phase(addr: &str, n: usize) {
+        let parts: Vec<_> = (0..n)
             .map(|i| {
-                let addr = addr.clone();
+                let addr = addr.to_string();
                 std::thread::spawn(move || {
                     let r = Remote::join(&addr, "secret", &format!("p{i}"), Duration::from_secs(20), Local::default()).unwrap();
                     CHECKPOINT.iter().map(|&p| r.barrier(p)).collect::<Result<Vec<_>, _>>()
@@ -405,6 +404,12 @@ mod tests {
         for p in parts {
             p.join().unwrap().unwrap();
         }
+    }
+
+    #[test]
+    fn all_participants_pass_every_phase_together() {
+        let (addr, server) = coordinator(3);
+        all_pass_every_checkpoint_phase(&addr, 3);
         assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
     }
 
@@ -476,18 +481,7 @@ mod tests {
         let _silent = TcpStream::connect(&addr).unwrap();
         let mut endless = TcpStream::connect(&addr).unwrap();
         let _ = endless.write_all(&vec![b'a'; 200 << 10]);
-        let parts: Vec<_> = (0..2)
-            .map(|i| {
-                let addr = addr.clone();
-                std::thread::spawn(move || {
-                    let r = Remote::join(&addr, "secret", &format!("p{i}"), Duration::from_secs(20), Local::default()).unwrap();
-                    CHECKPOINT.iter().map(|&p| r.barrier(p)).collect::<Result<Vec<_>, _>>()
-                })
-            })
-            .collect();
-        for p in parts {
-            p.join().unwrap().unwrap();
-        }
+        all_pass_every_checkpoint_phase(&addr, 2);
         assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
     }
 

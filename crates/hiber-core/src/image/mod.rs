@@ -219,4 +219,4 @@ pub fn list_files(dir: &Path) -> Result<Vec<String>, ImageError> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -23,7 +23,8 @@ impl Drop for TempDir {
     }
 }
 
-fn sample_manifest() -> Manifest {
+/// A manifest of this process, for tests that write images.
+pub(crate) fn sample_manifest() -> Manifest {
     Manifest {
         magic: MAGIC.into(),
         format: FORMAT,

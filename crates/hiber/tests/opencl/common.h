@@ -68,6 +68,19 @@ static inline void queue_device_name(cl_command_queue q, char *out, size_t n) {
         if (*c == ' ') *c = '_';
 }
 
+/* Device DEV (as pick_device), a context on its platform, and an in-order queue on it. */
+static inline cl_command_queue open_queue(int dev, cl_device_id *d, cl_context *ctx) {
+    cl_platform_id platform;
+    *d = pick_device(dev, &platform);
+    cl_int err;
+    cl_context_properties props[] = {CL_CONTEXT_PLATFORM, (cl_context_properties)platform, 0};
+    *ctx = clCreateContext(props, 1, d, NULL, NULL, &err);
+    CHECK(err);
+    cl_command_queue q = clCreateCommandQueueWithProperties(*ctx, *d, NULL, &err);
+    CHECK(err);
+    return q;
+}
+
 static inline cl_program build(cl_context ctx, cl_device_id dev, const char *src) {
     cl_int err;
     cl_program p = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);

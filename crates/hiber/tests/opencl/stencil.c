@@ -31,14 +31,10 @@ int main(int argc, char **argv) {
     uint32_t n = argc > 2 ? (uint32_t)atoi(argv[2]) : 65536;
     int dev = argc > 3 ? device_arg(argv[3]) : 0;
     int sleep = argc > 4 ? atoi(argv[4]) : 20;
-    cl_platform_id platform;
-    cl_device_id d = pick_device(dev, &platform);
+    cl_device_id d;
+    cl_context ctx;
+    cl_command_queue q = open_queue(dev, &d, &ctx);
     cl_int err;
-    cl_context_properties props[] = {CL_CONTEXT_PLATFORM, (cl_context_properties)platform, 0};
-    cl_context ctx = clCreateContext(props, 1, &d, NULL, NULL, &err);
-    CHECK(err);
-    cl_command_queue q = clCreateCommandQueueWithProperties(ctx, d, NULL, &err);
-    CHECK(err);
     cl_program prog = build(ctx, d, SRC);
     if (argc > 5 && strcmp(argv[5], "binary") == 0) {
         size_t len = 0;
