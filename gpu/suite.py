@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,7 +34,8 @@ if not __debug__:
 CARRY = REPO / ".carry"
 HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
-STATE = Path("/tmp/hiber-gpu-state")
+# A worker of a parallel run (SUITE_JOBS) gets a state directory of its own.
+STATE = Path(os.environ.get("SUITE_STATE") or "/tmp/hiber-gpu-state")
 BUILD = Path("/tmp/hiber-gpu-build")
 ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "criu"), PYTHONUNBUFFERED="1")
 ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
@@ -288,10 +290,19 @@ def abstract_sockets(pid):
 
 
 SCENARIOS = []
+# Scenarios that need the machine to themselves: they fill the GPU or host memory, size what
+# they do by what is free, or time something. A parallel run (SUITE_JOBS) runs them one at a
+# time after the others.
+EXCLUSIVE = set()
 
 
 def scenario(fn):
     SCENARIOS.append(fn)
+    return fn
+
+
+def exclusive(fn):
+    EXCLUSIVE.add(fn.__name__)
     return fn
 
 
@@ -423,6 +434,7 @@ def gpu_map_by_uuid_same_gpu(m):
 
 
 @scenario
+@exclusive
 def lock_timeout_keeps_the_process_running(m):
     hiber("run", "--name", "busy", "--", program("counter"), "--mib", "256", "--steps", "120", "--spin-at", "20", "--spin-ms", "10000")
     wait("the long kernel", 120, lambda: "spin" in log("busy"))
@@ -438,6 +450,7 @@ def lock_timeout_keeps_the_process_running(m):
 
 
 @scenario
+@exclusive
 def restore_refused_without_enough_gpu_memory(m):
     hiber("run", "--name", "big", "--", program("counter"), "--mib", "4096", "--steps", "300")
     wait_step("big", 20)
@@ -541,6 +554,7 @@ def free_mib():
 
 
 @scenario
+@exclusive
 def agent_full_gpu_staged_leave_running(m):
     """A job filling the GPU, checkpointed with --leave-running: the GPU has room for only a
     few GiB of hiber's copies, the staging area in host memory (capped here by
@@ -743,6 +757,7 @@ JAX_ENV = dict(ENV, XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_gpu_autotu
 
 
 @scenario
+@exclusive
 def agent_jax_defaults(m):
     """JAX with its default memory settings: 75% of the GPU preallocated."""
     img = identical_run(m, "jax", JAX, agent=True, limit=180, ref_timeout=300, env=JAX_ENV)
@@ -750,6 +765,7 @@ def agent_jax_defaults(m):
 
 
 @scenario
+@exclusive
 def no_agent_jax_defaults(m):
     """The same JAX job with the driver's checkpoint alone."""
     identical_run(m, "jaxd", JAX, agent=False, limit=180, ref_timeout=300, env=JAX_ENV)
@@ -820,7 +836,8 @@ def two_gpu(base):
 
             run.__name__ = f"{base}_{'agent' if on else 'no_agent'}"
             run.__doc__ = fn.__doc__
-            scenario(run)
+            # They compare the GPUs' memory use before and after.
+            scenario(exclusive(run))
         return fn
 
     return register
@@ -1056,6 +1073,7 @@ def opencl_pocl_beside_nvidia_refused(m):
 
 
 @scenario
+@exclusive
 def opencl_2gib_on_pocl(m):
     """Two 1 GiB buffers (PoCL's largest allocation here is under 2 GiB; NVIDIA's platform
     cannot be checkpointed yet): checkpoint and restore times against the disk's rate."""
@@ -1085,6 +1103,7 @@ def opencl_2gib_on_pocl(m):
 
 
 @scenario
+@exclusive
 def opencl_layer_overhead(m):
     """bench/opencl/overhead.py: the launch-heavy microbenchmark with and without the layer."""
     env = opencl_env()
@@ -1111,6 +1130,56 @@ def machine():
     }
 
 
+def run_one(fn):
+    """Runs one scenario in this process and returns its row."""
+    m = {}
+    start = time.time()
+    try:
+        fn(m)
+        status = "passed"
+    except Skip as e:
+        status, m["reason"] = "skipped", str(e)
+    except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
+        status, m["reason"] = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
+        m["logs"] = job_log_tails()
+    finally:
+        cleanup()
+    secs = round(time.time() - start, 1)
+    print(f"[{status}] {fn.__name__} ({secs}s) {json.dumps(m)[:600]}", flush=True)
+    return {"scenario": fn.__name__, "status": status, "seconds": secs, **m}
+
+
+def run_parallel(fns, jobs):
+    """Runs FNS on JOBS workers, each a `suite.py` of its own for one scenario at a time, with
+    a state directory per worker slot; returns {name: row}."""
+    queue, rows, lock = list(fns), {}, threading.Lock()
+
+    def slot(k):
+        while True:
+            with lock:
+                if not queue:
+                    return
+                fn = queue.pop(0)
+            out = OUT / "workers" / fn.__name__
+            env = dict(os.environ, SUITE_WORKER="1", SUITE_ONLY=fn.__name__, SUITE_STATE=f"{STATE}-{k}", OUT=str(out))
+            p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
+            sys.stdout.write(p.stdout)
+            sys.stdout.flush()
+            try:
+                row = json.loads((out / "results.json").read_text())["results"][0]
+            except (OSError, ValueError, IndexError):
+                row = {"scenario": fn.__name__, "status": "failed", "seconds": 0, "reason": f"its worker ended ({p.returncode}) without a result: {p.stderr[-800:]}"}
+            with lock:
+                rows[fn.__name__] = row
+
+    threads = [threading.Thread(target=slot, args=(k,)) for k in range(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
 def main():
     unknown = ONLY - {fn.__name__ for fn in SCENARIOS}
     if unknown:
@@ -1118,37 +1187,38 @@ def main():
         sys.exit("SUITE_ONLY names no scenario: " + ", ".join(sorted(unknown)))
     OUT.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(STATE, ignore_errors=True)
+    selected = [fn for fn in SCENARIOS if not ONLY or fn.__name__ in ONLY]
+    worker = os.environ.get("SUITE_WORKER") == "1"
+    if worker:
+        # The programs were built by the run that started this worker.
+        for prog, (rc, err) in json.loads((BUILD / "built.json").read_text()).items():
+            BUILT[prog] = subprocess.CompletedProcess([], rc, "", err)
+        rows = [run_one(fn) for fn in selected]
+        (OUT / "results.json").write_text(json.dumps({"results": rows}))
+        return 0
     BUILD.mkdir(parents=True, exist_ok=True)
     info = machine()
+    jobs = max(1, int(os.environ.get("SUITE_JOBS", "1")))
+    info["jobs"] = jobs
     print(json.dumps(info), flush=True)
     for prog in PROGRAMS:
         BUILT[prog] = sh("nvcc", "-O2", "-o", BUILD / prog, REPO / f"gpu/programs/{prog}.cu", check=False, timeout=300)
-    for fn in SCENARIOS:
-        name = fn.__name__
-        if ONLY and name not in ONLY:
-            continue
-        m = {}
-        start = time.time()
-        try:
-            fn(m)
-            status = "passed"
-        except Skip as e:
-            status, m["reason"] = "skipped", str(e)
-        except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
-            status, m["reason"] = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
-            m["logs"] = job_log_tails()
-        finally:
-            cleanup()
-        secs = round(time.time() - start, 1)
-        results.append({"scenario": name, "status": status, "seconds": secs, **m})
-        print(f"[{status}] {name} ({secs}s) {json.dumps(m)[:600]}", flush=True)
-    rows = ["| scenario | result | time | checkpoint | driver ckpt | restore | GPU mem | image |", "|---|---|---|---|---|---|---|---|"]
+    (BUILD / "built.json").write_text(json.dumps({k: (b.returncode, b.stderr) for k, b in BUILT.items()}))
+    rows = {}
+    if jobs > 1:
+        rows.update(run_parallel([fn for fn in selected if fn.__name__ not in EXCLUSIVE], jobs))
+        selected = [fn for fn in selected if fn.__name__ in EXCLUSIVE]
+    for fn in selected:
+        rows[fn.__name__] = run_one(fn)
+    results.extend(rows[fn.__name__] for fn in SCENARIOS if fn.__name__ in rows)
+    table = ["| scenario | result | time | checkpoint | driver ckpt | restore | GPU mem | image |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         g = lambda k, u="": f"{r[k]}{u}" if k in r else ""  # noqa: E731
-        rows.append(f"| {r['scenario']} | {r['status']}{(': ' + ' '.join(r['reason'].split())[:160]) if r['status'] != 'passed' else ''} | {r['seconds']}s | {g('checkpoint_s', 's')} | {g('driver_checkpoint_s', 's')} | {g('restore_s', 's')} | {g('gpu_mib', ' MiB')} | {g('image_mib', ' MiB')} |")
+        table.append(f"| {r['scenario']} | {r['status']}{(': ' + ' '.join(r['reason'].split())[:160]) if r['status'] != 'passed' else ''} | {r['seconds']}s | {g('checkpoint_s', 's')} | {g('driver_checkpoint_s', 's')} | {g('restore_s', 's')} | {g('gpu_mib', ' MiB')} | {g('image_mib', ' MiB')} |")
     counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "skipped")}
-    head = f"## GPU suite run {info['date']}\n\n- GPU: {'; '.join(info['gpus'])}\n- kernel {info['kernel']}, {info['criu']}, {info['nvcc']}\n- hiber commit {info['commit']}\n\n"
-    md = head + "\n".join(rows) + f"\n\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped\n"
+    together = f", {jobs} scenarios at a time (those that need the machine alone, one at a time after them)" if jobs > 1 else ""
+    head = f"## GPU suite run {info['date']}\n\n- GPU: {'; '.join(info['gpus'])}\n- kernel {info['kernel']}, {info['criu']}, {info['nvcc']}\n- hiber commit {info['commit']}{together}\n\n"
+    md = head + "\n".join(table) + f"\n\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped\n"
     (OUT / "results.md").write_text(md)
     (OUT / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
     print("\n" + md, flush=True)
