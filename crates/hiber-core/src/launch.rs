@@ -427,41 +427,90 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
             log: None,
         };
     }
-    let (err_rd, err_wr) = match sys::pipe() {
-        Ok(p) => p,
-        Err(e) => return failed(format!("pipe: {e}")),
-    };
-    // SAFETY: the caller is single-threaded (this function's contract).
-    match unsafe { sys::fork() } {
-        Err(e) => failed(format!("fork: {e}")),
-        Ok(Fork::Child) => {
-            drop(err_rd);
-            // SAFETY: this child of a single-threaded process has one thread, and execs or
-            // exits right after.
-            let e = unsafe { exec_job(&exec, err_wr.as_raw_fd()) };
-            let code = e.raw_os_error().unwrap_or(libc::EINVAL);
-            let _ = File::from(err_wr).write_all(&code.to_ne_bytes());
-            sys::exit_now(127)
-        }
-        Ok(Fork::Parent(pid)) => {
-            drop(err_wr);
-            let mut buf = [0u8; 4];
-            // EOF (the pipe closed on exec) means the command is running.
-            match File::from(err_rd).read_exact(&mut buf) {
-                Err(_) => Started::Running { pid },
-                Ok(()) => {
-                    let _ = sys::waitpid(pid);
-                    let err = std::io::Error::from_raw_os_error(i32::from_ne_bytes(buf));
-                    let prog = exec.argv[0].to_string_lossy();
-                    Started::Failed {
-                        message: format!("cannot run '{prog}': {err}"),
-                        hint: Some("check the command name and that it is executable".into()),
-                        log: None,
-                    }
+    // Namespaces refused for their number (see `named_in_a_cuda_socket`), kept until the
+    // job's init exists, so that it cannot be given their numbers again.
+    let mut refused: Vec<File> = Vec::new();
+    loop {
+        let (err_rd, err_wr) = match sys::pipe() {
+            Ok(p) => p,
+            Err(e) => return failed(format!("pipe: {e}")),
+        };
+        let (go_rd, go_wr) = match sys::pipe() {
+            Ok(p) => p,
+            Err(e) => return failed(format!("pipe: {e}")),
+        };
+        // SAFETY: the caller is single-threaded (this function's contract).
+        match unsafe { sys::fork() } {
+            Err(e) => return failed(format!("fork: {e}")),
+            Ok(Fork::Child) => {
+                drop(err_rd);
+                drop(go_wr);
+                // The shim first looks at the namespace this init made: go on or leave.
+                let mut go = [0u8; 1];
+                if File::from(go_rd).read_exact(&mut go).is_err() || go[0] != b'g' {
+                    sys::exit_now(0)
                 }
+                // SAFETY: this child of a single-threaded process has one thread, and
+                // execs or exits right after.
+                let e = unsafe { exec_job(&exec, err_wr.as_raw_fd()) };
+                let code = e.raw_os_error().unwrap_or(libc::EINVAL);
+                let _ = File::from(err_wr).write_all(&code.to_ne_bytes());
+                sys::exit_now(127)
+            }
+            Ok(Fork::Parent(pid)) => {
+                drop(err_wr);
+                drop(go_rd);
+                let mut go_wr = File::from(go_wr);
+                if refused.len() < 16 && named_in_a_cuda_socket(pid) {
+                    match File::open(format!("/proc/{pid}/ns/pid")) {
+                        Ok(ns) => refused.push(ns),
+                        Err(e) => return failed(format!("cannot hold PID namespace of {pid}: {e}")),
+                    }
+                    let _ = go_wr.write_all(b"n");
+                    let _ = sys::waitpid(pid);
+                    if let Err(e) = sys::renew_pid_namespace_for_children() {
+                        return failed(format!("cannot create a PID namespace: {e}"));
+                    }
+                    continue;
+                }
+                if let Err(e) = go_wr.write_all(b"g") {
+                    let _ = sys::waitpid(pid);
+                    return failed(format!("cannot start the job's init: {e}"));
+                }
+                drop(go_wr);
+                let mut buf = [0u8; 4];
+                // EOF (the pipe closed on exec) means the command is running.
+                return match File::from(err_rd).read_exact(&mut buf) {
+                    Err(_) => Started::Running { pid },
+                    Ok(()) => {
+                        let _ = sys::waitpid(pid);
+                        let err = std::io::Error::from_raw_os_error(i32::from_ne_bytes(buf));
+                        let prog = exec.argv[0].to_string_lossy();
+                        Started::Failed {
+                            message: format!("cannot run '{prog}': {err}"),
+                            hint: Some("check the command name and that it is executable".into()),
+                            log: None,
+                        }
+                    }
+                };
             }
         }
     }
+}
+
+/// Whether the PID namespace of `init` (just forked into it) has a number that a CUDA
+/// socket here is named after.
+///
+/// The driver binds an abstract unix socket named `cuda-uvmfd-NS-PID` in every CUDA
+/// process, NS being the inode number of its PID namespace. A restored job keeps the names
+/// of the namespace it was checkpointed in, and the kernel hands that number out again once
+/// the namespace is gone: a new job given it fails at its first CUDA call
+/// (CUDA_ERROR_OPERATING_SYSTEM), as two jobs of the GPU suite did beside restored ones.
+fn named_in_a_cuda_socket(init: i32) -> bool {
+    let Ok(ns) = sys::pid_namespace_of(init) else { return false };
+    let prefix = format!("@cuda-uvmfd-{ns}-");
+    let names = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    names.lines().any(|l| l.split_whitespace().nth(7).is_some_and(|n| n.starts_with(&prefix)))
 }
 
 /// In the namespace's init: own session, a /proc of its own, stdio opened inside the

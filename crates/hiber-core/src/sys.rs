@@ -96,6 +96,28 @@ pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
     Ok(())
 }
 
+/// The inode number of process `pid`'s PID namespace.
+pub fn pid_namespace_of(pid: i32) -> io::Result<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid"))?;
+    let s = link.to_string_lossy();
+    s.strip_prefix("pid:[")
+        .and_then(|r| r.strip_suffix(']'))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("unexpected namespace link {s}")))
+}
+
+/// Gives the caller's next children a new PID namespace in place of the one it made for
+/// them before (by `unshare`), whose init has come and gone.
+pub fn renew_pid_namespace_for_children() -> io::Result<()> {
+    let own = std::fs::File::open("/proc/self/ns/pid")?;
+    // SAFETY: setns on an open namespace file: back to the caller's own PID namespace for
+    // its children (the kernel refuses a second unshare while another one is pending).
+    cvt(unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWPID) })?;
+    // SAFETY: unshare has no memory-safety preconditions.
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID) })?;
+    Ok(())
+}
+
 /// Moves the caller into a new network namespace and brings its loopback up.
 pub fn unshare_network_namespace() -> io::Result<()> {
     // SAFETY: unshare has no memory-safety preconditions.

@@ -77,3 +77,29 @@ fn jobs_get_the_default_sigpipe() {
     assert!(log.ends_with("y\ndone\n"), "{log}");
     assert_eq!(h.state_of("pipe"), "exited(0)");
 }
+
+/// A new job's PID namespace never has a number that a CUDA socket here is named after
+/// (`cuda-uvmfd-NS-PID`, which a restored job keeps from the namespace it was checkpointed
+/// in): CUDA would fail in the new job. The socket is held by this test, as a restored
+/// copy would hold it, for a namespace that is then gone, whose number the kernel would
+/// hand out again.
+#[test]
+fn a_new_job_avoids_a_pid_namespace_named_in_a_cuda_socket() {
+    use std::os::linux::net::SocketAddrExt;
+    let h = Hiber::new("uvmfd");
+    let ns =
+        |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap().to_string_lossy().trim_start_matches("pid:[").trim_end_matches(']').to_string();
+    h.ok(&["run", "--name", "gone", "--", "sleep", "600"]);
+    let gone = ns(h.pid_of("gone"));
+    let name = format!("cuda-uvmfd-{gone}-1\0");
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let _held = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    let pid = h.pid_of("gone");
+    h.ok(&["rm", "-f", "gone"]);
+    wait("the first job's namespace to go", Duration::from_secs(20), || !alive(pid));
+    for i in 0..3 {
+        let job = format!("new{i}");
+        h.ok(&["run", "--name", &job, "--", "sleep", "600"]);
+        assert_ne!(ns(h.pid_of(&job)), gone, "job {job} got the namespace number a CUDA socket is named after");
+    }
+}
