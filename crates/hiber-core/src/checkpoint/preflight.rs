@@ -40,7 +40,8 @@ pub enum Undumpable {
     /// checkpoint API does not know such a process, and releasing the OpenCL objects does
     /// not let go of the driver.
     NvidiaOpenCl { path: String },
-    /// An NCCL communicator, known by the shared memory of its proxy (`/dev/shm/nccl-*`).
+    /// An NCCL communicator, known by the shared memory of its proxy (`/dev/shm/nccl-*`) or
+    /// by the socket its proxy passes peer memory handles through (`@/tmp/nccl-socket-*`).
     Collective { path: String },
 }
 
@@ -52,6 +53,43 @@ fn nccl_shared_memory(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<Strin
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
     let mapped = maps.lines().filter_map(|l| l.split_whitespace().nth(5));
     fds.iter().map(|f| f.target.as_str()).chain(mapped).find(|p| p.starts_with(PREFIX)).map(|p| p.trim_end_matches(" (deleted)").to_string())
+}
+
+/// The abstract unix socket of NCCL's that process `pid` holds (`@/tmp/nccl-socket-RANK-HASH`,
+/// from NCCL's `src/misc/ipcsocket.cc`): the proxy of a communicator whose peers share
+/// device memory by cuMem handles (NVLink, NCCL's default since 2.19) passes them through
+/// it. Such a communicator needs no `/dev/shm` file, so this is how the two-rank DDP job of
+/// the GPU suite on 2×H200 is known.
+fn nccl_socket(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
+    const PREFIX: &str = "@/tmp/nccl-socket-";
+    let inodes: std::collections::HashSet<&str> = fds.iter().filter_map(|f| f.target.strip_prefix("socket:[")?.strip_suffix(']')).collect();
+    if inodes.is_empty() {
+        return None;
+    }
+    // The table of the process's own network namespace, where abstract names live.
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).ok()?;
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() >= 8 && inodes.contains(f[6]) && f[7].starts_with(PREFIX)).then(|| f[7].to_string())
+    })
+}
+
+/// Where process `pid` shows that it takes part in an NCCL communicator, if it does.
+pub fn nccl_member(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
+    nccl_shared_memory(pid, fds).or_else(|| nccl_socket(pid, fds))
+}
+
+/// Refuses a tree with a process in an NCCL communicator, before any engine touches it:
+/// its peer mappings and proxy connections are state that neither CRIU nor the driver can
+/// take, and the driver's checkpoint of such a process cannot always be undone (driver
+/// 580 answers CUDA_ERROR_NOT_SUPPORTED).
+pub fn refuse_collectives(tree: &[ProcessInfo]) -> Result<(), CheckpointError> {
+    for p in tree {
+        if let Some(path) = nccl_member(p.pid, &p.fds) {
+            return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what: Undumpable::Collective { path } });
+        }
+    }
+    Ok(())
 }
 
 /// The first thing of `p` that CRIU cannot dump; `device_of` gives a device file's
@@ -98,16 +136,8 @@ pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), C
     Ok(())
 }
 
-/// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]), or
-/// takes part in an NCCL communicator: its peer mappings (CUDA IPC) and proxy connections
-/// are state that neither CRIU nor the driver can take, and the driver's checkpoint of such
-/// a process cannot always be undone (driver 580 answers CUDA_ERROR_NOT_SUPPORTED).
+/// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]).
 pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
-    for p in tree {
-        if let Some(path) = nccl_shared_memory(p.pid, &p.fds) {
-            return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what: Undumpable::Collective { path } });
-        }
-    }
     for p in tree {
         if let Some(what) = undumpable(p, claimed.contains(&p.pid), char_device) {
             let what = match what {
@@ -198,6 +228,25 @@ mod tests {
         // SAFETY: unmaps the mapping made above.
         unsafe { libc::munmap(at, 4096) };
         assert_eq!(nccl_shared_memory(me, &[]), None);
+    }
+
+    #[test]
+    fn an_nccl_proxy_socket_is_found_by_its_abstract_name() {
+        use std::os::fd::AsRawFd;
+        use std::os::linux::net::SocketAddrExt;
+        let me = std::process::id() as i32;
+        let held = |l: &std::os::unix::net::UnixListener| {
+            let fd = l.as_raw_fd();
+            vec![OpenFd { fd, target: std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap().to_string_lossy().into_owned(), size: None }]
+        };
+        let name = format!("/tmp/nccl-socket-0-hibertest{me:x}");
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let l = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        assert_eq!(nccl_member(me, &held(&l)), Some(format!("@{name}")));
+        assert_eq!(nccl_member(me, &[]), None, "a socket the process does not hold is not its own");
+        let other = std::os::unix::net::SocketAddr::from_abstract_name(format!("hiber-agent.test{me:x}").as_bytes()).unwrap();
+        let l2 = std::os::unix::net::UnixListener::bind_addr(&other).unwrap();
+        assert_eq!(nccl_member(me, &held(&l2)), None, "other abstract sockets are not NCCL's");
     }
 
     #[test]

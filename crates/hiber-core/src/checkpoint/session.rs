@@ -41,6 +41,7 @@ impl<'a> Checkpoint<'a> {
     pub fn prepare(ctx: &'a Context, req: &'a CheckpointRequest) -> Result<Checkpoint<'a>, CheckpointError> {
         let started = Instant::now();
         let tree = preflight(req.pid)?;
+        super::preflight::refuse_collectives(&tree)?;
         check_space(&req.dest, &tree)?;
         super::preflight::refuse_missing_tools(&ctx.criu, req.pid)?;
         let mut sink = ImageWriter::create(&req.dest)?;
