@@ -22,6 +22,8 @@ struct FakeDriver {
     gpus: Vec<(Gpu, Vec<(i32, u64)>)>,
     version: i32,
     restore_tid: Option<i32>,
+    /// The restore answers CUDA_ERROR_INVALID_VALUE to fewer pairs than this.
+    min_pairs: usize,
 }
 
 impl FakeDriver {
@@ -34,6 +36,7 @@ impl FakeDriver {
             gpus: vec![(gpu(0, UUID_A, H100, 70), pids.iter().map(|&p| (p, 1 << 30)).collect())],
             version: 13000,
             restore_tid: None,
+            min_pairs: 0,
         }
     }
     fn state_of(&self, pid: i32) -> ProcessState {
@@ -72,6 +75,9 @@ impl CheckpointApi for FakeDriver {
     }
     fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), CuError> {
         self.log.lock().unwrap().push(format!("pairs {}", pairs.len()));
+        if pairs.len() < self.min_pairs {
+            return Err(CuError { code: 1, name: "CUDA_ERROR_INVALID_VALUE".into() });
+        }
         self.step(pid, "restore", ProcessState::Checkpointed, ProcessState::Locked)
     }
     fn unlock(&self, pid: i32) -> Result<(), CuError> {
@@ -252,7 +258,34 @@ fn missing_gpu_names_it_and_suggests_a_map() {
     let opts = DeviceRestoreOptions { gpu_map: vec![(UUID_A.into(), "0".into())], ..Default::default() };
     e2.begin_restore(&v, &opts).unwrap();
     let (_, map) = e2.resolve(&DriverEngine::section(&v).unwrap(), &opts).unwrap();
-    assert_eq!(e2.pairs(&map, &[]).unwrap().len(), 1);
+    assert_eq!(e2.pairs(&map, &[]).unwrap().all.len(), 1);
+}
+
+#[test]
+fn a_refused_visible_map_is_retried_with_the_whole_permutation() {
+    let mut d = FakeDriver::new(&[10]);
+    d.gpus.push((gpu(1, UUID_B, H100, 70), vec![]));
+    d.min_pairs = 2;
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let map: BTreeMap<String, String> = [(UUID_A.to_string(), UUID_B.to_string()), (UUID_B.to_string(), UUID_A.to_string())].into();
+    let pairs = e.pairs(&map, &[UUID_A.to_string()]).unwrap();
+    assert_eq!((pairs.visible.len(), pairs.all.len()), (1, 2));
+    d.states.lock().unwrap().insert(10, ProcessState::Checkpointed);
+    e.resume_one(10, &pairs).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running);
+    assert!(d.log.lock().unwrap().ends_with(&["pairs 1".into(), "pairs 2".into(), "restore 10".into(), "unlock 10".into()]), "{:?}", d.log.lock().unwrap());
+    // A refusal of the whole permutation is the error.
+    d.states.lock().unwrap().insert(10, ProcessState::Checkpointed);
+    let e3 = {
+        let mut d3 = FakeDriver::new(&[10]);
+        d3.min_pairs = 3;
+        d3.states.lock().unwrap().insert(10, ProcessState::Checkpointed);
+        Arc::new(d3)
+    };
+    let err = engine(&e3).resume_one(10, &pairs).unwrap_err();
+    assert!(err.to_string().contains("CUDA_ERROR_INVALID_VALUE"), "{err}");
+    assert_eq!(e3.state_of(10), ProcessState::Checkpointed, "nothing changed");
 }
 
 #[test]
@@ -359,7 +392,7 @@ fn a_stopped_process_without_a_restore_thread_is_continued_then_restored() {
     let d = Arc::new(FakeDriver::new(&[pid]));
     d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
     let e = engine(&d);
-    e.resume_restored(pid, &[]).unwrap();
+    e.resume_restored(pid, &Pairs::default()).unwrap();
     assert_eq!(d.states.lock().unwrap()[&pid], ProcessState::Running);
     assert!(!crate::proctree::is_stopped(pid), "continued");
     let log = d.log.lock().unwrap().join(" ");
@@ -377,7 +410,7 @@ fn a_stopped_process_is_restored_with_its_restore_thread_alone() {
     d.restore_tid = Some(pid);
     let d = Arc::new(d);
     d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
-    let restored = engine(&d).resume_restored(pid, &[]);
+    let restored = engine(&d).resume_restored(pid, &Pairs::default());
     // Detached, the thread goes back into its process's stop (the kernel moves it there
     // before it returns to user code).
     let start = std::time::Instant::now();
