@@ -179,6 +179,24 @@ impl Driver {
         Some((ctx, dev))
     }
 
+    /// The device of context `ctx` (made current for the question, then popped again).
+    ///
+    /// # Safety
+    /// `ctx` must be a live context (one the driver just accepted from the application).
+    pub unsafe fn context_device(&self, ctx: Ctx) -> Result<c_int, CuResult> {
+        let mut dev: c_int = 0;
+        // SAFETY: `ctx` is live (this function's contract); the push is paired with its
+        // pop, and the out-pointers are valid.
+        unsafe {
+            check((self.ctx_push)(ctx))?;
+            let r = check((self.ctx_get_device)(&mut dev));
+            let mut old: Ctx = std::ptr::null_mut();
+            (self.ctx_pop)(&mut old);
+            r?;
+        }
+        Ok(dev)
+    }
+
     pub fn synchronize_current(&self) -> Result<(), CuResult> {
         // SAFETY: no arguments; synchronizes the calling thread's context.
         check(unsafe { (self.ctx_synchronize)() })

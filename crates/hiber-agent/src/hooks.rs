@@ -143,7 +143,6 @@ counted! {
     cuIpcOpenMemHandle => IPC 1u64;
     cuIpcOpenMemHandle_v2 => IPC 1u64;
     cuIpcCloseMemHandle => IPC 18446744073709551615u64;
-    cuCtxEnablePeerAccess => PEER 1u64;
     cuCtxDisablePeerAccess => PEER 18446744073709551615u64;
     cuMemImportFromShareableHandle => IMPORTS 1u64;
 }
@@ -164,7 +163,7 @@ type FnGetProcAddress = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_
 type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
 /// The typed wrappers, by the exported name each stands for.
-fn typed() -> [(&'static str, usize); 20] {
+fn typed() -> [(&'static str, usize); 21] {
     [
         ("cuGetProcAddress\0", cuGetProcAddress as *const () as usize),
         ("cuGetProcAddress_v2\0", cuGetProcAddress_v2 as *const () as usize),
@@ -186,6 +185,7 @@ fn typed() -> [(&'static str, usize); 20] {
         ("cuMemAllocFromPoolAsync\0", cuMemAllocFromPoolAsync as *const () as usize),
         ("cuMemAllocFromPoolAsync_ptsz\0", cuMemAllocFromPoolAsync_ptsz as *const () as usize),
         ("cuMemAllocManaged\0", cuMemAllocManaged as *const () as usize),
+        ("cuCtxEnablePeerAccess\0", cuCtxEnablePeerAccess as *const () as usize),
     ]
 }
 
@@ -628,6 +628,35 @@ pub unsafe extern "C" fn cuMemUnmap(p: DevPtr, size: usize) -> CuResult {
     let r = unsafe { real(p, size) };
     if r == cuda::SUCCESS {
         memory::track_unmapped(p, size);
+    }
+    r
+}
+
+/// # Safety
+/// Called as cuCtxEnablePeerAccess.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: cuda::Ctx, flags: c_uint) -> CuResult {
+    let Some(real) = real!(c"cuCtxEnablePeerAccess" => unsafe extern "C" fn(cuda::Ctx, c_uint) -> CuResult) else {
+        return cuda::ERROR_NOT_FOUND;
+    };
+    // SAFETY: the caller's arguments, forwarded unchanged.
+    let r = unsafe { real(peer, flags) };
+    if r == cuda::SUCCESS {
+        crate::sharing::PEER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The current context's device may now reach the peer context's memory: the
+        // memory the agent serves there must say so itself (VMM memory).
+        if let Some(d) = cuda::driver() {
+            // SAFETY: the driver has just accepted `peer` as a live context.
+            match (d.current_device(), unsafe { d.context_device(peer) }) {
+                (Some((_, by)), Ok(owner)) if by != owner => {
+                    if let Err(e) = memory::grant_peer(d, owner, by) {
+                        crate::log(&format!("opening device {owner}'s served memory to device {by}: CUDA error {e}"));
+                    }
+                }
+                _ => {}
+            }
+        }
     }
     r
 }

@@ -84,6 +84,11 @@ pub struct Table {
     served: BTreeMap<DevPtr, u64>,
     granularity: HashMap<c_int, usize>,
     pub passthrough: Passthrough,
+    /// Peer access the application enabled (`cuCtxEnablePeerAccess`), as (device whose
+    /// memory is reached, device that reaches it). Served memory is VMM memory, which the
+    /// driver opens to other devices only through `cuMemSetAccess`; the agent does that for
+    /// the application, for memory served before and after the call.
+    peers: Vec<(c_int, c_int)>,
 }
 
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
@@ -159,6 +164,12 @@ impl Table {
         self.entries.values().map(|e| e.size as u64).sum()
     }
 
+    /// Read-write access for `dev` and for every device the application let reach it.
+    fn access_for(&self, dev: c_int) -> Vec<AccessDesc> {
+        let peers = self.peers.iter().filter(|(owner, _)| *owner == dev).map(|&(_, by)| AccessDesc::read_write(by));
+        std::iter::once(AccessDesc::read_write(dev)).chain(peers).collect()
+    }
+
     pub fn devices(&self) -> Vec<c_int> {
         let mut d: Vec<c_int> = self.entries.values().map(|e| e.dev).collect();
         d.sort_unstable();
@@ -187,7 +198,7 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
             return if e == cuda::ERROR_OUT_OF_MEMORY { Err(e) } else { Ok(None) };
         }
     };
-    let access = vec![AccessDesc::read_write(dev)];
+    let access = with(|t| t.access_for(dev));
     if d.map(va, rsize, 0, h).and_then(|()| d.set_access(va, rsize, &access)).is_err() {
         let _ = d.unmap(va, rsize);
         let _ = d.release(h);
@@ -208,6 +219,24 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
         })
     });
     Ok(Some(va))
+}
+
+/// After the application's `cuCtxEnablePeerAccess` let device `by` reach `owner`'s memory:
+/// served memory on `owner` (mapped now, or brought back later) becomes reachable from `by`.
+pub fn grant_peer(d: &Driver, owner: c_int, by: c_int) -> Result<(), CuResult> {
+    with(|t| {
+        if !t.peers.contains(&(owner, by)) {
+            t.peers.push((owner, by));
+        }
+        for e in t.entries.values_mut().filter(|e| e.served.is_some() && e.dev == owner && !e.evacuated) {
+            for m in e.maps.iter_mut().filter(|m| !m.access.iter().any(|a| a.location.is_device() && a.location.id == by)) {
+                let desc = AccessDesc::read_write(by);
+                d.set_access(m.va, m.size, &[desc])?;
+                m.access.push(desc);
+            }
+        }
+        Ok(())
+    })
 }
 
 /// `cuMemFree` of a served allocation. `None`: not the agent's, the driver answers.
@@ -364,11 +393,17 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
     })
 }
 
-/// Maps the memory behind `fd` where entry `id` was. Its device may have changed (a
-/// restore onto another GPU): access moves there.
+/// Maps the memory behind `fd` where entry `id` was, with the access it had.
+///
+/// On a restore onto other GPUs (`--gpu-map`) hiber created the memory on the GPU that the
+/// entry's GPU maps onto, and the driver's restore gave the process's device ordinals the
+/// same remapping: the entry's ordinal now names that GPU, so the recorded ordinals stay.
+/// (Taking the ordinal from the location the driver reports for the imported handle
+/// instead, as this did before, left a copy restored onto the other GPU of a 2×H200
+/// machine unable to run its first kernel: CUDA_ERROR_INVALID_VALUE.)
 pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
     let h = d.import_fd(fd.as_raw_fd())?;
-    let dev = match d.properties(h) {
+    let reported = match d.properties(h) {
         Ok(p) if p.location.is_device() => p.location.id,
         _ => {
             let _ = d.release(h);
@@ -376,6 +411,7 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
         }
     };
     with(|t| {
+        let peers = t.peers.clone();
         let Some(e) = t.entries.get_mut(&id) else {
             let _ = d.release(h);
             return Err(cuda::ERROR_NOT_FOUND);
@@ -386,11 +422,18 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
             let _ = d.release(h);
             return Ok(());
         }
-        let old_dev = e.dev;
+        let dev = e.dev;
+        if reported != dev {
+            crate::log(&format!("allocation {id}: the driver reports device {reported} for the imported memory, recorded on {dev}"));
+        }
+        // Peers enabled while the memory was away reach it too.
+        let reach: Vec<c_int> = if e.served.is_some() { peers.iter().filter(|(owner, _)| *owner == dev).map(|&(_, by)| by).collect() } else { Vec::new() };
         let mut mapped: Vec<(DevPtr, usize)> = Vec::new();
         for m in e.maps.iter_mut() {
-            for a in m.access.iter_mut().filter(|a| a.location.id == old_dev) {
-                a.location.id = dev;
+            for &by in &reach {
+                if !m.access.iter().any(|a| a.location.is_device() && a.location.id == by) {
+                    m.access.push(AccessDesc::read_write(by));
+                }
             }
             if m.access.is_empty() {
                 m.access.push(AccessDesc::read_write(dev));
@@ -417,7 +460,6 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
             }
         }
         e.handle = h;
-        e.dev = dev;
         e.evacuated = false;
         e.shared = Some(fd);
         Ok(())
@@ -469,6 +511,15 @@ mod tests {
         assert_eq!(t.translate(42), 42);
         t.remove(id);
         assert_eq!(t.translate(app), app, "a stale handle reaches the driver, which refuses it");
+    }
+
+    #[test]
+    fn served_memory_is_opened_to_the_peers_that_reach_its_device() {
+        let t = Table { peers: vec![(0, 1), (1, 0), (0, 2)], ..Table::default() };
+        let ids = |v: Vec<AccessDesc>| v.iter().map(|a| a.location.id).collect::<Vec<_>>();
+        assert_eq!(ids(t.access_for(0)), vec![0, 1, 2], "the owner first, then each peer");
+        assert_eq!(ids(t.access_for(1)), vec![1, 0]);
+        assert_eq!(ids(t.access_for(3)), vec![3]);
     }
 
     #[test]
