@@ -851,7 +851,12 @@ def restore_moves(m, job, at, gpu_map, expect_on):
     img = image_of(job)
     hiber_json("checkpoint", job, "--out", img)
     before = progress(job)
-    rs = hiber_json("restore", img, "--name", job + "-r", "--gpu-map", gpu_map)
+    p = hiber("restore", img, "--name", job + "-r", "--gpu-map", gpu_map, "--json")
+    rs = json.loads(p.stdout)
+    # What hiber said on the way (the driver's pairs it fell back to, say).
+    notes = [l.strip()[-300:] for l in p.stderr.splitlines() if "WARN" in l or "warn" in l]
+    if notes:
+        m.setdefault("restore_notes", {})[job] = notes
     wait_step(job + "-r", before[-1][0] + 5)
     used = used_mib()
     m.setdefault("used_mib_after", {})[job] = used
@@ -900,6 +905,13 @@ def _both(m, agent):
     identical_run(m, "both" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120, restore_args=("--gpu-map", "0=1,1=0"))
 
 
+@two_gpu("gpu_one_process_on_both_gpus_in_place")
+def _both_in_place(m, agent):
+    """One process on both GPUs, restored onto the same GPUs: the trajectory is the
+    uninterrupted one (the swap above differs from this only in the map)."""
+    identical_run(m, "bothi" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120)
+
+
 @two_gpu("gpu_cuda_visible_devices_1")
 def _cvd(m, agent):
     """A job started with CUDA_VISIBLE_DEVICES=1, restored onto GPU 0 with --gpu-map 1=0."""
@@ -931,10 +943,12 @@ def _nccl(m, agent):
         except OSError:
             pass
     m["processes"] = len(tree)
+    m["sockets"] = {pid: abstract_sockets(pid) for pid in tree}
     assert len(tree) >= 3 and not rings, f"the launcher and two ranks, none with an io_uring: {len(tree)} processes, rings {rings}"
     p = hiber("checkpoint", job, "--out", image_of(job), check=False)
-    m["error"] = p.stderr.strip()[:300]
-    assert p.returncode == 1 and "NCCL communicator" in p.stderr and "keeps running" in p.stderr, p.stderr
+    m["error"] = p.stderr.strip()[:400]
+    m["checkpoint_rc"] = p.returncode
+    assert p.returncode == 1 and "NCCL communicator" in p.stderr and "keeps running" in p.stderr, f"rc {p.returncode}: {p.stdout[-300:]} {p.stderr[-600:]}"
     assert not Path(image_of(job)).exists(), "no image is left"
     at = progress(job)[-1][0]
     wait_step(job, at + 10)

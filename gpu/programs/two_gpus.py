@@ -25,7 +25,8 @@ held = [torch.arange(args.mib * (1 << 20) // 8, device=d, dtype=torch.int64) for
 a = [torch.randn(1024, 1024, device=d) / 32 for d in devs]
 v = [torch.randn(1024, device=d) for d in devs]
 uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
-print(f"start two_gpus steps {args.steps} pid {os.getpid()} uuids {' '.join(uuids)}", flush=True)
+peer = torch.cuda.can_device_access_peer(0, 1)
+print(f"start two_gpus steps {args.steps} pid {os.getpid()} uuids {' '.join(uuids)} peer {int(peer)}", flush=True)
 for step in range(args.steps):
     v = [torch.tanh(a[i] @ v[i]) for i in range(2)]
     v[1] = (v[1] + v[0].to(devs[1])) / 2
