@@ -1159,7 +1159,7 @@ def run_one(fn):
     finally:
         cleanup()
     secs = round(time.time() - start, 1)
-    print(f"[{status}] {fn.__name__} ({secs}s) {json.dumps(m)[:600]}", flush=True)
+    print(f"[{status}] {fn.__name__} ({secs}s) {json.dumps(m)[:4000]}", flush=True)
     return {"scenario": fn.__name__, "status": status, "seconds": secs, **m}
 
 
