@@ -528,7 +528,9 @@ def agent_torch_compile(m):
 
 @scenario
 def agent_leave_running(m):
-    run_job("alive", program("counter"), "--mib", "1024", "--steps", "300", agent=True)
+    # Long enough (about 30 s) that the original still runs when the copy starts, even on a
+    # loaded machine (on 2×H200, beside three other scenarios, 300 steps had ended by then).
+    run_job("alive", program("counter"), "--mib", "1024", "--steps", "1500", agent=True)
     wait_step("alive", 40)
     img = image_of("alive")
     before = progress("alive")[-1][0]
@@ -910,6 +912,16 @@ def _both_in_place(m, agent):
     """One process on both GPUs, restored onto the same GPUs: the trajectory is the
     uninterrupted one (the swap above differs from this only in the map)."""
     identical_run(m, "bothi" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120)
+
+
+@scenario
+@exclusive
+def gpu_two_gpus_without_peer_access_in_place_no_agent(m):
+    """One process on both GPUs that never enables peer access (it copies through the
+    host), without the agent, restored onto its own GPUs: tells the driver's refusal of a
+    two-GPU process with peer access apart from one of every two-GPU process."""
+    need_two_gpus()
+    identical_run(m, "nopeer", TWO_GPUS, ("--mib", "1024", "--via-host"), agent=False, limit=120)
 
 
 @two_gpu("gpu_cuda_visible_devices_1")

@@ -15,6 +15,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--interval-ms", type=int, default=20)
 p.add_argument("--mib", type=int, default=1024)
+p.add_argument("--via-host", action="store_true", help="copy between the GPUs through host memory, never enabling peer access")
 args = p.parse_args()
 
 import torch  # noqa: E402
@@ -25,11 +26,11 @@ held = [torch.arange(args.mib * (1 << 20) // 8, device=d, dtype=torch.int64) for
 a = [torch.randn(1024, 1024, device=d) / 32 for d in devs]
 v = [torch.randn(1024, device=d) for d in devs]
 uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
-peer = torch.cuda.can_device_access_peer(0, 1)
+peer = torch.cuda.can_device_access_peer(0, 1) and not args.via_host
 print(f"start two_gpus steps {args.steps} pid {os.getpid()} uuids {' '.join(uuids)} peer {int(peer)}", flush=True)
 for step in range(args.steps):
     v = [torch.tanh(a[i] @ v[i]) for i in range(2)]
-    v[1] = (v[1] + v[0].to(devs[1])) / 2
+    v[1] = (v[1] + (v[0].cpu().to(devs[1]) if args.via_host else v[0].to(devs[1]))) / 2
     s = float(v[1].sum().item())
     bits = struct.unpack("<I", struct.pack("<f", s))[0]
     print(f"step {step} checksum {bits:08x} t {int(time.time() * 1000)}", flush=True)

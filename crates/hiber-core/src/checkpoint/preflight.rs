@@ -55,13 +55,15 @@ fn nccl_shared_memory(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<Strin
     fds.iter().map(|f| f.target.as_str()).chain(mapped).find(|p| p.starts_with(PREFIX)).map(|p| p.trim_end_matches(" (deleted)").to_string())
 }
 
-/// The abstract unix socket of NCCL's that process `pid` holds (`@/tmp/nccl-socket-RANK-HASH`,
-/// from NCCL's `src/misc/ipcsocket.cc`): the proxy of a communicator whose peers share
-/// device memory by cuMem handles (NVLink, NCCL's default since 2.19) passes them through
-/// it. Such a communicator needs no `/dev/shm` file, so this is how the two-rank DDP job of
-/// the GPU suite on 2×H200 is known.
+/// The abstract unix socket of NCCL's that process `pid` holds: the proxy of a communicator
+/// whose peers share device memory by cuMem handles (NVLink, NCCL's default since 2.19)
+/// passes them through it. Such a communicator needs no `/dev/shm` file, so this is how the
+/// two-rank DDP job of the GPU suite on 2×H200 is known. NCCL's `src/misc/ipcsocket.cc`
+/// formats `/tmp/nccl-socket-RANK-HASH` into the address and makes it abstract by
+/// overwriting its first byte, so the name is `tmp/nccl-socket-RANK-HASH` and NUL padding
+/// (`@tmp/nccl-socket-0-3b6c1d5db6a19e47@@@...` in /proc/net/unix, as NCCL 2.28.9 had it).
 fn nccl_socket(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
-    const PREFIX: &str = "@/tmp/nccl-socket-";
+    const PREFIX: &str = "@tmp/nccl-socket-";
     let inodes: std::collections::HashSet<&str> = fds.iter().filter_map(|f| f.target.strip_prefix("socket:[")?.strip_suffix(']')).collect();
     if inodes.is_empty() {
         return None;
@@ -239,10 +241,11 @@ mod tests {
             let fd = l.as_raw_fd();
             vec![OpenFd { fd, target: std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap().to_string_lossy().into_owned(), size: None }]
         };
-        let name = format!("/tmp/nccl-socket-0-hibertest{me:x}");
+        // As NCCL names it: the path with its first byte made NUL, and NUL padding.
+        let name = format!("tmp/nccl-socket-0-{me:016x}\0\0\0\0");
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
         let l = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
-        assert_eq!(nccl_member(me, &held(&l)), Some(format!("@{name}")));
+        assert_eq!(nccl_member(me, &held(&l)), Some(format!("@tmp/nccl-socket-0-{me:016x}@@@@")));
         assert_eq!(nccl_member(me, &[]), None, "a socket the process does not hold is not its own");
         let other = std::os::unix::net::SocketAddr::from_abstract_name(format!("hiber-agent.test{me:x}").as_bytes()).unwrap();
         let l2 = std::os::unix::net::UnixListener::bind_addr(&other).unwrap();

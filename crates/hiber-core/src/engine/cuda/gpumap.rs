@@ -95,9 +95,12 @@ pub fn resolve_gpu_map(map: &[(String, String)], recorded: &[Gpu], here: &[Gpu],
 /// The rules of `cuCheckpointProcessRestore`'s `gpuPairs`: cuda.h says the array "must
 /// contain every checkpointed GPU", each target "of the same chip type" with enough memory.
 /// In practice (driver 580; NVIDIA/cuda-checkpoint#35, where `-d U0=U1` alone fails with
-/// CUDA_ERROR_INVALID_VALUE and `U0=U1,U1=U0` works) "checkpointed GPU" means every GPU the
-/// process could see, not only those it used, and the pairs must form a bijection. So a map
-/// that moves GPU 0 onto GPU 1 of a two-GPU machine must also say where GPU 1 goes.
+/// CUDA_ERROR_INVALID_VALUE and `U0=U1,U1=U0` works) the pairs must form a bijection over
+/// the machine's GPUs, not only those the process used: a map that moves GPU 0 onto GPU 1
+/// of a two-GPU machine must also say where GPU 1 goes. That holds for a process whose
+/// `CUDA_VISIBLE_DEVICES` hid GPUs, too: on 2×H200 the driver refused a job started with
+/// `CUDA_VISIBLE_DEVICES=1`, mapped 1=0, the one pair of the GPU it could see, and
+/// restored it with both.
 ///
 /// Every GPU of the image's machine that the user left out keeps its own UUID when that
 /// is here and no other GPU moves onto it; else it takes the first GPU here, by index, of
@@ -181,12 +184,6 @@ pub fn visible_gpus(value: Option<&str>, gpus: &[Gpu]) -> Vec<String> {
         }
     }
     out
-}
-
-/// The pairs of a completed map that concern a process that sees `visible` (all of the
-/// map when that is not known).
-pub fn pairs_for(map: &BTreeMap<String, String>, visible: &[String]) -> Vec<(String, String)> {
-    map.iter().filter(|(old, _)| visible.is_empty() || visible.contains(old)).map(|(o, n)| (o.clone(), n.clone())).collect()
 }
 
 /// "GPU-8c6e4f0e-1d2b-..." → the 16 bytes of a `CUuuid`.

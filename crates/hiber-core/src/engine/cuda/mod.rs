@@ -35,17 +35,6 @@ pub const REMAP_DRIVER: i32 = 13000;
 const DEFAULT_LOCK_TIMEOUT_MS: u32 = 10_000;
 /// Head-room kept free on a GPU beyond what the image's processes used.
 const RESTORE_MARGIN_BYTES: u64 = 256 << 20;
-/// CUDA_ERROR_INVALID_VALUE.
-const INVALID_VALUE: i32 = 1;
-
-/// A process's GPU pairs for the driver's restore: those of the GPUs it could see, and the
-/// whole permutation (both empty when nothing moves).
-#[derive(Debug, Clone, Default)]
-struct Pairs {
-    visible: Vec<GpuPair>,
-    all: Vec<GpuPair>,
-}
-
 /// `CUprocessState`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -319,33 +308,12 @@ impl DriverEngine {
         results.into_iter().collect()
     }
 
-    /// The driver's restore of a checkpointed process, with the GPU pairs `cuda.h`'s rule
-    /// gives (every GPU the process could see); where the driver answers
-    /// CUDA_ERROR_INVALID_VALUE to those and the map has more, with the whole permutation.
-    /// Which set driver 580 wants of a process whose `CUDA_VISIBLE_DEVICES` hides GPUs is
-    /// not documented; the call checks its arguments before it changes anything, so a
-    /// second try starts from the same state.
-    fn restore_with(&self, pid: i32, pairs: &Pairs) -> Result<(), EngineError> {
-        match self.api.restore(pid, &pairs.visible) {
-            Err(e) if e.code == INVALID_VALUE && pairs.all.len() > pairs.visible.len() => {
-                tracing::warn!(
-                    pid,
-                    visible = pairs.visible.len(),
-                    all = pairs.all.len(),
-                    "the driver refused the visible GPUs' pairs; restoring with the whole permutation"
-                );
-                self.api.restore(pid, &pairs.all).map_err(|e| Self::driver_fail("restore", pid, &e))
-            }
-            r => r.map_err(|e| Self::driver_fail("restore", pid, &e)),
-        }
-    }
-
     /// Brings one process from any state back to RUNNING.
-    fn resume_one(&self, pid: i32, pairs: &Pairs) -> Result<(), EngineError> {
+    fn resume_one(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), EngineError> {
         let state = self.api.state(pid).map_err(|e| Self::driver_fail("state query", pid, &e))?;
         match state {
             ProcessState::Running => return Ok(()),
-            ProcessState::Checkpointed => self.restore_with(pid, pairs)?,
+            ProcessState::Checkpointed => self.api.restore(pid, pairs).map_err(|e| Self::driver_fail("restore", pid, &e))?,
             ProcessState::Locked => {}
             other => return Err(Self::fail(format!("process {pid} is in CUDA state {other:?} and cannot be resumed"), None)),
         }
@@ -356,7 +324,7 @@ impl DriverEngine {
     /// thread running, as CRIU's own CUDA plugin does: until the driver has mapped the
     /// process's device and UVM memory again, any other thread that touches it would die
     /// of SIGSEGV (one of XLA's does, at once). A process that runs is resumed as it is.
-    fn resume_restored(&self, pid: i32, pairs: &Pairs) -> Result<(), EngineError> {
+    fn resume_restored(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), EngineError> {
         if !crate::proctree::is_stopped(pid) {
             return self.resume_one(pid, pairs);
         }
@@ -395,11 +363,14 @@ impl DriverEngine {
         Ok((here, map))
     }
 
-    /// The driver's GPU pairs for a process that saw `visible`, from a resolved map: none for
-    /// an empty map, else every GPU the process could see (see `gpumap::complete`).
-    fn pairs(&self, map: &BTreeMap<String, String>, visible: &[String]) -> Result<Pairs, EngineError> {
+    /// The driver's GPU pairs, from a resolved map: none for an empty map, else the whole
+    /// permutation (see `gpumap::complete`), even for a process whose
+    /// `CUDA_VISIBLE_DEVICES` hid some of the GPUs: driver 580 refuses the pairs of the GPUs
+    /// such a process could see alone (CUDA_ERROR_INVALID_VALUE, for a job started with
+    /// `CUDA_VISIBLE_DEVICES=1` and mapped 1=0 on 2×H200) and restores it with all of them.
+    fn pairs(&self, map: &BTreeMap<String, String>) -> Result<Vec<GpuPair>, EngineError> {
         if map.is_empty() {
-            return Ok(Pairs::default());
+            return Ok(Vec::new());
         }
         if self.api.driver_version() < REMAP_DRIVER {
             return Err(Self::fail(
@@ -407,14 +378,10 @@ impl DriverEngine {
                 Some("restore without --gpu-map on the same GPUs, or upgrade the driver"),
             ));
         }
-        let bytes = |pairs: Vec<(String, String)>| {
-            pairs
-                .iter()
-                .map(|(old, new)| Ok(GpuPair { old_uuid: gpumap::uuid_bytes(old)?, new_uuid: gpumap::uuid_bytes(new)? }))
-                .collect::<Result<Vec<_>, GpuMapError>>()
-                .map_err(|e| Self::fail(e.to_string(), None))
-        };
-        Ok(Pairs { visible: bytes(gpumap::pairs_for(map, visible))?, all: bytes(gpumap::pairs_for(map, &[]))? })
+        map.iter()
+            .map(|(old, new)| Ok(GpuPair { old_uuid: gpumap::uuid_bytes(old)?, new_uuid: gpumap::uuid_bytes(new)? }))
+            .collect::<Result<_, GpuMapError>>()
+            .map_err(|e| Self::fail(e.to_string(), None))
     }
 }
 
@@ -447,13 +414,13 @@ impl DeviceEngine for DriverEngine {
     }
 
     fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
-        self.parallel(pids, |pid| self.resume_one(pid, &Pairs::default()))
+        self.parallel(pids, |pid| self.resume_one(pid, &[]))
     }
 
     fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
         let section = Self::section(value)?;
         let (here, map) = self.resolve(&section, opts)?;
-        let pairs = section.processes.iter().map(|p| self.pairs(&map, &p.visible)).collect::<Result<Vec<_>, _>>()?;
+        let pairs = self.pairs(&map)?;
         // Memory each target GPU must take.
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for p in &section.processes {
@@ -550,32 +517,30 @@ impl CheckpointSession for DriverCheckpoint {
         let e = &self.engine;
         // A process that died during the checkpoint has nothing left to undo.
         let alive: Vec<i32> = self.pids.iter().copied().filter(|&p| e.api.alive(p)).collect();
-        e.parallel(&alive, |pid| e.resume_one(pid, &Pairs::default()))
+        e.parallel(&alive, |pid| e.resume_one(pid, &[]))
     }
 }
 
 /// The driver's share of one restore: the section, and the GPU pairs it was checked with
-/// (one list per process of the section).
+/// (the same for every process).
 struct DriverRestore {
     engine: DriverEngine,
     section: Section,
-    pairs: Vec<Pairs>,
+    pairs: Vec<GpuPair>,
 }
 
 impl RestoreSession for DriverRestore {
     fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
         let mut targets = Vec::new();
-        let mut pairs_of = BTreeMap::new();
-        for (p, pairs) in self.section.processes.iter().zip(&self.pairs) {
+        for p in &self.section.processes {
             let now = pids
                 .iter()
                 .find(|r| r.ns_pid == p.ns_pid)
                 .ok_or_else(|| DriverEngine::fail(format!("restored tree has no process with namespace PID {} ({})", p.ns_pid, p.comm), None))?;
             targets.push(now.pid);
-            pairs_of.insert(now.pid, pairs);
         }
-        let e = &self.engine;
-        e.parallel(&targets, |pid| e.resume_restored(pid, pairs_of[&pid]))
+        let (e, pairs) = (&self.engine, &self.pairs);
+        e.parallel(&targets, |pid| e.resume_restored(pid, pairs))
     }
 
     fn wants_stopped_tree(&self) -> bool {
