@@ -72,7 +72,8 @@ fn nccl_socket(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
     let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).ok()?;
     table.lines().skip(1).find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        (f.len() >= 8 && inodes.contains(f[6]) && f[7].starts_with(PREFIX)).then(|| f[7].to_string())
+        // Without the padding, which the table shows as '@'s.
+        (f.len() >= 8 && inodes.contains(f[6]) && f[7].starts_with(PREFIX)).then(|| f[7].trim_end_matches('@').to_string())
     })
 }
 
@@ -245,7 +246,7 @@ mod tests {
         let name = format!("tmp/nccl-socket-0-{me:016x}\0\0\0\0");
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
         let l = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
-        assert_eq!(nccl_member(me, &held(&l)), Some(format!("@tmp/nccl-socket-0-{me:016x}@@@@")));
+        assert_eq!(nccl_member(me, &held(&l)), Some(format!("@tmp/nccl-socket-0-{me:016x}")));
         assert_eq!(nccl_member(me, &[]), None, "a socket the process does not hold is not its own");
         let other = std::os::unix::net::SocketAddr::from_abstract_name(format!("hiber-agent.test{me:x}").as_bytes()).unwrap();
         let l2 = std::os::unix::net::UnixListener::bind_addr(&other).unwrap();

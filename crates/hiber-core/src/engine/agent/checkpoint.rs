@@ -399,15 +399,25 @@ impl CheckpointSession for AgentCheckpoint {
             return Err(e);
         }
         let copy_seconds = start.elapsed().as_secs_f64();
+        let machine = cuda::nvml_gpus();
         let mut processes = Vec::new();
         let mut placed = Placed::default();
         for t in &self.targets {
             let Some((_, Taken { held, written, copies, placed: p })) = done.iter_mut().find(|(pid, _)| *pid == t.pid) else {
                 // An agent that tracked nothing: recorded for what it left to the driver.
-                processes.push(AgentProcess { ns_pid: t.ns_pid, comm: t.comm.clone(), bytes: 0, allocations: Vec::new(), passthrough: passthrough(&t.status) });
+                processes.push(AgentProcess {
+                    ns_pid: t.ns_pid,
+                    comm: t.comm.clone(),
+                    bytes: 0,
+                    allocations: Vec::new(),
+                    passthrough: passthrough(&t.status),
+                    visible: Vec::new(),
+                });
                 continue;
             };
             self.written.append(written);
+            let used: Vec<&str> = held.iter().map(|h| h.gpu.as_str()).collect();
+            let visible = super::visible_subset(t.pid, &machine, &used);
             processes.push(AgentProcess {
                 ns_pid: t.ns_pid,
                 comm: t.comm.clone(),
@@ -422,6 +432,7 @@ impl CheckpointSession for AgentCheckpoint {
                     })
                     .collect(),
                 passthrough: passthrough(&t.status),
+                visible,
             });
             self.held.insert(t.pid, std::mem::take(held));
             self.copies.insert(t.pid, std::mem::take(copies));
@@ -430,7 +441,7 @@ impl CheckpointSession for AgentCheckpoint {
         self.section = Some(Section {
             mode: Mode::of(&placed),
             chunk_bytes: device::CHUNK,
-            gpus: cuda::nvml_gpus(),
+            gpus: machine,
             processes,
             quiesce_seconds: start.elapsed().as_secs_f64(),
             copy_seconds,

@@ -182,6 +182,46 @@ pub struct AgentProcess {
     pub bytes: u64,
     pub allocations: Vec<Allocation>,
     pub passthrough: Passthrough,
+    /// UUIDs of the GPUs it could see, from its `CUDA_VISIBLE_DEVICES`, where that hid some
+    /// of the machine's; empty when it saw them all (or it is not known).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub visible: Vec<String>,
+}
+
+/// The GPUs process `pid` can see where its `CUDA_VISIBLE_DEVICES` hides some of
+/// `machine`'s and still shows every GPU it `used`; else empty (all, or not known).
+pub(super) fn visible_subset(pid: i32, machine: &[Gpu], used: &[&str]) -> Vec<String> {
+    let Some(value) = crate::proctree::env_var(pid, "CUDA_VISIBLE_DEVICES") else { return Vec::new() };
+    let visible = cuda::visible_gpus(Some(&value), machine);
+    if visible.len() >= machine.len() || !used.iter().all(|u| visible.iter().any(|v| v == u)) {
+        return Vec::new();
+    }
+    visible
+}
+
+/// Refuses a map that would move a process's memory onto a GPU its `CUDA_VISIBLE_DEVICES`
+/// hid from it. The driver's restore moves such a process (with the whole permutation),
+/// but the agent cannot map memory of a GPU the process never saw into it: on 2×H200, a job
+/// started with `CUDA_VISIBLE_DEVICES=1` and restored with `--gpu-map 1=0` got
+/// CUDA_ERROR_NOT_INITIALIZED for its first allocation, once CRIU had restored it.
+fn refuse_unseen_targets(section: &Section, map: &BTreeMap<String, String>) -> Result<(), EngineError> {
+    for p in section.processes.iter().filter(|p| !p.visible.is_empty()) {
+        for a in &p.allocations {
+            let target = map.get(&a.gpu).unwrap_or(&a.gpu);
+            if !p.visible.contains(target) {
+                return Err(fail(
+                    format!(
+                        "process {} ({}) could see only {} (its CUDA_VISIBLE_DEVICES), and the agent cannot bring its device memory onto {target}, which it never saw",
+                        p.ns_pid,
+                        p.comm,
+                        p.visible.join(", ")
+                    ),
+                    Some("restore it onto the GPUs it could see; a job meant to move between GPUs is best started without CUDA_VISIBLE_DEVICES, or with --no-agent"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The engine's manifest section.
@@ -358,6 +398,7 @@ impl DeviceEngine for AgentEngine {
         let section = section(value)?;
         let here = cuda::nvml_gpus();
         let map = gpu_map(&section, &here, opts)?;
+        refuse_unseen_targets(&section, &map)?;
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for a in section.processes.iter().flat_map(|p| &p.allocations) {
             *need.entry(map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone())).or_default() += a.size;
@@ -447,6 +488,80 @@ mod tests {
         assert!(shared_state(&Status { ipc_imports: 2, ..Status::default() }).unwrap().contains("cuIpcOpenMemHandle"));
         assert!(shared_state(&Status { shared_imports: 1, ..Status::default() }).unwrap().contains("cuMemImportFromShareableHandle"));
         assert_eq!(shared_state(&Status { peer_access: 1, ..Status::default() }), None, "peer access within one process is its own state");
+    }
+
+    const A: &str = "GPU-11111111-2222-3333-4444-555555555555";
+    const B: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+
+    fn two_gpus() -> Vec<Gpu> {
+        [A, B]
+            .iter()
+            .enumerate()
+            .map(|(i, u)| Gpu { index: i as u32, uuid: u.to_string(), name: "NVIDIA H200".into(), memory_total: 1 << 40, memory_free: 1 << 40 })
+            .collect()
+    }
+
+    fn process_on(gpu: &str, visible: &[&str]) -> AgentProcess {
+        AgentProcess {
+            ns_pid: 7,
+            comm: "counter".into(),
+            bytes: 1 << 30,
+            allocations: vec![Allocation { id: 1, size: 1 << 30, gpu: gpu.into(), files: Vec::new() }],
+            passthrough: Passthrough::default(),
+            visible: visible.iter().map(|v| v.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn memory_does_not_move_onto_a_gpu_the_process_never_saw() {
+        let section = |p: AgentProcess| Section {
+            mode: Mode::Direct,
+            chunk_bytes: 1,
+            gpus: two_gpus(),
+            processes: vec![p],
+            quiesce_seconds: 0.0,
+            copy_seconds: 0.0,
+            placed: Placed::default(),
+            staging_seconds: 0.0,
+        };
+        let swap: BTreeMap<String, String> = [(A.to_string(), B.to_string()), (B.to_string(), A.to_string())].into();
+        // Started with CUDA_VISIBLE_DEVICES=1: it saw B alone.
+        let err = refuse_unseen_targets(&section(process_on(B, &[B])), &swap).unwrap_err();
+        assert!(err.to_string().contains(A) && err.to_string().contains("CUDA_VISIBLE_DEVICES"), "{err}");
+        assert!(err.hint().unwrap().contains("--no-agent"));
+        refuse_unseen_targets(&section(process_on(B, &[B])), &BTreeMap::new()).expect("in place");
+        refuse_unseen_targets(&section(process_on(B, &[])), &swap).expect("it saw every GPU");
+    }
+
+    #[test]
+    fn the_visible_gpus_are_recorded_only_where_some_were_hidden() {
+        let machine = two_gpus();
+        let spawn = |cvd: Option<&str>| {
+            let mut c = std::process::Command::new("sleep");
+            c.arg("30");
+            if let Some(v) = cvd {
+                c.env("CUDA_VISIBLE_DEVICES", v);
+            } else {
+                c.env_remove("CUDA_VISIBLE_DEVICES");
+            }
+            let child = c.spawn().unwrap();
+            // Its environment is the one given only once it has exec'd.
+            let comm = format!("/proc/{}/comm", child.id());
+            for _ in 0..500 {
+                if std::fs::read_to_string(&comm).is_ok_and(|c| c.trim() == "sleep") {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            child
+        };
+        for (cvd, used, want) in [(Some("1"), B, vec![B.to_string()]), (None, A, vec![]), (Some("0,1"), A, vec![]), (Some("1"), A, vec![])] {
+            let mut child = spawn(cvd);
+            let got = visible_subset(child.id() as i32, &machine, &[used]);
+            child.kill().unwrap();
+            child.wait().unwrap();
+            assert_eq!(got, want, "CUDA_VISIBLE_DEVICES={cvd:?}, used {used}");
+        }
     }
 
     #[test]
