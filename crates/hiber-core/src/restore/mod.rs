@@ -339,7 +339,7 @@ fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
     let text = e.to_string();
     if e.errno() == Some(libc::EADDRINUSE) || text.contains("Address already in use") {
         return Some(
-            "a socket address of the image is taken, most likely by the original, which still runs; stop it first, or restore the copy with --isolate-net (its own network namespace, loopback only)"
+            "a socket address of the image is taken: by the original, if it still runs, or by another job (CUDA names a socket after its job's PID namespace number, which the kernel reuses); stop that first, or restore the copy with --isolate-net (its own network namespace, loopback only)"
                 .into(),
         );
     }
