@@ -311,6 +311,9 @@ pub struct Command {
     /// Let the job create io_uring instances (see [`io_uring_filter`]).
     #[serde(default)]
     allow_io_uring: bool,
+    /// PID namespace numbers the job must not get (see `named_in_a_cuda_socket`).
+    #[serde(default)]
+    avoid_namespaces: Vec<u64>,
 }
 
 /// The seccomp program that keeps a job off io_uring: `io_uring_setup`, `io_uring_enter`
@@ -354,6 +357,13 @@ impl Command {
         self
     }
 
+    /// Keeps the job out of PID namespaces with these numbers: those the CUDA sockets of
+    /// images here are named after, which their restores bind again.
+    pub fn avoid_pid_namespaces(mut self, numbers: Vec<u64>) -> Command {
+        self.avoid_namespaces = numbers;
+        self
+    }
+
     /// Sets `key=value` in the job's environment.
     pub fn env(mut self, key: &str, value: &str) -> Result<Command, LaunchError> {
         if key.contains('\0') || value.contains('\0') {
@@ -372,6 +382,7 @@ impl Command {
             stderr: stderr.to_path_buf(),
             env: Vec::new(),
             allow_io_uring: false,
+            avoid_namespaces: Vec::new(),
         };
         cmd.prepare().map_err(LaunchError::Start)?;
         Ok(cmd)
@@ -461,7 +472,7 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
                 drop(err_wr);
                 drop(go_rd);
                 let mut go_wr = File::from(go_wr);
-                if refused.len() < 16 && named_in_a_cuda_socket(pid) {
+                if refused.len() < 16 && named_in_a_cuda_socket(pid, &cmd.avoid_namespaces) {
                     match File::open(format!("/proc/{pid}/ns/pid")) {
                         Ok(ns) => refused.push(ns),
                         Err(e) => return failed(format!("cannot hold PID namespace of {pid}: {e}")),
@@ -499,18 +510,21 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
 }
 
 /// Whether the PID namespace of `init` (just forked into it) has a number that a CUDA
-/// socket here is named after.
+/// socket here is named after, or one of `avoid` (those of images here).
 ///
 /// The driver binds an abstract unix socket named `cuda-uvmfd-NS-PID` in every CUDA
 /// process, NS being the inode number of its PID namespace. A restored job keeps the names
 /// of the namespace it was checkpointed in, and the kernel hands that number out again once
 /// the namespace is gone: a new job given it fails at its first CUDA call
-/// (CUDA_ERROR_OPERATING_SYSTEM), as two jobs of the GPU suite did beside restored ones.
-fn named_in_a_cuda_socket(init: i32) -> bool {
+/// (CUDA_ERROR_OPERATING_SYSTEM), as two jobs of the GPU suite did beside restored ones; and
+/// the restore of an image whose names a running job holds fails in CRIU.
+fn named_in_a_cuda_socket(init: i32, avoid: &[u64]) -> bool {
     let Ok(ns) = sys::pid_namespace_of(init) else { return false };
-    let prefix = format!("@cuda-uvmfd-{ns}-");
+    if avoid.contains(&ns) {
+        return true;
+    }
     let names = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
-    names.lines().any(|l| l.split_whitespace().nth(7).is_some_and(|n| n.starts_with(&prefix)))
+    names.lines().any(|l| l.split_whitespace().nth(7).and_then(crate::proctree::cuda_socket_namespace) == Some(ns))
 }
 
 /// In the namespace's init: own session, a /proc of its own, stdio opened inside the

@@ -231,6 +231,32 @@ pub fn ancestors_of(pid: i32) -> Vec<i32> {
     out
 }
 
+/// The names of the abstract unix sockets among `fds` (process `pid`'s), as
+/// `/proc/PID/net/unix` shows them for the process's network namespace: `@NAME`, without
+/// the NUL padding it shows as trailing '@'s.
+pub fn abstract_socket_names(pid: i32, fds: &[OpenFd]) -> Vec<String> {
+    let inodes: std::collections::HashSet<&str> = fds.iter().filter_map(|f| f.target.strip_prefix("socket:[")?.strip_suffix(']')).collect();
+    if inodes.is_empty() {
+        return Vec::new();
+    }
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 8 && inodes.contains(f[6]) && f[7].starts_with('@')).then(|| f[7].trim_end_matches('@').to_string())
+        })
+        .collect()
+}
+
+/// The PID namespace number in the name of the socket CUDA's driver binds in each CUDA
+/// process (`@cuda-uvmfd-NS-PID`, NS the inode number of the process's PID namespace when
+/// CUDA started in it: a restored process keeps the name).
+pub fn cuda_socket_namespace(name: &str) -> Option<u64> {
+    name.strip_prefix("@cuda-uvmfd-")?.split('-').next()?.parse().ok()
+}
+
 /// A variable of a process's initial environment (what it was started with: a later
 /// setenv inside the process is not seen).
 pub fn env_var(pid: i32, key: &str) -> Option<String> {

@@ -285,3 +285,53 @@ fn restore_through_a_stopped_tree() {
     assert!(log.contains("reader ok received 120 of 120"), "{}", tail(&log));
     assert_continues(&before, &h.progress("stopped-r"), before.last().unwrap().0 + 1);
 }
+
+/// A program that binds a socket named as CUDA's driver names the one it binds in every
+/// CUDA process (`cuda-uvmfd-NS-PID`, NS its PID namespace's inode number), then counts.
+const CUDA_LIKE: &str = r#"
+import os, socket, time
+ns = os.readlink("/proc/self/ns/pid")[5:-1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind("\0cuda-uvmfd-%s-%d" % (ns, os.getpid()))
+s.listen(1)
+print("ns", ns, flush=True)
+n = 0
+while True:
+    print("tick", n, flush=True)
+    n += 1
+    time.sleep(0.05)
+"#;
+
+/// The preemption loop with other jobs in between: a job holding a CUDA-like socket is
+/// checkpointed (stopping) and new jobs of the same kind start before it is restored. The
+/// kernel would hand the stopped job's PID namespace number to the next new job, whose
+/// socket would then take the name the restore binds again; `hiber run` keeps new jobs out
+/// of namespaces whose numbers an image here names, so the restore succeeds.
+#[test]
+fn new_jobs_leave_an_image_its_cuda_socket_names() {
+    let h = Hiber::new("cudans");
+    let ns_of = |h: &Hiber, job: &str| {
+        wait("the job to bind its socket", Duration::from_secs(20), || h.log(job).starts_with("ns "));
+        h.log(job).lines().next().unwrap().trim_start_matches("ns ").to_string()
+    };
+    h.ok(&["run", "--name", "first", "--", "python3", "-c", CUDA_LIKE]);
+    let first = ns_of(&h, "first");
+    let image = h.images_dir().join("first");
+    let pid = h.pid_of("first");
+    h.ok(&["checkpoint", "first", "--out", image.to_str().unwrap()]);
+    wait("the original to stop", Duration::from_secs(10), || !alive(pid));
+    // The kernel frees a namespace's number after an RCU grace period.
+    std::thread::sleep(Duration::from_secs(1));
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["source"]["cuda_namespaces"], serde_json::json!([first.parse::<u64>().unwrap()]), "{}", manifest["source"]);
+    for i in 0..3 {
+        let job = format!("other{i}");
+        h.ok(&["run", "--name", &job, "--", "python3", "-c", CUDA_LIKE]);
+        assert_ne!(ns_of(&h, &job), first, "job {job} got the namespace number the image's socket is named after");
+    }
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "first-r"]);
+    let ticks = |h: &Hiber| h.log("first-r").lines().filter(|l| l.starts_with("tick")).count();
+    let now = ticks(&h);
+    wait("the restored job to go on", Duration::from_secs(20), || ticks(&h) > now + 5);
+    assert_eq!(h.state_of("first-r"), "running");
+}

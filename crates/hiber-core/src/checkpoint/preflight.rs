@@ -63,18 +63,7 @@ fn nccl_shared_memory(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<Strin
 /// overwriting its first byte, so the name is `tmp/nccl-socket-RANK-HASH` and NUL padding
 /// (`@tmp/nccl-socket-0-3b6c1d5db6a19e47@@@...` in /proc/net/unix, as NCCL 2.28.9 had it).
 fn nccl_socket(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> {
-    const PREFIX: &str = "@tmp/nccl-socket-";
-    let inodes: std::collections::HashSet<&str> = fds.iter().filter_map(|f| f.target.strip_prefix("socket:[")?.strip_suffix(']')).collect();
-    if inodes.is_empty() {
-        return None;
-    }
-    // The table of the process's own network namespace, where abstract names live.
-    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).ok()?;
-    table.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        // Without the padding, which the table shows as '@'s.
-        (f.len() >= 8 && inodes.contains(f[6]) && f[7].starts_with(PREFIX)).then(|| f[7].trim_end_matches('@').to_string())
-    })
+    crate::proctree::abstract_socket_names(pid, fds).into_iter().find(|n| n.starts_with("@tmp/nccl-socket-"))
 }
 
 /// Where process `pid` shows that it takes part in an NCCL communicator, if it does.

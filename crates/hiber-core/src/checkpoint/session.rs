@@ -161,6 +161,7 @@ impl<'a> Checkpoint<'a> {
                 stderr: std_path(2),
                 stdout_external: std_path(1).and(log_file_id(root.pid, 1)),
                 stderr_external: std_path(2).and(log_file_id(root.pid, 2)),
+                cuda_namespaces: cuda_namespaces(&self.tree),
             },
             processes: self.tree.clone(),
             devices: self.sections.clone(),
@@ -339,4 +340,14 @@ fn commit(sink: &mut ImageWriter, journal: &mut Option<Journal>, sessions: &mut 
         let _ = j.update(|e| e.phase = journal::Phase::Committed);
     }
     Ok(())
+}
+
+/// The PID namespace numbers the tree's CUDA sockets are named after (see
+/// [`Source::cuda_namespaces`]).
+fn cuda_namespaces(tree: &[ProcessInfo]) -> Vec<u64> {
+    let mut ns: Vec<u64> =
+        tree.iter().flat_map(|p| proctree::abstract_socket_names(p.pid, &p.fds)).filter_map(|n| proctree::cuda_socket_namespace(&n)).collect();
+    ns.sort_unstable();
+    ns.dedup();
+    ns
 }

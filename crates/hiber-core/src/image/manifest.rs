@@ -41,6 +41,12 @@ pub struct Source {
     pub stdout_external: Option<String>,
     #[serde(default)]
     pub stderr_external: Option<String>,
+    /// The PID namespace numbers named by the CUDA sockets the tree held
+    /// (`cuda-uvmfd-NS-PID`), which a restore binds again: `hiber run` keeps new jobs out
+    /// of namespaces with these numbers, so that none holds such a name when this image is
+    /// restored.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuda_namespaces: Vec<u64>,
 }
 
 impl Source {

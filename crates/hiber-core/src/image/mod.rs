@@ -43,6 +43,29 @@ pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 1 };
 /// would take for truncated files. The newest format this hiber reads.
 pub const FORMAT_COMPRESSED: FormatVersion = FormatVersion { major: 1, minor: 2 };
 pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// The PID namespace numbers the CUDA sockets of the images in `dirs` are named after
+/// ([`manifest::Source::cuda_namespaces`]); a directory that is no readable image adds none.
+pub fn cuda_namespaces_of(dirs: impl IntoIterator<Item = PathBuf>) -> Vec<u64> {
+    #[derive(serde::Deserialize)]
+    struct Source {
+        #[serde(default)]
+        cuda_namespaces: Vec<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Partial {
+        source: Source,
+    }
+    let mut out: Vec<u64> = dirs
+        .into_iter()
+        .filter_map(|d| std::fs::read(d.join(MANIFEST_FILE)).ok())
+        .filter_map(|text| serde_json::from_slice::<Partial>(&text).ok())
+        .flat_map(|m| m.source.cuda_namespaces)
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
 /// The hex blake3 of `manifest.json`, on one line.
 pub const MANIFEST_SUM_FILE: &str = "manifest.blake3";
 /// CRIU's files live in this subdirectory of an image.

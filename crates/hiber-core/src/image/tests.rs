@@ -43,6 +43,7 @@ pub(crate) fn sample_manifest() -> Manifest {
             stderr: None,
             stdout_external: None,
             stderr_external: None,
+            cuda_namespaces: Vec::new(),
         },
         processes: vec![crate::proctree::read_process(std::process::id() as i32).unwrap()],
         devices: Vec::new(),
@@ -240,6 +241,7 @@ fn logs_are_handed_back_under_their_external_id_or_their_path() {
         stderr: Some("/state/jobs/a/stderr.log".into()),
         stdout_external: None,
         stderr_external: None,
+        cuda_namespaces: Vec::new(),
     };
     // A 1.0 image: by path, without the leading '/'.
     assert_eq!(src.log_keys(), [Some("state/jobs/a/stdout.log".into()), Some("state/jobs/a/stderr.log".into())]);

@@ -45,7 +45,17 @@ pub struct JobOptions {
     pub allow_io_uring: bool,
 }
 
-pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
+/// The PID namespace numbers that the CUDA sockets of the images here are named after:
+/// those of the state's image directory and each job's latest image.
+fn namespaces_of_images(state: &StateDir, registry: &Registry) -> Vec<u64> {
+    let mut dirs: Vec<std::path::PathBuf> = registry.list().into_iter().filter_map(|j| j.last_image.map(Into::into)).collect();
+    if let Ok(dir) = std::fs::read_dir(state.images()) {
+        dirs.extend(dir.filter_map(Result::ok).map(|e| e.path()));
+    }
+    hiber_core::image::cuda_namespaces_of(dirs)
+}
+
+pub fn start_job(state: &StateDir, registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
     if hiber_core::sys::geteuid() != 0 {
         return Err(CliError::new(ENVIRONMENT, "hiber run needs root: each job gets its own PID namespace").hint("run it with sudo"));
     }
@@ -57,7 +67,9 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         let cwd = std::env::current_dir()?;
         let cmd =
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
-        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring);
+        // Out of the PID namespaces whose numbers images here will need again (see
+        // `launch::Command::avoid_pid_namespaces`).
+        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).avoid_pid_namespaces(namespaces_of_images(state, registry));
         // What the device engines prepare for a job: the agent's preload, say.
         let mut skip = Vec::new();
         if !opts.agent {
@@ -103,9 +115,15 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let registry = Registry::new(&StateDir::from_env());
-    let job =
-        start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring })?;
+    let state = StateDir::from_env();
+    let registry = Registry::new(&state);
+    let job = start_job(
+        &state,
+        &registry,
+        args.name,
+        args.command,
+        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring },
+    )?;
     if args.quiet {
         println!("{}", job.name);
     } else {
