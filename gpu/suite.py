@@ -1187,10 +1187,16 @@ def run_parallel(fns, jobs):
                     return
                 fn = queue.pop(0)
             out = OUT / "workers" / fn.__name__
+            # A result left by an earlier run with the same $OUT must not pass for this one.
+            (out / "results.json").unlink(missing_ok=True)
             env = dict(os.environ, SUITE_WORKER="1", SUITE_ONLY=fn.__name__, SUITE_STATE=f"{STATE}-{k}", OUT=str(out))
-            p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
-            sys.stdout.write(p.stdout)
-            sys.stdout.flush()
+            try:
+                p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200)
+            except subprocess.TimeoutExpired as e:
+                p = subprocess.CompletedProcess(e.cmd, -9, str(e.stdout or ""), f"the worker ran past {e.timeout}s")
+            with lock:
+                sys.stdout.write(p.stdout)
+                sys.stdout.flush()
             try:
                 row = json.loads((out / "results.json").read_text())["results"][0]
             except (OSError, ValueError, IndexError):
@@ -1203,6 +1209,11 @@ def run_parallel(fns, jobs):
         t.start()
     for t in threads:
         t.join()
+    # A worker that died left its jobs: none may run beside the scenarios that follow.
+    for k in range(jobs):
+        jobs_dir = Path(f"{STATE}-{k}") / "jobs"
+        for j in jobs_dir.iterdir() if jobs_dir.exists() else ():
+            hiber("rm", "-f", j.name, check=False, env=dict(ENV, HIBER_STATE=f"{STATE}-{k}"))
     return rows
 
 

@@ -637,6 +637,8 @@ pub unsafe extern "C" fn cuMemUnmap(p: DevPtr, size: usize) -> CuResult {
 #[no_mangle]
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: cuda::Ctx, flags: c_uint) -> CuResult {
+    // Gated as the memory hooks are: it changes the access of memory hiber may be moving.
+    let _pass = gate::enter();
     let Some(real) = real!(c"cuCtxEnablePeerAccess" => unsafe extern "C" fn(cuda::Ctx, c_uint) -> CuResult) else {
         return cuda::ERROR_NOT_FOUND;
     };

@@ -206,6 +206,14 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
         return Ok(None);
     }
     with(|t| {
+        // A peer enabled since the access was worked out (grant_peer did not see this
+        // allocation yet) reaches it too.
+        let mut access = access;
+        for desc in t.access_for(dev) {
+            if !access.iter().any(|a| a.location.is_device() && a.location.id == desc.location.id) && d.set_access(va, rsize, &[desc]).is_ok() {
+                access.push(desc);
+            }
+        }
         t.insert(Entry {
             id: 0,
             handle: h,
@@ -222,20 +230,24 @@ pub fn serve(d: &Driver, size: usize) -> Result<Option<DevPtr>, CuResult> {
 }
 
 /// After the application's `cuCtxEnablePeerAccess` let device `by` reach `owner`'s memory:
-/// served memory on `owner` (mapped now, or brought back later) becomes reachable from `by`.
+/// served memory on `owner` (mapped now, served later, or brought back later) becomes
+/// reachable from `by`. Every allocation is tried; the first error is returned.
 pub fn grant_peer(d: &Driver, owner: c_int, by: c_int) -> Result<(), CuResult> {
     with(|t| {
         if !t.peers.contains(&(owner, by)) {
             t.peers.push((owner, by));
         }
+        let mut first = Ok(());
         for e in t.entries.values_mut().filter(|e| e.served.is_some() && e.dev == owner && !e.evacuated) {
             for m in e.maps.iter_mut().filter(|m| !m.access.iter().any(|a| a.location.is_device() && a.location.id == by)) {
                 let desc = AccessDesc::read_write(by);
-                d.set_access(m.va, m.size, &[desc])?;
-                m.access.push(desc);
+                match d.set_access(m.va, m.size, &[desc]) {
+                    Ok(()) => m.access.push(desc),
+                    Err(r) => first = first.and(Err(r)),
+                }
             }
         }
-        Ok(())
+        first
     })
 }
 

@@ -472,7 +472,8 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
                 drop(err_wr);
                 drop(go_rd);
                 let mut go_wr = File::from(go_wr);
-                if refused.len() < 16 && named_in_a_cuda_socket(pid, &cmd.avoid_namespaces) {
+                // Bounded: the numbers to avoid, and as many again for live sockets.
+                if refused.len() < cmd.avoid_namespaces.len() + 16 && named_in_a_cuda_socket(pid, &cmd.avoid_namespaces) {
                     match File::open(format!("/proc/{pid}/ns/pid")) {
                         Ok(ns) => refused.push(ns),
                         Err(e) => return failed(format!("cannot hold PID namespace of {pid}: {e}")),

@@ -306,7 +306,8 @@ while True:
 /// checkpointed (stopping) and new jobs of the same kind start before it is restored. The
 /// kernel would hand the stopped job's PID namespace number to the next new job, whose
 /// socket would then take the name the restore binds again; `hiber run` keeps new jobs out
-/// of namespaces whose numbers an image here names, so the restore succeeds.
+/// of namespaces whose numbers an image here names (in its state directory or in the
+/// machine's record), so the restore succeeds.
 #[test]
 fn new_jobs_leave_an_image_its_cuda_socket_names() {
     let h = Hiber::new("cudans");
@@ -324,10 +325,14 @@ fn new_jobs_leave_an_image_its_cuda_socket_names() {
     std::thread::sleep(Duration::from_secs(1));
     let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["source"]["cuda_namespaces"], serde_json::json!([first.parse::<u64>().unwrap()]), "{}", manifest["source"]);
+    // The first new job runs under another state directory: the machine's record of images'
+    // namespaces keeps it out too.
+    let elsewhere = Hiber::new("cudans-elsewhere");
     for i in 0..3 {
         let job = format!("other{i}");
+        let h = if i == 0 { &elsewhere } else { &h };
         h.ok(&["run", "--name", &job, "--", "python3", "-c", CUDA_LIKE]);
-        assert_ne!(ns_of(&h, &job), first, "job {job} got the namespace number the image's socket is named after");
+        assert_ne!(ns_of(h, &job), first, "job {job} got the namespace number the image's socket is named after");
     }
     h.ok(&["restore", image.to_str().unwrap(), "--name", "first-r"]);
     let ticks = |h: &Hiber| h.log("first-r").lines().filter(|l| l.starts_with("tick")).count();

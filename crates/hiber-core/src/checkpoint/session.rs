@@ -335,7 +335,13 @@ fn commit(sink: &mut ImageWriter, journal: &mut Option<Journal>, sessions: &mut 
     for (_, s) in sessions.iter_mut() {
         known.extend(s.finish(sink)?);
     }
+    let numbers = manifest.source.cuda_namespaces.clone();
     sink.commit(manifest, &known).map_err(|e: ImageError| CheckpointError::Image(e))?;
+    // So that no job of this machine takes them before this image is restored (the image
+    // is committed: a failure here costs only that care).
+    if let Err(e) = crate::image::record_cuda_namespaces(sink.dest(), &numbers) {
+        tracing::warn!(error = %e, "cannot record the image's CUDA namespace numbers");
+    }
     if let Some(j) = journal {
         let _ = j.update(|e| e.phase = journal::Phase::Committed);
     }

@@ -44,6 +44,44 @@ pub const FORMAT: FormatVersion = FormatVersion { major: 1, minor: 1 };
 pub const FORMAT_COMPRESSED: FormatVersion = FormatVersion { major: 1, minor: 2 };
 pub const MANIFEST_FILE: &str = "manifest.json";
 
+/// The machine's record of the PID namespace numbers that images' CUDA sockets name, for
+/// every state directory (jobs of another `HIBER_STATE` take namespaces from the same
+/// kernel): lines `NUMBER<TAB>IMAGE`, appended by each checkpoint. In /run, a tmpfs: the
+/// numbers mean nothing after a reboot.
+const NAMESPACE_RECORD: &str = "/run/hiber/cuda-namespaces";
+
+/// Adds the image at `image` (committed) and its namespace numbers to the machine's record.
+pub fn record_cuda_namespaces(image: &Path, numbers: &[u64]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    if numbers.is_empty() {
+        return Ok(());
+    }
+    let record = Path::new(NAMESPACE_RECORD);
+    if let Some(dir) = record.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    }
+    let image = std::fs::canonicalize(image)?;
+    let lines: String = numbers.iter().map(|n| format!("{n}\t{}\n", image.display())).collect();
+    // One write of a few short lines to a file opened for appending: concurrent
+    // checkpoints do not interleave within it.
+    std::fs::OpenOptions::new().append(true).create(true).mode(0o600).open(record)?.write_all(lines.as_bytes())
+}
+
+/// The numbers of the machine's record whose image is still there.
+pub fn recorded_cuda_namespaces() -> Vec<u64> {
+    let text = std::fs::read_to_string(NAMESPACE_RECORD).unwrap_or_default();
+    let mut out: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter(|(_, image)| Path::new(image).join(MANIFEST_FILE).exists())
+        .filter_map(|(n, _)| n.parse().ok())
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// The PID namespace numbers the CUDA sockets of the images in `dirs` are named after
 /// ([`manifest::Source::cuda_namespaces`]); a directory that is no readable image adds none.
 pub fn cuda_namespaces_of(dirs: impl IntoIterator<Item = PathBuf>) -> Vec<u64> {

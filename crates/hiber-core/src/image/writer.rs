@@ -97,6 +97,11 @@ impl ImageWriter {
         self.keep = true;
     }
 
+    /// Where the image goes (is, once committed).
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
     pub fn is_committed(&self) -> bool {
         self.committed
     }

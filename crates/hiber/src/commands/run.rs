@@ -45,14 +45,20 @@ pub struct JobOptions {
     pub allow_io_uring: bool,
 }
 
-/// The PID namespace numbers that the CUDA sockets of the images here are named after:
-/// those of the state's image directory and each job's latest image.
+/// The PID namespace numbers that the CUDA sockets of images here are named after: those
+/// the machine's record lists (every checkpoint of this hiber adds its image's), and those
+/// of the state's image directory and each job's latest image (images made before the
+/// record, or after a reboot).
 fn namespaces_of_images(state: &StateDir, registry: &Registry) -> Vec<u64> {
     let mut dirs: Vec<std::path::PathBuf> = registry.list().into_iter().filter_map(|j| j.last_image.map(Into::into)).collect();
     if let Ok(dir) = std::fs::read_dir(state.images()) {
         dirs.extend(dir.filter_map(Result::ok).map(|e| e.path()));
     }
-    hiber_core::image::cuda_namespaces_of(dirs)
+    let mut numbers = hiber_core::image::cuda_namespaces_of(dirs);
+    numbers.extend(hiber_core::image::recorded_cuda_namespaces());
+    numbers.sort_unstable();
+    numbers.dedup();
+    numbers
 }
 
 pub fn start_job(state: &StateDir, registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {

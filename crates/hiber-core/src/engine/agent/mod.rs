@@ -537,22 +537,20 @@ mod tests {
     fn the_visible_gpus_are_recorded_only_where_some_were_hidden() {
         let machine = two_gpus();
         let spawn = |cvd: Option<&str>| {
-            let mut c = std::process::Command::new("sleep");
-            c.arg("30");
+            use std::io::BufRead;
+            // The shell says so once it runs, and so has the environment it was given; it
+            // then waits on its stdin (not exec'ing anything, whose exec would race the read).
+            let mut c = std::process::Command::new("sh");
+            c.args(["-c", "echo ready; read x"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
             if let Some(v) = cvd {
                 c.env("CUDA_VISIBLE_DEVICES", v);
             } else {
                 c.env_remove("CUDA_VISIBLE_DEVICES");
             }
-            let child = c.spawn().unwrap();
-            // Its environment is the one given only once it has exec'd.
-            let comm = format!("/proc/{}/comm", child.id());
-            for _ in 0..500 {
-                if std::fs::read_to_string(&comm).is_ok_and(|c| c.trim() == "sleep") {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(2));
-            }
+            let mut child = c.spawn().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+            assert_eq!(line, "ready\n");
             child
         };
         for (cvd, used, want) in [(Some("1"), B, vec![B.to_string()]), (None, A, vec![]), (Some("0,1"), A, vec![]), (Some("1"), A, vec![])] {
