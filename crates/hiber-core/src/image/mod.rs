@@ -46,9 +46,13 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// The machine's record of the PID namespace numbers that images' CUDA sockets name, for
 /// every state directory (jobs of another `HIBER_STATE` take namespaces from the same
-/// kernel): lines `NUMBER<TAB>IMAGE`, appended by each checkpoint. In /run, a tmpfs: the
-/// numbers mean nothing after a reboot.
-const NAMESPACE_RECORD: &str = "/run/hiber/cuda-namespaces";
+/// kernel): lines `NUMBER<TAB>IMAGE`, appended by each checkpoint. It outlives a reboot: the
+/// kernel numbers namespaces from the same base at every boot, so an image's names can
+/// clash with a job started after one.
+const NAMESPACE_RECORD: &str = "/var/lib/hiber/cuda-namespaces";
+
+/// Past this size the record is rewritten with the entries whose image is still there.
+const NAMESPACE_RECORD_PRUNE_BYTES: u64 = 1 << 20;
 
 /// Adds the image at `image` (committed) and its namespace numbers to the machine's record.
 pub fn record_cuda_namespaces(image: &Path, numbers: &[u64]) -> std::io::Result<()> {
@@ -62,6 +66,16 @@ pub fn record_cuda_namespaces(image: &Path, numbers: &[u64]) -> std::io::Result<
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     }
     let image = std::fs::canonicalize(image)?;
+    if std::fs::metadata(record).is_ok_and(|m| m.len() > NAMESPACE_RECORD_PRUNE_BYTES) {
+        // A concurrent checkpoint's line may be lost here; its image's state directory
+        // still names its numbers.
+        let text = std::fs::read_to_string(record)?;
+        let live: String =
+            text.lines().filter(|l| l.split_once('\t').is_some_and(|(_, i)| Path::new(i).join(MANIFEST_FILE).exists())).map(|l| format!("{l}\n")).collect();
+        let tmp = record.with_extension("tmp");
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?.write_all(live.as_bytes())?;
+        std::fs::rename(&tmp, record)?;
+    }
     let lines: String = numbers.iter().map(|n| format!("{n}\t{}\n", image.display())).collect();
     // One write of a few short lines to a file opened for appending: concurrent
     // checkpoints do not interleave within it.

@@ -234,10 +234,6 @@ pub struct CudaProcess {
     pub gpus: Vec<String>,
     /// Device memory it held, per NVML, when checkpointed.
     pub memory_bytes: u64,
-    /// UUIDs of the GPUs it could see (its CUDA_VISIBLE_DEVICES); empty in images before
-    /// this was recorded, meaning every GPU.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub visible: Vec<String>,
 }
 
 /// The engine's manifest section.
@@ -485,27 +481,18 @@ impl CheckpointSession for DriverCheckpoint {
         let start = std::time::Instant::now();
         e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| DriverEngine::driver_fail("checkpoint", pid, &err)))?;
         let checkpoint_seconds = start.elapsed().as_secs_f64();
-        let machine: Vec<Gpu> = gpus.iter().map(|(g, _)| g.clone()).collect();
         let processes = self
             .pids
             .iter()
             .map(|&pid| {
                 let info = tree.iter().find(|p| p.pid == pid);
                 let (gpus_used, memory_bytes) = per_pid.get(&pid).cloned().unwrap_or_default();
-                // The variable as the process was started with it: a program that sets it
-                // itself (os.environ, before CUDA starts) is not seen. Where the GPUs it
-                // used say otherwise, what it could see is left unknown (every pair).
-                let mut visible = visible_gpus(crate::proctree::env_var(pid, "CUDA_VISIBLE_DEVICES").as_deref(), &machine);
-                if !gpus_used.iter().all(|g| visible.contains(g)) {
-                    visible.clear();
-                }
                 CudaProcess {
                     ns_pid: info.map(|p| p.ns_pid).unwrap_or(pid),
                     pid,
                     comm: info.map(|p| p.comm.clone()).unwrap_or_default(),
                     gpus: gpus_used,
                     memory_bytes,
-                    visible,
                 }
             })
             .collect();

@@ -270,9 +270,8 @@ fn a_restore_onto_other_gpus_passes_the_whole_permutation() {
     let d = Arc::new(d);
     let e = engine(&d);
     let mut v = captured(&e);
-    // The process could see GPU B alone (CUDA_VISIBLE_DEVICES=1) and used it.
+    // The process used GPU B (as one started with CUDA_VISIBLE_DEVICES=1 does).
     v["processes"][0]["gpus"] = serde_json::json!([UUID_B]);
-    v["processes"][0]["visible"] = serde_json::json!([UUID_B]);
     let opts = DeviceRestoreOptions { gpu_map: vec![("1".into(), "0".into())], ..Default::default() };
     let mut session = e.begin_restore(&v, &opts).unwrap();
     d.states.lock().unwrap().insert(10, ProcessState::Checkpointed);
