@@ -78,8 +78,22 @@ pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, 
 /// image, which has no manifest yet: then only the length is checked). A file shorter than
 /// `buf` is a zstd frame, which must decompress to exactly `buf`'s length.
 pub fn read(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String, String>>) -> Result<(), String> {
+    read_timed(dir, rel, buf, sums, &mut ReadTimes::default())
+}
+
+/// Where the time of [`read_timed`] went: reading the file, and checking its hash (with
+/// decompressing, for a compressed chunk).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ReadTimes {
+    pub read: std::time::Duration,
+    pub verify: std::time::Duration,
+}
+
+/// [`read`], adding the time it spent to `times`.
+pub fn read_timed(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String, String>>, times: &mut ReadTimes) -> Result<(), String> {
     let path = dir.join(rel);
     let io = |e: std::io::Error| format!("{}: {e}", path.display());
+    let t0 = std::time::Instant::now();
     let mut f = File::open(&path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
     let check = |stored: &[u8]| -> Result<(), String> {
@@ -93,15 +107,22 @@ pub fn read(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String,
     };
     if len == buf.len() as u64 {
         f.read_exact(buf).map_err(io)?;
-        return check(buf);
+        let t1 = std::time::Instant::now();
+        times.read += t1 - t0;
+        let r = check(buf);
+        times.verify += t1.elapsed();
+        return r;
     }
     if len > buf.len() as u64 {
         return Err(format!("{} has {len} bytes, expected {} at most", path.display(), buf.len()));
     }
     let mut stored = Vec::with_capacity(len as usize);
     f.read_to_end(&mut stored).map_err(io)?;
+    let t1 = std::time::Instant::now();
+    times.read += t1 - t0;
     check(&stored)?;
     let n = zstd::bulk::decompress_to_buffer(&stored, buf).map_err(|e| format!("{}: not a zstd frame of its data: {e}", path.display()))?;
+    times.verify += t1.elapsed();
     if n != buf.len() {
         return Err(format!("{} holds {n} bytes, expected {}", path.display(), buf.len()));
     }

@@ -274,17 +274,45 @@ pub fn stage(gpus: &Gpus, from: &[Chunk], to: &[Place], staging: Option<&Staging
 /// manifest checksum before it reaches the GPU (`sums` is `None` only when recovering from
 /// a partial image, which has no manifest yet: then sizes are checked).
 /// A raised `stop` ends the load early, with an error.
-pub fn load(gpus: &Gpus, mems: &[(&DeviceMem, String)], dir: &Path, sums: Option<&HashMap<String, String>>, stop: Option<&AtomicBool>) -> Result<(), String> {
-    parallel(gpus, &chunks(mems), |c, w| {
+pub fn load(
+    gpus: &Gpus,
+    mems: &[(&DeviceMem, String)],
+    dir: &Path,
+    sums: Option<&HashMap<String, String>>,
+    stop: Option<&AtomicBool>,
+) -> Result<LoadTimes, String> {
+    let per_chunk = parallel(gpus, &chunks(mems), |c, w| {
         if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
             return Err("stopped".into());
         }
         let Place::Gpu { dev, va } = c.at else { return Err("loading into host memory".into()) };
         let (buf, stream) = w.buf_and_stream(dev)?;
-        crate::image::chunks::read(dir, &c.rel, &mut buf.as_mut_slice()[..c.len], sums)?;
+        let mut times = crate::image::chunks::ReadTimes::default();
+        crate::image::chunks::read_timed(dir, &c.rel, &mut buf.as_mut_slice()[..c.len], sums, &mut times)?;
+        let t = std::time::Instant::now();
         // SAFETY: a chunk covers `len` bytes inside one DeviceMem mapping (see `chunks`),
         // which no one else writes while hiber loads it.
-        unsafe { gpus.cuda.copy_to_device(va, buf, c.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))
-    })
-    .map(|_| ())
+        unsafe { gpus.cuda.copy_to_device(va, buf, c.len, stream) }.map_err(|e| format!("copying to the GPU: {}", gpus.cuda.error_name(e)))?;
+        Ok((times, t.elapsed(), c.len))
+    })?;
+    let mut total = LoadTimes { threads: workers().min(per_chunk.len()), ..LoadTimes::default() };
+    for (times, copy, len) in per_chunk {
+        total.read_s += times.read.as_secs_f64();
+        total.verify_s += times.verify.as_secs_f64();
+        total.copy_s += copy.as_secs_f64();
+        total.bytes += len as u64;
+    }
+    Ok(total)
+}
+
+/// Where [`load`]'s threads spent their time, summed over all of them (so each sum can be
+/// up to `threads` times the wall time): reading chunk files, checking (and decompressing)
+/// them, and copying them to the GPU.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LoadTimes {
+    pub threads: usize,
+    pub bytes: u64,
+    pub read_s: f64,
+    pub verify_s: f64,
+    pub copy_s: f64,
 }

@@ -20,7 +20,7 @@ type LoadedMemory = HashMap<i32, Vec<(u64, DeviceMem)>>;
 
 /// What the loader thread answers: the memory, and the seconds it took to create it and to
 /// load it.
-type Loading = std::thread::JoinHandle<Result<(LoadedMemory, f64, f64), EngineError>>;
+type Loading = std::thread::JoinHandle<Result<(LoadedMemory, f64, f64, device::LoadTimes), EngineError>>;
 
 /// Creates the memory of every allocation of an image on its (mapped) GPU and streams the
 /// chunks into it, checking each.
@@ -34,7 +34,7 @@ struct Loader {
 }
 
 impl Loader {
-    fn run(self) -> Result<(LoadedMemory, f64, f64), EngineError> {
+    fn run(self) -> Result<(LoadedMemory, f64, f64, device::LoadTimes), EngineError> {
         let t0 = Instant::now();
         let mut loaded: LoadedMemory = HashMap::new();
         let mut jobs = Vec::new();
@@ -55,10 +55,10 @@ impl Loader {
             }
         }
         let t1 = Instant::now();
-        device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums), Some(&self.stop))
+        let times = device::load(&self.gpus, &jobs, &self.image_dir, Some(&self.checksums), Some(&self.stop))
             .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
         drop(jobs);
-        Ok((loaded, (t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64()))
+        Ok((loaded, (t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64(), times))
     }
 }
 
@@ -106,8 +106,19 @@ impl RestoreSession for AgentRestore {
     fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
         let t0 = Instant::now();
         let handle = self.loading.take().ok_or_else(|| fail("device memory restored twice", None))?;
-        let (mut loaded, create_s, load_s) = handle.join().unwrap_or_else(|_| Err(fail("the device memory loader panicked", None)))?;
+        let (mut loaded, create_s, load_s, times) = handle.join().unwrap_or_else(|_| Err(fail("the device memory loader panicked", None)))?;
         let waited_s = t0.elapsed().as_secs_f64();
+        // Where the load's time went (thread-seconds): what bounds the restore's rate.
+        tracing::info!(
+            create_s,
+            load_s,
+            gbps = times.bytes as f64 / load_s.max(1e-9) / 1e9,
+            threads = times.threads,
+            read_thread_s = times.read_s,
+            verify_thread_s = times.verify_s,
+            copy_thread_s = times.copy_s,
+            "agent device memory loaded"
+        );
         for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
             let now = pids
                 .iter()
