@@ -96,6 +96,14 @@ pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
     Ok(())
 }
 
+/// Waits for an advisory lock on `f` (shared or exclusive), held until `f` is closed.
+pub fn flock(f: &std::fs::File, exclusive: bool) -> io::Result<()> {
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    // SAFETY: flock on a descriptor the borrowed File keeps open.
+    cvt(unsafe { libc::flock(f.as_raw_fd(), op) })?;
+    Ok(())
+}
+
 /// The inode number of process `pid`'s PID namespace.
 pub fn pid_namespace_of(pid: i32) -> io::Result<u64> {
     let link = std::fs::read_link(format!("/proc/{pid}/ns/pid"))?;

@@ -306,8 +306,8 @@ while True:
 /// checkpointed (stopping) and new jobs of the same kind start before it is restored. The
 /// kernel would hand the stopped job's PID namespace number to the next new job, whose
 /// socket would then take the name the restore binds again; `hiber run` keeps new jobs out
-/// of namespaces whose numbers an image here names (in its state directory or in the
-/// machine's record), so the restore succeeds.
+/// of namespaces whose numbers an image of this machine names (the machine's record, kept
+/// by every checkpoint whatever its state directory), so the restore succeeds.
 #[test]
 fn new_jobs_leave_an_image_its_cuda_socket_names() {
     let h = Hiber::new("cudans");
@@ -325,8 +325,7 @@ fn new_jobs_leave_an_image_its_cuda_socket_names() {
     std::thread::sleep(Duration::from_secs(1));
     let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(image.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["source"]["cuda_namespaces"], serde_json::json!([first.parse::<u64>().unwrap()]), "{}", manifest["source"]);
-    // The first new job runs under another state directory: the machine's record of images'
-    // namespaces keeps it out too.
+    // The first new job runs under another state directory: the record is the machine's.
     let elsewhere = Hiber::new("cudans-elsewhere");
     for i in 0..3 {
         let job = format!("other{i}");

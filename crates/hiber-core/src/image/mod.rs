@@ -56,7 +56,7 @@ const NAMESPACE_RECORD_PRUNE_BYTES: u64 = 1 << 20;
 
 /// Adds the image at `image` (committed) and its namespace numbers to the machine's record.
 pub fn record_cuda_namespaces(image: &Path, numbers: &[u64]) -> std::io::Result<()> {
-    use std::io::Write;
+    use std::io::{Read, Seek, Write};
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if numbers.is_empty() {
         return Ok(());
@@ -66,58 +66,40 @@ pub fn record_cuda_namespaces(image: &Path, numbers: &[u64]) -> std::io::Result<
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     }
     let image = std::fs::canonicalize(image)?;
-    if std::fs::metadata(record).is_ok_and(|m| m.len() > NAMESPACE_RECORD_PRUNE_BYTES) {
-        // A concurrent checkpoint's line may be lost here; its image's state directory
-        // still names its numbers.
-        let text = std::fs::read_to_string(record)?;
-        let live: String =
-            text.lines().filter(|l| l.split_once('\t').is_some_and(|(_, i)| Path::new(i).join(MANIFEST_FILE).exists())).map(|l| format!("{l}\n")).collect();
-        let tmp = record.with_extension("tmp");
-        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?.write_all(live.as_bytes())?;
-        std::fs::rename(&tmp, record)?;
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(record)?;
+    // Concurrent checkpoints and the pruning below take turns.
+    crate::sys::flock(&f, true)?;
+    if f.metadata()?.len() > NAMESPACE_RECORD_PRUNE_BYTES {
+        let mut text = String::new();
+        f.read_to_string(&mut text)?;
+        let live: String = text.lines().filter(|l| l.split_once('\t').is_some_and(|(_, i)| image_is_there(i))).map(|l| format!("{l}\n")).collect();
+        f.set_len(0)?;
+        f.rewind()?;
+        f.write_all(live.as_bytes())?;
     }
+    f.seek(std::io::SeekFrom::End(0))?;
     let lines: String = numbers.iter().map(|n| format!("{n}\t{}\n", image.display())).collect();
-    // One write of a few short lines to a file opened for appending: concurrent
-    // checkpoints do not interleave within it.
-    std::fs::OpenOptions::new().append(true).create(true).mode(0o600).open(record)?.write_all(lines.as_bytes())
+    f.write_all(lines.as_bytes())
 }
 
 /// The numbers of the machine's record whose image is still there.
 pub fn recorded_cuda_namespaces() -> Vec<u64> {
-    let text = std::fs::read_to_string(NAMESPACE_RECORD).unwrap_or_default();
-    let mut out: Vec<u64> = text
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .filter(|(_, image)| Path::new(image).join(MANIFEST_FILE).exists())
-        .filter_map(|(n, _)| n.parse().ok())
-        .collect();
+    let Ok(mut f) = std::fs::File::open(NAMESPACE_RECORD) else { return Vec::new() };
+    let mut text = String::new();
+    if crate::sys::flock(&f, false).and_then(|()| std::io::Read::read_to_string(&mut f, &mut text)).is_err() {
+        return Vec::new();
+    }
+    let mut out: Vec<u64> =
+        text.lines().filter_map(|l| l.split_once('\t')).filter(|(_, image)| image_is_there(image)).filter_map(|(n, _)| n.parse().ok()).collect();
     out.sort_unstable();
     out.dedup();
     out
 }
 
-/// The PID namespace numbers the CUDA sockets of the images in `dirs` are named after
-/// ([`manifest::Source::cuda_namespaces`]); a directory that is no readable image adds none.
-pub fn cuda_namespaces_of(dirs: impl IntoIterator<Item = PathBuf>) -> Vec<u64> {
-    #[derive(serde::Deserialize)]
-    struct Source {
-        #[serde(default)]
-        cuda_namespaces: Vec<u64>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Partial {
-        source: Source,
-    }
-    let mut out: Vec<u64> = dirs
-        .into_iter()
-        .filter_map(|d| std::fs::read(d.join(MANIFEST_FILE)).ok())
-        .filter_map(|text| serde_json::from_slice::<Partial>(&text).ok())
-        .flat_map(|m| m.source.cuda_namespaces)
-        .collect();
-    out.sort_unstable();
-    out.dedup();
-    out
+fn image_is_there(dir: &str) -> bool {
+    Path::new(dir).join(MANIFEST_FILE).exists()
 }
+
 /// The hex blake3 of `manifest.json`, on one line.
 pub const MANIFEST_SUM_FILE: &str = "manifest.blake3";
 /// CRIU's files live in this subdirectory of an image.

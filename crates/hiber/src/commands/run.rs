@@ -45,23 +45,7 @@ pub struct JobOptions {
     pub allow_io_uring: bool,
 }
 
-/// The PID namespace numbers that the CUDA sockets of images here are named after: those
-/// the machine's record lists (every checkpoint of this hiber adds its image's), and those
-/// of the state's image directory and each job's latest image (images made before the
-/// record, or after a reboot).
-fn namespaces_of_images(state: &StateDir, registry: &Registry) -> Vec<u64> {
-    let mut dirs: Vec<std::path::PathBuf> = registry.list().into_iter().filter_map(|j| j.last_image.map(Into::into)).collect();
-    if let Ok(dir) = std::fs::read_dir(state.images()) {
-        dirs.extend(dir.filter_map(Result::ok).map(|e| e.path()));
-    }
-    let mut numbers = hiber_core::image::cuda_namespaces_of(dirs);
-    numbers.extend(hiber_core::image::recorded_cuda_namespaces());
-    numbers.sort_unstable();
-    numbers.dedup();
-    numbers
-}
-
-pub fn start_job(state: &StateDir, registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
+pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
     if hiber_core::sys::geteuid() != 0 {
         return Err(CliError::new(ENVIRONMENT, "hiber run needs root: each job gets its own PID namespace").hint("run it with sudo"));
     }
@@ -73,9 +57,9 @@ pub fn start_job(state: &StateDir, registry: &Registry, name: Option<String>, co
         let cwd = std::env::current_dir()?;
         let cmd =
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
-        // Out of the PID namespaces whose numbers images here will need again (see
-        // `launch::Command::avoid_pid_namespaces`).
-        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).avoid_pid_namespaces(namespaces_of_images(state, registry));
+        // Out of the PID namespaces whose numbers images of this machine will need again
+        // (see `launch::Command::avoid_pid_namespaces`).
+        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
         // What the device engines prepare for a job: the agent's preload, say.
         let mut skip = Vec::new();
         if !opts.agent {
@@ -121,15 +105,9 @@ pub fn start_job(state: &StateDir, registry: &Registry, name: Option<String>, co
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let state = StateDir::from_env();
-    let registry = Registry::new(&state);
-    let job = start_job(
-        &state,
-        &registry,
-        args.name,
-        args.command,
-        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring },
-    )?;
+    let registry = Registry::new(&StateDir::from_env());
+    let job =
+        start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring })?;
     if args.quiet {
         println!("{}", job.name);
     } else {
