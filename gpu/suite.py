@@ -936,17 +936,12 @@ def _cvd(m, agent):
     assert_continues(before, progress("cvd-r"), before[-1][0] + 1)
 
 
-@two_gpu("nccl_ddp_refused_cleanly")
-def _nccl(m, agent):
-    """A two-rank DDP job over NCCL, launched by torchrun: no process of it holds an io_uring
-    (hiber keeps the launcher's store off it), and its checkpoint is refused before anything
-    is touched, naming NCCL; the job trains on to its own final check."""
-    job = "ddp" + ("a" if agent else "d")
-    cmd = ("python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", DDP, "--steps", "300")
-    run_job(job, *cmd, agent=agent, limit=180)
-    wait_step(job, 30, 180)
+TORCHRUN2 = ("python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+
+
+def rings_in(tree):
+    """(pid, comm) of every process of TREE holding an io_uring."""
     rings = []
-    tree = tree_of(job_pid(job))
     for pid in tree:
         try:
             for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -954,17 +949,141 @@ def _nccl(m, agent):
                     rings.append((pid, Path(f"/proc/{pid}/comm").read_text().strip()))
         except OSError:
             pass
+    return rings
+
+
+@scenario
+@exclusive
+def nccl_ddp_refused_cleanly_no_agent(m):
+    """A two-rank DDP job over NCCL without the agent, launched by torchrun: no process of
+    it holds an io_uring (hiber keeps the launcher's store off it), and its checkpoint is
+    refused before anything is touched, naming NCCL; the job trains on to its own check."""
+    need_two_gpus()
+    job = "ddpd"
+    run_job(job, *TORCHRUN2, DDP, "--steps", "300", agent=False, limit=180)
+    wait_step(job, 30, 180)
+    tree = tree_of(job_pid(job))
+    rings = rings_in(tree)
     m["processes"] = len(tree)
-    m["sockets"] = {pid: abstract_sockets(pid) for pid in tree}
     assert len(tree) >= 3 and not rings, f"the launcher and two ranks, none with an io_uring: {len(tree)} processes, rings {rings}"
     p = hiber("checkpoint", job, "--out", image_of(job), check=False)
     m["error"] = p.stderr.strip()[:400]
-    m["checkpoint_rc"] = p.returncode
     assert p.returncode == 1 and "NCCL communicator" in p.stderr and "keeps running" in p.stderr, f"rc {p.returncode}: {p.stdout[-300:]} {p.stderr[-600:]}"
     assert not Path(image_of(job)).exists(), "no image is left"
     at = progress(job)[-1][0]
     wait_step(job, at + 10)
     assert_verified(job, 300)
+
+
+def nccl_reference(mode, steps, args):
+    """The uninterrupted trajectory of ddp.py in MODE, outside hiber."""
+    ref = sh(*TORCHRUN2, DDP, "--mode", mode, "--steps", steps, *args, timeout=300)
+    traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    assert len(traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-500:]} {ref.stderr[-1500:]}"
+    return traj
+
+
+def step_gap_ms(job, lo, hi):
+    """The longest pause between two consecutive steps of JOB logged between steps LO and HI
+    (the job's own clock): what a checkpoint in between cost it."""
+    ps = [p for p in parse_progress(log(job)) if lo <= p.step <= hi]
+    return max((b.t_ms - a.t_ms for a, b in zip(ps, ps[1:])), default=0)
+
+
+def assert_on_reference(job, ref):
+    got = progress(job)
+    want = dict(ref)
+    assert got, f"{job} logged no step"
+    bad = [(s, c, want.get(s)) for s, c in got if want.get(s) != c]
+    assert not bad, f"{job} left the uninterrupted trajectory at {bad[:3]} (step, got, want)"
+    return got
+
+
+def hiber_logged(m, key, *args):
+    """hiber ARGS --json with HIBER_LOG=info: the JSON, and hiber's own account of where the
+    time went in M[KEY]."""
+    p = hiber(*args, "--json", env=dict(ENV, HIBER_LOG="hiber_core=info"))
+    m[key] = [l.strip()[-260:] for l in p.stderr.splitlines() if "INFO" in l][-14:]
+    return json.loads(p.stdout)
+
+
+def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
+    """A two-rank job over NCCL (MODE of ddp.py) checkpointed with --leave-running at step
+    40: it trains on, on the uninterrupted run's trajectory, paused for no longer than the
+    checkpoint's downtime. The image is then restored twice, once with the GPUs swapped
+    (0=1,1=0) and once in place: each copy goes on from the cut on the same trajectory, and
+    its ranks agree at the end."""
+    need_two_gpus()
+    args = ("--mib", mib, "--interval-ms", interval)
+    ref = nccl_reference(mode, steps, args)
+    job = "nc" + mode[:4]
+    run_job(job, *TORCHRUN2, DDP, "--mode", mode, "--steps", steps, *args, agent=True, limit=180)
+    wait_step(job, 40, 180)
+    img = image_of(job)
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", img)
+    m["checkpoint_s"] = round(ck["total_seconds"], 2)
+    m["devices_s"] = round(ck["devices_seconds"], 3)
+    assert_verified(job)
+    assert_on_reference(job, ref)
+    assert len(progress(job)) == int(steps), "the original ran every step"
+    # The job's own clock: its longest pause between two steps (the checkpoint's downtime,
+    # or a step's own time where the checkpoint cost less).
+    m["step_gap_ms"] = step_gap_ms(job, 2, int(steps))
+    agent = agent_section(img)
+    m["agent_mib"] = sum(p["bytes"] for p in agent["processes"]) >> 20
+    for name, extra in ((job + "-r", ("--gpu-map", "0=1,1=0")), (job + "-r2", ())):
+        t0 = time.time()
+        hiber_logged(m, "restore_log", "restore", img, "--name", name, *extra)
+        wait_step(name, 0, 120)
+        m.setdefault("restore_until_step_s", []).append(round(time.time() - t0, 2))
+        assert_verified(name)
+        got = assert_on_reference(name, ref)
+        assert got[-1][0] == int(steps) - 1, f"{name} ran to the end"
+        m.setdefault("resumed_at", []).append(got[0][0])
+
+
+@scenario
+@exclusive
+def nccl_ddp_leave_running_and_restored_twice(m):
+    nccl_round_trip(m, "ddp")
+
+
+@scenario
+@exclusive
+def nccl_fsdp_leave_running_and_restored_twice(m):
+    nccl_round_trip(m, "fsdp")
+
+
+@scenario
+@exclusive
+def nccl_allreduce_leave_running_and_restored_twice(m):
+    nccl_round_trip(m, "allreduce")
+
+
+@scenario
+@exclusive
+def nccl_ddp_stop_and_restore(m):
+    """A DDP job stopped by its checkpoint and restored: it goes on from the cut on the
+    uninterrupted trajectory; no process of the launcher's tree holds an io_uring."""
+    need_two_gpus()
+    ref = nccl_reference("ddp", "200", ())
+    run_job("ncstop", *TORCHRUN2, DDP, "--steps", "200", agent=True, limit=180)
+    wait_step("ncstop", 40, 180)
+    tree = tree_of(job_pid("ncstop"))
+    assert not rings_in(tree), "no io_uring"
+    m["processes"] = len(tree)
+    img = image_of("ncstop")
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "ncstop", "--out", img)
+    m["checkpoint_s"] = round(ck["total_seconds"], 2)
+    before = progress("ncstop")
+    t0 = time.time()
+    hiber_logged(m, "restore_log", "restore", img, "--name", "ncstop-r")
+    wait_step("ncstop-r", before[-1][0] + 1, 120)
+    m["restore_until_step_s"] = round(time.time() - t0, 2)
+    assert_verified("ncstop-r")
+    assert_on_reference("ncstop", ref)
+    got = assert_on_reference("ncstop-r", ref)
+    assert got[0][0] == before[-1][0] + 1, f"resumes at {got[0][0]}, after {before[-1][0]}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
-"""Two-rank DistributedDataParallel training over NCCL, started by torchrun, for hiber's GPU
-suite (hiber refuses to checkpoint it for now; the job must train on undisturbed).
+"""Two-rank training over NCCL, started by torchrun, for hiber's GPU suite.
 
-Rank 0 prints `step N checksum X t MS loss L` per step; at the end every rank checks that
-the ranks' parameters agree bit for bit and rank 0 prints `verify ok`.
+Modes: `ddp` (DistributedDataParallel), `fsdp` (FSDP2's fully_shard: all-gathers and
+reduce-scatters), `allreduce` (a plain torch.distributed all-reduce loop). Each rank also
+holds `--mib` of ballast filled from its own seed.
+
+Rank 0 prints `step N checksum X t MS loss L` per step (X: the bits of the loss, or of the
+all-reduced sum, identical run to run). At the end every rank checks that the ranks'
+parameters agree bit for bit and that its ballast is what it filled in, and rank 0 prints
+`verify ok`.
 """
 import argparse
 import os
@@ -12,6 +17,8 @@ import time
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--interval-ms", type=int, default=20)
+p.add_argument("--mode", choices=("ddp", "fsdp", "allreduce"), default="ddp")
+p.add_argument("--mib", type=int, default=0)
 args = p.parse_args()
 
 import torch  # noqa: E402
@@ -22,31 +29,69 @@ rank = dist.get_rank()
 dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
 torch.cuda.set_device(dev)
 torch.manual_seed(1234)
-model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)).to(dev)
-ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
-opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 g = torch.Generator(device=dev)
 g.manual_seed(100 + rank)
+
+ballast = None
+if args.mib:
+    ballast = torch.randint(-(2**31), 2**31 - 1, (args.mib << 18,), dtype=torch.int32, device=dev, generator=g)
+    ballast_sum = int(ballast.to(torch.int64).sum().item())
+
+
+def bits(v):
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)).to(dev)
+if args.mode == "ddp":
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
+elif args.mode == "fsdp":
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    net = fully_shard(model)
+else:
+    net = None
+    state = torch.randn(1 << 20, device=dev, generator=g)
+opt = torch.optim.SGD(model.parameters(), lr=0.05) if net is not None else None
+
 for step in range(args.steps):
-    x = torch.randn(128, 512, device=dev, generator=g)
-    y = torch.randint(0, 10, (128,), device=dev, generator=g)
-    loss = torch.nn.functional.cross_entropy(ddp(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    val = loss.detach().clone()
-    dist.all_reduce(val)
-    if rank == 0:
+    if net is not None:
+        x = torch.randn(128, 512, device=dev, generator=g)
+        y = torch.randint(0, 10, (128,), device=dev, generator=g)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        val = loss.detach().clone()
+        dist.all_reduce(val)
         v = float(val.item()) / dist.get_world_size()
-        bits = struct.unpack("<I", struct.pack("<f", v))[0]
-        print(f"step {step} checksum {bits:08x} t {int(time.time() * 1000)} loss {v:.9g}", flush=True)
+    else:
+        state.mul_(0.5).add_(torch.randn(state.shape, device=dev, generator=g))
+        dist.all_reduce(state)
+        state.div_(dist.get_world_size())
+        v = float(state.sum().item())
+    if rank == 0:
+        print(f"step {step} checksum {bits(v):08x} t {int(time.time() * 1000)} loss {v:.9g}", flush=True)
     time.sleep(args.interval_ms / 1000)
-flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+if net is not None:
+    flat = torch.cat([full(p.detach()).flatten() for p in model.parameters()])
+else:
+    flat = state
 other = flat.clone()
 dist.broadcast(other, 0)
-same = torch.tensor([int(torch.equal(flat, other))], device=dev)
+ok = torch.equal(flat, other) and (ballast is None or int(ballast.to(torch.int64).sum().item()) == ballast_sum)
+same = torch.tensor([int(ok)], device=dev)
 dist.all_reduce(same, op=dist.ReduceOp.MIN)
 if rank == 0:
-    print("verify ok ranks agree" if same.item() == 1 else "verify FAILED ranks differ", flush=True)
+    print("verify ok ranks agree" if same.item() == 1 else "verify FAILED ranks differ or ballast changed", flush=True)
 dist.destroy_process_group()
 raise SystemExit(0 if same.item() == 1 else 1)

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use hiber_wire::{socket, Reply, Request, Status};
 
-use crate::{cuda, gate, log, memory};
+use crate::{cuda, gate, log, memory, nccl};
 
 static STARTED_IN: AtomicI32 = AtomicI32::new(0);
 /// The control socket's descriptor (owned by the control thread), or -1.
@@ -56,6 +56,9 @@ pub(crate) fn forget_listener() {
 
 fn serve(listener: OwnedFd) {
     socket::serve(listener, log, session, || {
+        // A hold of NCCL submissions does not outlive the hiber that asked for it (a
+        // teardown does: only a rebuild undoes it).
+        nccl::release_hold();
         // A session that ends with nothing handed over (hiber gave up, timed out or died
         // after quiesce) leaves the application running, not waiting.
         if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {
@@ -83,7 +86,9 @@ fn status() -> Status {
         vmm_not_exportable: t.passthrough.vmm_not_exportable,
         ipc_imports: crate::sharing::IPC.load(Ordering::Relaxed),
         peer_access: crate::sharing::PEER.load(Ordering::Relaxed),
-        shared_imports: crate::sharing::IMPORTS.load(Ordering::Relaxed),
+        shared_imports: crate::sharing::imports(),
+        nccl: nccl::count(),
+        nccl_down: nccl::is_down(),
     })
 }
 
@@ -123,6 +128,15 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 };
                 reply(conn, r)?;
             }
+            Request::Create { id } => match cuda::driver().map(|d| memory::create_for(d, id)) {
+                Some(Ok((size, device, fd))) => {
+                    let sent = socket::send(conn, &Reply::Alloc { id, size: size as u64, device }.encode(), Some(fd));
+                    crate::close_fd(fd);
+                    sent?;
+                }
+                Some(Err(r)) => reply(conn, Reply::Err(format!("making memory for allocation {id}: CUDA error {r}")))?,
+                None => reply(conn, Reply::Err("libcuda is not loaded".into()))?,
+            },
             Request::List => {
                 let list: Vec<(u64, u64, i32)> = memory::with(|t| t.entries.values().filter(|e| e.evacuated).map(|e| (e.id, e.size as u64, e.dev)).collect());
                 for (id, size, dev) in &list {
@@ -131,6 +145,30 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 }
                 reply(conn, Reply::Done { count: list.len() as u64 })?;
             }
+            Request::NcclHold { timeout_ms } => match nccl::hold(Duration::from_millis(timeout_ms)) {
+                Ok(comms) => send_reports(conn, &comms)?,
+                Err(m) => reply(conn, Reply::Err(m))?,
+            },
+            Request::NcclList => send_reports(conn, &nccl::list())?,
+            Request::NcclLimit { key, lane, count } => reply(conn, done(nccl::limit(key, lane, count)))?,
+            Request::NcclDrain { timeout_ms } => reply(conn, done(nccl::drain(Duration::from_millis(timeout_ms))))?,
+            Request::NcclDown => reply(conn, done(nccl::down()))?,
+            Request::NcclOpen => reply(conn, done(nccl::open()))?,
+            Request::NcclNewId { key } => {
+                let r = match nccl::unique_id() {
+                    Ok(id) => Reply::NcclId { key, id: id.internal.iter().map(|b| format!("{b:02x}")).collect() },
+                    Err(m) => Reply::Err(m),
+                };
+                reply(conn, r)?;
+            }
+            Request::NcclSetId { key, id } => {
+                let mut u = nccl::UniqueId { internal: [0; 128] };
+                for (i, b) in u.internal.iter_mut().enumerate() {
+                    *b = u8::from_str_radix(&id[2 * i..2 * i + 2], 16).unwrap_or(0);
+                }
+                reply(conn, done(nccl::set_id(key, u)))?;
+            }
+            Request::NcclRebuild { timeout_ms } => reply(conn, done(nccl::rebuild(Duration::from_millis(timeout_ms))))?,
             Request::Resume => {
                 let evacuated = memory::with(|t| t.entries.values().filter(|e| e.evacuated).count());
                 if evacuated > 0 {
@@ -145,12 +183,37 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
+fn done(r: Result<(), String>) -> Reply {
+    match r {
+        Ok(()) => Reply::Ok,
+        Err(m) => Reply::Err(m),
+    }
+}
+
+/// One `nccl-comm` per communicator, its lanes after it, then `done`.
+fn send_reports(conn: &OwnedFd, comms: &[nccl::Report]) -> std::io::Result<()> {
+    for c in comms {
+        reply(conn, Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local })?;
+        for &(lane, count) in &c.lanes {
+            reply(conn, Reply::NcclLane { key: c.key, lane, count })?;
+        }
+    }
+    reply(conn, Reply::Done { count: comms.len() as u64 })
+}
+
 /// Closes the gate, waits for device work, and sends every allocation. `Ok(true)` when the
 /// application is quiesced and hiber has all descriptors.
 fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<bool> {
     let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())).map(|()| false) };
     if memory::with(|t| t.entries.values().any(|e| e.evacuated)) {
         return reply(conn, Reply::Err("device memory is with hiber already".into())).map(|()| false);
+    }
+    // Memory of another process (NCCL's peers' buffers, before its teardown) cannot be
+    // handed over: it is not this process's to checkpoint.
+    let (ipc, imports) = (crate::sharing::IPC.load(Ordering::Relaxed), crate::sharing::imports());
+    if ipc > 0 || imports > 0 {
+        let m = format!("{ipc} allocations of another process are open through CUDA IPC and {imports} imported from a shareable handle");
+        return reply(conn, Reply::Err(m)).map(|()| false);
     }
     let started = std::time::Instant::now();
     if let Err(n) = gate::close(timeout) {

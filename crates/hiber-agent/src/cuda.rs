@@ -219,6 +219,24 @@ impl Driver {
         }
     }
 
+    /// Runs `f` with `dev`'s primary context current on this thread.
+    pub fn with_device<T>(&self, dev: c_int, f: impl FnOnce() -> T) -> Result<T, CuResult> {
+        let mut ctx: Ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; every retain/push is paired with its pop/release.
+        unsafe {
+            check((self.primary_retain)(&mut ctx, dev))?;
+            if let Err(r) = check((self.ctx_push)(ctx)) {
+                (self.primary_release)(dev);
+                return Err(r);
+            }
+            let out = f();
+            let mut old: Ctx = std::ptr::null_mut();
+            (self.ctx_pop)(&mut old);
+            (self.primary_release)(dev);
+            Ok(out)
+        }
+    }
+
     pub fn granularity(&self, dev: c_int) -> Result<usize, CuResult> {
         let prop = AllocationProp::device(dev, HANDLE_TYPE_POSIX_FD);
         let mut g = 0usize;

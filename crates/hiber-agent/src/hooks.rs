@@ -144,7 +144,6 @@ counted! {
     cuIpcOpenMemHandle_v2 => IPC 1u64;
     cuIpcCloseMemHandle => IPC 18446744073709551615u64;
     cuCtxDisablePeerAccess => PEER 18446744073709551615u64;
-    cuMemImportFromShareableHandle => IMPORTS 1u64;
 }
 
 /// Resolves a typed real entry point once.
@@ -163,7 +162,7 @@ type FnGetProcAddress = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_
 type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
 /// The typed wrappers, by the exported name each stands for.
-fn typed() -> [(&'static str, usize); 21] {
+fn typed() -> [(&'static str, usize); 22] {
     [
         ("cuGetProcAddress\0", cuGetProcAddress as *const () as usize),
         ("cuGetProcAddress_v2\0", cuGetProcAddress_v2 as *const () as usize),
@@ -186,6 +185,7 @@ fn typed() -> [(&'static str, usize); 21] {
         ("cuMemAllocFromPoolAsync_ptsz\0", cuMemAllocFromPoolAsync_ptsz as *const () as usize),
         ("cuMemAllocManaged\0", cuMemAllocManaged as *const () as usize),
         ("cuCtxEnablePeerAccess\0", cuCtxEnablePeerAccess as *const () as usize),
+        ("cuMemImportFromShareableHandle\0", cuMemImportFromShareableHandle as *const () as usize),
     ]
 }
 
@@ -571,11 +571,35 @@ pub unsafe extern "C" fn cuMemRelease(handle: Handle) -> CuResult {
     if let Some(r) = cuda::driver().and_then(|d| memory::release_app_handle(d, handle)) {
         return r;
     }
-    match real!(c"cuMemRelease" => unsafe extern "C" fn(Handle) -> CuResult) {
+    let r = match real!(c"cuMemRelease" => unsafe extern "C" fn(Handle) -> CuResult) {
         // SAFETY: a plain value, forwarded unchanged.
         Some(real) => unsafe { real(handle) },
         None => cuda::ERROR_NOT_FOUND,
+    };
+    if r == cuda::SUCCESS {
+        crate::sharing::released(handle);
     }
+    r
+}
+
+/// Memory of another process: counted while imported, which no checkpoint of this process
+/// can take (NCCL's peers' buffers are released when hiber tears NCCL down).
+///
+/// # Safety
+/// Called as cuMemImportFromShareableHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(handle: *mut Handle, os_handle: *mut c_void, kind: c_int) -> CuResult {
+    let Some(real) = real!(c"cuMemImportFromShareableHandle" => unsafe extern "C" fn(*mut Handle, *mut c_void, c_int) -> CuResult) else {
+        return cuda::ERROR_NOT_FOUND;
+    };
+    // SAFETY: the caller's arguments, forwarded unchanged.
+    let r = unsafe { real(handle, os_handle, kind) };
+    if r == cuda::SUCCESS && !handle.is_null() {
+        // SAFETY: `handle` is the caller's non-null out-pointer, which the driver filled in.
+        crate::sharing::imported(unsafe { *handle });
+    }
+    r
 }
 
 /// # Safety

@@ -11,7 +11,7 @@
 //! the application's stdout or stderr (only to `HIBER_AGENT_LOG`), never panics or unwinds
 //! across `extern "C"`, and adds no thread or memory to a process until that process
 //! initializes CUDA. A child forked after that is detached from the driver ([`fork`]).
-//! Unsafe code lives in [`cuda`], [`hooks`], [`fork`] and `hiber_wire::socket`.
+//! Unsafe code lives in [`cuda`], [`hooks`], [`nccl`], [`fork`] and `hiber_wire::socket`.
 
 pub mod control;
 pub mod cuda;
@@ -19,6 +19,7 @@ pub mod fork;
 pub use hiber_wire::gate;
 pub mod hooks;
 pub mod memory;
+pub mod nccl;
 pub mod sharing;
 
 use std::io::Write;

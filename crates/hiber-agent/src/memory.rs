@@ -89,6 +89,9 @@ pub struct Table {
     /// driver opens to other devices only through `cuMemSetAccess`; the agent does that for
     /// the application, for memory served before and after the call.
     peers: Vec<(c_int, c_int)>,
+    /// Memory the agent made for hiber to fill on restore ([`create_for`]), by allocation,
+    /// until hiber hands it back.
+    created: HashMap<u64, Handle>,
 }
 
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
@@ -413,6 +416,28 @@ pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
 /// (Taking the ordinal from the location the driver reports for the imported handle
 /// instead, as this did before, left a copy restored onto the other GPU of a 2×H200
 /// machine unable to run its first kernel: CUDA_ERROR_INVALID_VALUE.)
+/// Makes the memory of evacuated allocation `id` on the device the process knew it on, and a
+/// descriptor for hiber to fill it through. Used on restore when the memory moves to a GPU
+/// the process's `CUDA_VISIBLE_DEVICES` hid: hiber cannot make memory there that this
+/// process can map (the driver answers CUDA_ERROR_NOT_INITIALIZED), but this process can,
+/// on its own device ordinal, which the driver's restore has moved there.
+pub fn create_for(d: &Driver, id: u64) -> Result<(usize, c_int, c_int), CuResult> {
+    let (size, dev) = with(|t| t.entries.get(&id).filter(|e| e.evacuated).map(|e| (e.size, e.dev))).ok_or(cuda::ERROR_NOT_FOUND)?;
+    let h = d.create(size, &AllocationProp::device(dev, cuda::HANDLE_TYPE_POSIX_FD))?;
+    match d.export_fd(h) {
+        Ok(fd) => {
+            if let Some(old) = with(|t| t.created.insert(id, h)) {
+                let _ = d.release(old);
+            }
+            Ok((size, dev, fd))
+        }
+        Err(r) => {
+            let _ = d.release(h);
+            Err(r)
+        }
+    }
+}
+
 pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
     let h = d.import_fd(fd.as_raw_fd())?;
     let reported = match d.properties(h) {
@@ -474,6 +499,10 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
         e.handle = h;
         e.evacuated = false;
         e.shared = Some(fd);
+        // The reference [`create_for`] kept: the mappings and `h` hold the memory now.
+        if let Some(made) = t.created.remove(&id) {
+            let _ = d.release(made);
+        }
         Ok(())
     })
 }

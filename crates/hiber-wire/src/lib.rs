@@ -22,8 +22,29 @@
 //! agent → ok
 //! ```
 //!
+//! On restore, `create ID` asks the agent to make allocation ID's memory itself (where it
+//! moves to a GPU the process's `CUDA_VISIBLE_DEVICES` hid from it): `alloc` + fd, which
+//! hiber fills and hands back with `load`.
+//!
 //! `list` asks an agent whose hiber died mid-checkpoint what it released: one `evacuated`
 //! (id, bytes, GPU UUID) per allocation, then `done`; `hiber recover` loads them back.
+//!
+//! NCCL communicators (see the agent's `nccl.rs`) are cut and torn down before `quiesce`,
+//! with every rank of the job in step, and built again after `resume`:
+//!
+//! ```text
+//! hiber → nccl-hold 10000           no new submission; the counts are final
+//! agent → nccl-comm KEY RANK NRANKS LOCAL, nccl-lane KEY LANE COUNT ..., done N
+//! hiber → nccl-limit KEY LANE COUNT  (each lane a rank is behind on), then nccl-drain 10000
+//! agent → ok                        every lane at its limit, the device idle
+//! hiber → nccl-down                 (once every rank drained) communicators torn down
+//! ...
+//! hiber → nccl-new-id KEY           (rank 0 of each communicator) agent → nccl-id KEY HEX
+//! hiber → nccl-set-id KEY HEX, then nccl-rebuild 10000 (every rank at once)
+//! ```
+//!
+//! `nccl-open` undoes a hold; a hold also ends with its connection. `nccl-list` reports
+//! the communicators without holding them.
 
 pub mod gate;
 pub mod opencl;
@@ -54,11 +75,76 @@ pub const MAX_MESSAGE: usize = 512;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     Status,
-    Quiesce { timeout_ms: u64 },
+    Quiesce {
+        timeout_ms: u64,
+    },
     Release,
-    Load { id: u64 },
+    Load {
+        id: u64,
+    },
+    /// On restore: the agent makes allocation `id`'s memory itself and sends it (`alloc`).
+    Create {
+        id: u64,
+    },
     Resume,
     List,
+    NcclHold {
+        timeout_ms: u64,
+    },
+    NcclLimit {
+        key: u64,
+        lane: Lane,
+        count: u64,
+    },
+    NcclDrain {
+        timeout_ms: u64,
+    },
+    NcclDown,
+    NcclOpen,
+    NcclList,
+    NcclNewId {
+        key: u64,
+    },
+    NcclSetId {
+        key: u64,
+        id: String,
+    },
+    NcclRebuild {
+        timeout_ms: u64,
+    },
+}
+
+/// Where a rank's submissions on one NCCL communicator go: its collectives, its sends to
+/// and receives from one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Lane {
+    Coll,
+    Send(i32),
+    Recv(i32),
+}
+
+impl fmt::Display for Lane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Lane::Coll => f.write_str("c"),
+            Lane::Send(p) => write!(f, "s{p}"),
+            Lane::Recv(p) => write!(f, "r{p}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Lane {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Lane, ParseError> {
+        let bad = || ParseError(s.into());
+        match s.split_at_checked(1).ok_or_else(bad)? {
+            ("c", "") => Ok(Lane::Coll),
+            ("s", p) => p.parse().map(Lane::Send).map_err(|_| bad()),
+            ("r", p) => p.parse().map(Lane::Recv).map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +153,9 @@ pub enum Reply {
     Alloc { id: u64, size: u64, device: i32 },
     Evacuated { id: u64, size: u64, gpu: String },
     Done { count: u64 },
+    NcclComm { key: u64, rank: i32, nranks: i32, local: bool },
+    NcclLane { key: u64, lane: Lane, count: u64 },
+    NcclId { key: u64, id: String },
     Ok,
     Err(String),
 }
@@ -89,8 +178,12 @@ pub struct Status {
     pub ipc_imports: u64,
     /// Peer access between contexts, enabled now.
     pub peer_access: u64,
-    /// Allocations ever imported from a shareable handle (another process's VMM memory).
+    /// Allocations imported from a shareable handle (another process's VMM memory), open now.
     pub shared_imports: u64,
+    /// NCCL communicators the agent keeps for the application.
+    pub nccl: u64,
+    /// Whether hiber left them torn down.
+    pub nccl_down: bool,
 }
 
 /// A message of one of the control protocols, as one line of text.
@@ -153,6 +246,19 @@ pub fn one_line(text: &str, max: usize) -> String {
     m
 }
 
+/// A communicator's key, in hex.
+fn key(s: Option<&str>, line: &str) -> Result<u64, ParseError> {
+    s.and_then(|v| u64::from_str_radix(v, 16).ok()).ok_or_else(|| ParseError(line.into()))
+}
+
+/// An `ncclUniqueId` in hex: 128 bytes.
+fn unique_id(s: Option<&str>, line: &str) -> Result<String, ParseError> {
+    match s {
+        Some(v) if v.len() == 256 && v.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(v.to_string()),
+        _ => Err(ParseError(line.into())),
+    }
+}
+
 pub(crate) fn num<T: std::str::FromStr>(s: Option<&str>, line: &str) -> Result<T, ParseError> {
     s.and_then(|v| v.parse().ok()).ok_or_else(|| ParseError(line.into()))
 }
@@ -164,8 +270,18 @@ impl Request {
             Request::Quiesce { timeout_ms } => format!("quiesce {timeout_ms}"),
             Request::Release => "release".into(),
             Request::Load { id } => format!("load {id}"),
+            Request::Create { id } => format!("create {id}"),
             Request::Resume => "resume".into(),
             Request::List => "list".into(),
+            Request::NcclHold { timeout_ms } => format!("nccl-hold {timeout_ms}"),
+            Request::NcclLimit { key, lane, count } => format!("nccl-limit {key:016x} {lane} {count}"),
+            Request::NcclDrain { timeout_ms } => format!("nccl-drain {timeout_ms}"),
+            Request::NcclDown => "nccl-down".into(),
+            Request::NcclOpen => "nccl-open".into(),
+            Request::NcclList => "nccl-list".into(),
+            Request::NcclNewId { key } => format!("nccl-new-id {key:016x}"),
+            Request::NcclSetId { key, id } => format!("nccl-set-id {key:016x} {id}"),
+            Request::NcclRebuild { timeout_ms } => format!("nccl-rebuild {timeout_ms}"),
         }
     }
 
@@ -176,15 +292,25 @@ impl Request {
             Some("quiesce") => Request::Quiesce { timeout_ms: num(w.next(), line)? },
             Some("release") => Request::Release,
             Some("load") => Request::Load { id: num(w.next(), line)? },
+            Some("create") => Request::Create { id: num(w.next(), line)? },
             Some("resume") => Request::Resume,
             Some("list") => Request::List,
+            Some("nccl-hold") => Request::NcclHold { timeout_ms: num(w.next(), line)? },
+            Some("nccl-limit") => Request::NcclLimit { key: key(w.next(), line)?, lane: num(w.next(), line)?, count: num(w.next(), line)? },
+            Some("nccl-drain") => Request::NcclDrain { timeout_ms: num(w.next(), line)? },
+            Some("nccl-down") => Request::NcclDown,
+            Some("nccl-open") => Request::NcclOpen,
+            Some("nccl-list") => Request::NcclList,
+            Some("nccl-new-id") => Request::NcclNewId { key: key(w.next(), line)? },
+            Some("nccl-set-id") => Request::NcclSetId { key: key(w.next(), line)?, id: unique_id(w.next(), line)? },
+            Some("nccl-rebuild") => Request::NcclRebuild { timeout_ms: num(w.next(), line)? },
             _ => return Err(ParseError(line.into())),
         })
     }
 }
 
 impl Status {
-    fn fields(&self) -> [(&'static str, u64); 14] {
+    fn fields(&self) -> [(&'static str, u64); 16] {
         [
             ("tracked", self.tracked),
             ("bytes", self.tracked_bytes),
@@ -200,6 +326,8 @@ impl Status {
             ("ipc", self.ipc_imports),
             ("peer", self.peer_access),
             ("imports", self.shared_imports),
+            ("nccl", self.nccl),
+            ("nccl_down", self.nccl_down as u64),
         ]
     }
 }
@@ -217,6 +345,9 @@ impl Reply {
             Reply::Alloc { id, size, device } => format!("alloc {id} {size} {device}"),
             Reply::Evacuated { id, size, gpu } => format!("evacuated {id} {size} {gpu}"),
             Reply::Done { count } => format!("done {count}"),
+            Reply::NcclComm { key, rank, nranks, local } => format!("nccl-comm {key:016x} {rank} {nranks} {}", *local as u8),
+            Reply::NcclLane { key, lane, count } => format!("nccl-lane {key:016x} {lane} {count}"),
+            Reply::NcclId { key, id } => format!("nccl-id {key:016x} {id}"),
             Reply::Ok => "ok".into(),
             Reply::Err(m) => format!("err {}", one_line(m, MAX_MESSAGE - 8)),
         }
@@ -246,6 +377,8 @@ impl Reply {
                         "ipc" => s.ipc_imports = v,
                         "peer" => s.peer_access = v,
                         "imports" => s.shared_imports = v,
+                        "nccl" => s.nccl = v,
+                        "nccl_down" => s.nccl_down = v != 0,
                         _ => {} // newer agents may say more
                     }
                 }
@@ -256,6 +389,11 @@ impl Reply {
                 Reply::Evacuated { id: num(w.next(), line)?, size: num(w.next(), line)?, gpu: w.next().ok_or_else(|| ParseError(line.into()))?.to_string() }
             }
             "done" => Reply::Done { count: num(w.next(), line)? },
+            "nccl-comm" => {
+                Reply::NcclComm { key: key(w.next(), line)?, rank: num(w.next(), line)?, nranks: num(w.next(), line)?, local: num::<u8>(w.next(), line)? != 0 }
+            }
+            "nccl-lane" => Reply::NcclLane { key: key(w.next(), line)?, lane: num(w.next(), line)?, count: num(w.next(), line)? },
+            "nccl-id" => Reply::NcclId { key: key(w.next(), line)?, id: unique_id(w.next(), line)? },
             "ok" => Reply::Ok,
             "err" => Reply::Err(rest.to_string()),
             _ => return Err(ParseError(line.into())),
@@ -269,9 +407,30 @@ mod tests {
 
     #[test]
     fn requests_round_trip() {
-        for r in [Request::Status, Request::Quiesce { timeout_ms: 10_000 }, Request::Release, Request::Load { id: 7 }, Request::Resume, Request::List] {
+        let id = "0a".repeat(128);
+        for r in [
+            Request::Status,
+            Request::Quiesce { timeout_ms: 10_000 },
+            Request::Release,
+            Request::Load { id: 7 },
+            Request::Create { id: 8 },
+            Request::Resume,
+            Request::List,
+            Request::NcclHold { timeout_ms: 5 },
+            Request::NcclLimit { key: u64::MAX, lane: Lane::Recv(3), count: 9 },
+            Request::NcclDrain { timeout_ms: 5 },
+            Request::NcclDown,
+            Request::NcclOpen,
+            Request::NcclList,
+            Request::NcclNewId { key: 1 },
+            Request::NcclSetId { key: 0xabc, id: id.clone() },
+            Request::NcclRebuild { timeout_ms: 7 },
+        ] {
             assert_eq!(Request::parse(&r.encode()).unwrap(), r);
         }
+        assert!(Request::parse("nccl-set-id 1 abcd").is_err(), "an id is 128 bytes");
+        assert!(Request::parse("nccl-limit 1 x2 3").is_err());
+        assert!(Request::parse(&format!("nccl-set-id 1 {}", "zz".repeat(128))).is_err());
         assert!(Request::parse("quiesce").is_err());
         assert!(Request::parse("quiesce soon").is_err());
         assert!(Request::parse("format c:").is_err());
@@ -288,6 +447,8 @@ mod tests {
             ipc_imports: 1,
             peer_access: 2,
             shared_imports: 3,
+            nccl: 2,
+            nccl_down: true,
             ..Status::default()
         };
         for r in [
@@ -295,6 +456,9 @@ mod tests {
             Reply::Alloc { id: 1, size: 2 << 20, device: 0 },
             Reply::Evacuated { id: 2, size: 4 << 20, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() },
             Reply::Done { count: 4 },
+            Reply::NcclComm { key: 0xfeed, rank: 1, nranks: 2, local: false },
+            Reply::NcclLane { key: 0xfeed, lane: Lane::Send(0), count: 12 },
+            Reply::NcclId { key: 3, id: "ff".repeat(128) },
             Reply::Ok,
             Reply::Err("in flight".into()),
         ] {

@@ -19,7 +19,7 @@
 //! application is undone on failure, so a failed checkpoint leaves the application running
 //! as it was and no partial image behind.
 
-mod preflight;
+pub(crate) mod preflight;
 mod session;
 
 pub use preflight::Undumpable;

@@ -71,12 +71,13 @@ pub fn nccl_member(pid: i32, fds: &[crate::proctree::OpenFd]) -> Option<String> 
     nccl_shared_memory(pid, fds).or_else(|| nccl_socket(pid, fds))
 }
 
-/// Refuses a tree with a process in an NCCL communicator, before any engine touches it:
+/// Refuses a tree with a process in an NCCL communicator that no engine session cuts and
+/// rebuilds (`cut`: the agent's, for communicators it made), before any engine touches it:
 /// its peer mappings and proxy connections are state that neither CRIU nor the driver can
 /// take, and the driver's checkpoint of such a process cannot always be undone (driver
 /// 580 answers CUDA_ERROR_NOT_SUPPORTED).
-pub fn refuse_collectives(tree: &[ProcessInfo]) -> Result<(), CheckpointError> {
-    for p in tree {
+pub fn refuse_collectives(tree: &[ProcessInfo], cut: &[i32]) -> Result<(), CheckpointError> {
+    for p in tree.iter().filter(|p| !cut.contains(&p.pid)) {
         if let Some(path) = nccl_member(p.pid, &p.fds) {
             return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what: Undumpable::Collective { path } });
         }
@@ -156,7 +157,7 @@ impl std::fmt::Display for Undumpable {
                 "{path} through NVIDIA's OpenCL platform (libnvidia-opencl), whose driver state neither CRIU nor the driver's checkpoint API takes, even with every OpenCL object released"
             ),
             Undumpable::Collective { path } => {
-                write!(f, "an NCCL communicator ({path}), whose peer memory and proxy connections this hiber cannot checkpoint")
+                write!(f, "an NCCL communicator ({path}) that the agent did not make, whose peer memory and proxy connections neither CRIU nor the driver can take")
             }
         }
     }
@@ -170,7 +171,7 @@ impl Undumpable {
             Undumpable::Device { path } if path.starts_with("/dev/nvidia") => "run the job with the agent (`hiber run` without --no-agent), which detaches children forked after CUDA started from the driver; or start such workers with the 'spawn' or 'forkserver' start method (for PyTorch: DataLoader(..., multiprocessing_context='spawn'))".into(),
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
             Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so give a job that does not run on NVIDIA's GPU its other vendors alone (OCL_ICD_FILENAMES=libpocl.so.2, or an OCL_ICD_VENDORS directory without NVIDIA's); one that runs on it cannot be checkpointed yet".into(),
-            Undumpable::Collective { .. } => "multi-process NCCL jobs are not supported yet: save a checkpoint from the application (torch.save), or run on one GPU without NCCL".into(),
+            Undumpable::Collective { .. } => "start the job with `hiber run` and the agent (not --no-agent), which cuts NCCL jobs consistently and rebuilds their communicators; NCCL linked statically or loaded with dlsym bypasses the agent".into(),
         }
     }
 }

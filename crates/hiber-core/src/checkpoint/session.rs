@@ -41,7 +41,6 @@ impl<'a> Checkpoint<'a> {
     pub fn prepare(ctx: &'a Context, req: &'a CheckpointRequest) -> Result<Checkpoint<'a>, CheckpointError> {
         let started = Instant::now();
         let tree = preflight(req.pid)?;
-        super::preflight::refuse_collectives(&tree)?;
         check_space(&req.dest, &tree)?;
         super::preflight::refuse_missing_tools(&ctx.criu, req.pid)?;
         let mut sink = ImageWriter::create(&req.dest)?;
@@ -76,6 +75,12 @@ impl<'a> Checkpoint<'a> {
                     return Err(e.into());
                 }
             }
+        }
+        // NCCL state in a process no session cuts and rebuilds (a job without the agent).
+        let cut: Vec<i32> = sessions.iter().flat_map(|(_, s)| s.collectives()).collect();
+        if let Err(e) = super::preflight::refuse_collectives(&tree, &cut) {
+            journal.finish();
+            return Err(e);
         }
         // What CRIU would refuse mid-dump, after the engines touched the GPU processes. A
         // process counts as claimed where an engine takes its device files away (the

@@ -177,6 +177,12 @@ pub trait CheckpointSession: Send {
         false
     }
 
+    /// The claimed processes whose collective communication (NCCL) the session cuts and
+    /// rebuilds itself; the preflight refuses such state in any other process.
+    fn collectives(&self) -> Vec<i32> {
+        Vec::new()
+    }
+
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;

@@ -12,7 +12,7 @@ use std::time::Instant;
 use hiber_wire::{socket, Reply, Request};
 
 use super::device::{self, DeviceMem, Gpus, Place};
-use super::{chunk_prefix, connect, cuda_fail, fail, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};
+use super::{chunk_prefix, connect, cuda_fail, fail, nccl, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};
 use crate::engine::cuda::{self, ffi, ffi::Staging};
 use crate::engine::layer::Conn;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineError};
@@ -89,10 +89,15 @@ pub(super) struct AgentCheckpoint {
     pending: Copies,
     written: Vec<FileEntry>,
     section: Option<Section>,
+    /// The processes whose agents keep NCCL communicators, cut together before the others
+    /// quiesce; and whether their communicators are torn down now.
+    nccl: Vec<nccl::Rank>,
+    nccl_down: bool,
 }
 
 impl AgentCheckpoint {
     pub(super) fn new(gpus: Arc<Gpus>, timeout_ms: u64, opts: CheckpointOptions, targets: Vec<Target>) -> AgentCheckpoint {
+        let nccl = targets.iter().filter(|t| t.status.nccl > 0).map(|t| nccl::Rank { pid: t.pid, name: t.name.clone() }).collect();
         AgentCheckpoint {
             staging: None,
             gpus,
@@ -108,6 +113,8 @@ impl AgentCheckpoint {
             pending: Copies::default(),
             written: Vec::new(),
             section: None,
+            nccl,
+            nccl_down: false,
         }
     }
 
@@ -369,6 +376,15 @@ impl CheckpointSession for AgentCheckpoint {
         }
         let staging_seconds = staging_start.elapsed().as_secs_f64();
         let start = Instant::now();
+        // Ranks of an NCCL job first stop at one point of their collectives, all of them,
+        // and let their communicators go: only then can each quiesce on its own.
+        if !self.nccl.is_empty() {
+            if let Err((e, down)) = nccl::cut(&self.nccl, self.timeout_ms) {
+                self.nccl_down = down;
+                return Err(e);
+            }
+            self.nccl_down = true;
+        }
         // The processes of a job are quiesced together: ranks that wait on each other
         // must all stop at once, and the copies overlap.
         let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
@@ -497,7 +513,22 @@ impl CheckpointSession for AgentCheckpoint {
                 first.get_or_insert(e);
             }
         }
+        // Every rank runs again (its gate open, its NCCL calls waiting): now the
+        // communicators can be built again, by all ranks at once.
+        if self.nccl_down {
+            let alive: Vec<nccl::Rank> = self.nccl.iter().filter(|r| crate::proctree::exists(r.pid)).cloned().collect();
+            match nccl::rebuild(&alive, self.timeout_ms) {
+                Ok(()) => self.nccl_down = false,
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
         first.map_or(Ok(()), Err)
+    }
+
+    fn collectives(&self) -> Vec<i32> {
+        self.nccl.iter().map(|r| r.pid).collect()
     }
 
     fn finish(&mut self, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, EngineError> {

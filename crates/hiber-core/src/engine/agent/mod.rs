@@ -30,6 +30,7 @@
 
 mod checkpoint;
 mod device;
+pub mod nccl;
 mod restore;
 
 use std::collections::{BTreeMap, HashMap};
@@ -199,29 +200,19 @@ pub(super) fn visible_subset(pid: i32, machine: &[Gpu], used: &[&str]) -> Vec<St
     visible
 }
 
-/// Refuses a map that would move a process's memory onto a GPU its `CUDA_VISIBLE_DEVICES`
-/// hid from it. The driver's restore moves such a process (with the whole permutation),
-/// but the agent cannot map memory of a GPU the process never saw into it: on 2×H200, a job
-/// started with `CUDA_VISIBLE_DEVICES=1` and restored with `--gpu-map 1=0` got
-/// CUDA_ERROR_NOT_INITIALIZED for its first allocation, once CRIU had restored it.
-fn refuse_unseen_targets(section: &Section, map: &BTreeMap<String, String>) -> Result<(), EngineError> {
-    for p in section.processes.iter().filter(|p| !p.visible.is_empty()) {
-        for a in &p.allocations {
-            let target = map.get(&a.gpu).unwrap_or(&a.gpu);
-            if !p.visible.contains(target) {
-                return Err(fail(
-                    format!(
-                        "process {} ({}) could see only {} (its CUDA_VISIBLE_DEVICES), and the agent cannot bring its device memory onto {target}, which it never saw",
-                        p.ns_pid,
-                        p.comm,
-                        p.visible.join(", ")
-                    ),
-                    Some("restore it onto the GPUs it could see; a job meant to move between GPUs is best started without CUDA_VISIBLE_DEVICES, or with --no-agent"),
-                ));
-            }
-        }
-    }
-    Ok(())
+/// The processes (namespace PIDs) whose memory `map` moves onto a GPU their
+/// `CUDA_VISIBLE_DEVICES` hid from them. The driver's restore moves such a process (with the
+/// whole permutation), but memory hiber makes on that GPU cannot be mapped into it: on
+/// 2×H200, a job started with `CUDA_VISIBLE_DEVICES=1` and restored with `--gpu-map 1=0` got
+/// CUDA_ERROR_NOT_INITIALIZED importing it. Their agents make the memory themselves, once
+/// restored, on the device ordinal they knew it on, and hiber fills it.
+fn moved_out_of_sight(section: &Section, map: &BTreeMap<String, String>) -> Vec<i32> {
+    section
+        .processes
+        .iter()
+        .filter(|p| !p.visible.is_empty() && p.allocations.iter().any(|a| !p.visible.contains(map.get(&a.gpu).unwrap_or(&a.gpu))))
+        .map(|p| p.ns_pid)
+        .collect()
 }
 
 /// The engine's manifest section.
@@ -370,13 +361,15 @@ impl DeviceEngine for AgentEngine {
                     continue;
                 }
             };
-            if status.gate_closed || status.evacuated > 0 {
+            if status.gate_closed || status.evacuated > 0 || status.nccl_down {
                 return Err(fail(
                     format!("the agent of process {} ({}) is in the middle of a checkpoint", p.pid, p.comm),
                     Some("another checkpoint may be under way; `hiber recover` undoes an interrupted one"),
                 ));
             }
-            if let Some(what) = shared_state(&status) {
+            // A rank of an NCCL job imports its peers' buffers; they go with its
+            // communicators, before its memory is taken (the agent checks again then).
+            if let Some(what) = shared_state(&status).filter(|_| status.nccl == 0) {
                 return Err(fail(
                     format!("process {} ({}) {what}, which the driver cannot checkpoint", p.pid, p.comm),
                     Some("jobs whose processes share GPU memory (torch.multiprocessing CUDA tensors, NCCL) cannot be checkpointed yet"),
@@ -391,14 +384,18 @@ impl DeviceEngine for AgentEngine {
     }
 
     fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
-        super::layer::each(pids, |pid| self.recover_one(pid, dirs))
+        let loaded = super::layer::each(pids, |pid| self.recover_one(pid, dirs));
+        // Communicators torn down by the hiber that died are built again once every rank
+        // has its memory back.
+        let rebuilt = nccl::rebuild(&nccl_down(pids), self.timeout_ms);
+        loaded.and(rebuilt)
     }
 
     fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
         let section = section(value)?;
         let here = cuda::nvml_gpus();
         let map = gpu_map(&section, &here, opts)?;
-        refuse_unseen_targets(&section, &map)?;
+        let made_by_agents = moved_out_of_sight(&section, &map);
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for a in section.processes.iter().flat_map(|p| &p.allocations) {
             *need.entry(map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone())).or_default() += a.size;
@@ -419,12 +416,25 @@ impl DeviceEngine for AgentEngine {
             }
         }
         // The device memory is loaded while CRIU restores the processes.
-        let r = restore::AgentRestore::start(self.gpus.clone(), section, map, opts.image_dir.clone(), opts.checksums.clone())?;
+        let r = restore::AgentRestore::start(self.gpus.clone(), section, map, made_by_agents, opts.image_dir.clone(), opts.checksums.clone(), self.timeout_ms)?;
         Ok(Box::new(r))
     }
 }
 
 /// The agent's socket name for a process, from its environment and namespace PID.
+/// The processes among `pids` whose agents have NCCL communicators torn down.
+fn nccl_down(pids: &[i32]) -> Vec<nccl::Rank> {
+    pids.iter()
+        .filter_map(|&pid| {
+            let name = recovered_name(pid)?;
+            match connect(pid, &name).and_then(|c| c.call::<Reply>(&Request::Status, None)) {
+                Ok(Reply::Status(s)) if s.nccl_down => Some(nccl::Rank { pid, name }),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 fn recovered_name(pid: i32) -> Option<String> {
     let token = agent_token(pid)?;
     let ns_pid = crate::proctree::read_process(pid).ok()?.ns_pid;
@@ -513,7 +523,7 @@ mod tests {
     }
 
     #[test]
-    fn memory_does_not_move_onto_a_gpu_the_process_never_saw() {
+    fn memory_moved_out_of_a_process_sight_is_made_by_its_agent() {
         let section = |p: AgentProcess| Section {
             mode: Mode::Direct,
             chunk_bytes: 1,
@@ -526,11 +536,11 @@ mod tests {
         };
         let swap: BTreeMap<String, String> = [(A.to_string(), B.to_string()), (B.to_string(), A.to_string())].into();
         // Started with CUDA_VISIBLE_DEVICES=1: it saw B alone.
-        let err = refuse_unseen_targets(&section(process_on(B, &[B])), &swap).unwrap_err();
-        assert!(err.to_string().contains(A) && err.to_string().contains("CUDA_VISIBLE_DEVICES"), "{err}");
-        assert!(err.hint().unwrap().contains("--no-agent"));
-        refuse_unseen_targets(&section(process_on(B, &[B])), &BTreeMap::new()).expect("in place");
-        refuse_unseen_targets(&section(process_on(B, &[])), &swap).expect("it saw every GPU");
+        let p = process_on(B, &[B]);
+        let ns_pid = p.ns_pid;
+        assert_eq!(moved_out_of_sight(&section(p), &swap), vec![ns_pid]);
+        assert!(moved_out_of_sight(&section(process_on(B, &[B])), &BTreeMap::new()).is_empty(), "in place");
+        assert!(moved_out_of_sight(&section(process_on(B, &[])), &swap).is_empty(), "it saw every GPU");
     }
 
     #[test]

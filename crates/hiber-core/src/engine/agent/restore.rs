@@ -10,8 +10,11 @@ use std::time::Instant;
 
 use hiber_wire::{Reply, Request};
 
+use std::os::fd::AsFd;
+
 use super::device::{self, DeviceMem, Gpus};
 use super::{chunk_prefix, connect, cuda_fail, fail, recovered_name, Section};
+use crate::engine::layer::Conn;
 use crate::engine::{EngineError, RestoreSession, RestoredPid};
 
 /// Device memory of each process (by namespace PID), loaded and checked: allocation ids
@@ -27,6 +30,8 @@ type Loading = std::thread::JoinHandle<Result<(LoadedMemory, f64, f64, device::L
 struct Loader {
     gpus: Arc<Gpus>,
     section: Section,
+    /// Processes whose agents make their memory (namespace PIDs): not loaded ahead.
+    made_by_agents: Vec<i32>,
     map: BTreeMap<String, String>,
     image_dir: PathBuf,
     checksums: HashMap<String, String>,
@@ -38,7 +43,7 @@ impl Loader {
         let t0 = Instant::now();
         let mut loaded: LoadedMemory = HashMap::new();
         let mut jobs = Vec::new();
-        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty() && !self.made_by_agents.contains(&p.ns_pid)) {
             let mut mems = Vec::new();
             for a in &p.allocations {
                 let uuid = self.map.get(&a.gpu).cloned().unwrap_or_else(|| a.gpu.clone());
@@ -69,6 +74,10 @@ pub(super) struct AgentRestore {
     section: Section,
     loading: Option<Loading>,
     stop: Arc<AtomicBool>,
+    timeout_ms: u64,
+    made_by_agents: Vec<i32>,
+    image_dir: PathBuf,
+    checksums: HashMap<String, String>,
 }
 
 impl AgentRestore {
@@ -78,16 +87,26 @@ impl AgentRestore {
         gpus: Arc<Gpus>,
         section: Section,
         map: BTreeMap<String, String>,
+        made_by_agents: Vec<i32>,
         image_dir: PathBuf,
         checksums: HashMap<String, String>,
+        timeout_ms: u64,
     ) -> Result<AgentRestore, EngineError> {
         let stop = Arc::new(AtomicBool::new(false));
-        let loader = Loader { gpus: gpus.clone(), section: section.clone(), map, image_dir, checksums, stop: stop.clone() };
+        let loader = Loader {
+            gpus: gpus.clone(),
+            section: section.clone(),
+            made_by_agents: made_by_agents.clone(),
+            map,
+            image_dir: image_dir.clone(),
+            checksums: checksums.clone(),
+            stop: stop.clone(),
+        };
         let loading = std::thread::Builder::new()
             .name("hiber-agent-load".into())
             .spawn(move || loader.run())
             .map_err(|e| fail(format!("starting the device memory loader: {e}"), None))?;
-        Ok(AgentRestore { gpus, section, loading: Some(loading), stop })
+        Ok(AgentRestore { gpus, section, loading: Some(loading), stop, timeout_ms, made_by_agents, image_dir, checksums })
     }
 }
 
@@ -99,6 +118,30 @@ impl Drop for AgentRestore {
         if let Some(h) = self.loading.take() {
             let _ = h.join();
         }
+    }
+}
+
+impl AgentRestore {
+    /// Has the agent make each allocation's memory (on its own device ordinal, which the
+    /// driver's restore moved to the mapped GPU), fills it from the image, and hands it back.
+    fn fill_agent_memory(&self, conn: &Conn, p: &super::AgentProcess) -> Result<(), EngineError> {
+        for a in &p.allocations {
+            let (fd, size) = match conn.send(&Request::Create { id: a.id }, None).and_then(|()| conn.recv::<Reply>())? {
+                (Reply::Alloc { size, .. }, Some(fd)) => (fd, size),
+                (Reply::Err(m), _) => return Err(fail(format!("agent of process {}: {m}", conn.pid), None)),
+                (other, _) => return Err(fail(format!("agent of process {}: unexpected {other:?}", conn.pid), None)),
+            };
+            if size != a.size {
+                return Err(fail(format!("agent of process {} made {size} bytes for allocation {}, which had {}", conn.pid, a.id, a.size), None));
+            }
+            let mem = DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| cuda_fail(&self.gpus, "importing the agent's memory", e))?;
+            device::load(&self.gpus, &[(&mem, chunk_prefix(p.ns_pid, a.id))], &self.image_dir, Some(&self.checksums), None)
+                .map_err(|e| fail(format!("loading device memory: {e}"), Some("the image cannot be trusted; checkpoint again")))?;
+            drop(mem);
+            conn.call::<Reply>(&Request::Load { id: a.id }, Some(&fd))?;
+        }
+        tracing::info!(pid = conn.pid, allocations = p.allocations.len(), "device memory made by the agent, on a GPU the process could not see before");
+        Ok(())
     }
 }
 
@@ -128,6 +171,9 @@ impl RestoreSession for AgentRestore {
             let t2 = Instant::now();
             let mems = loaded.remove(&p.ns_pid).unwrap_or_default();
             let conn = connect(now.pid, &name)?;
+            if self.made_by_agents.contains(&p.ns_pid) {
+                self.fill_agent_memory(&conn, p)?;
+            }
             for (id, m) in &mems {
                 let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
                 conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
@@ -135,6 +181,8 @@ impl RestoreSession for AgentRestore {
             conn.call::<Reply>(&Request::Resume, None)?;
             tracing::info!(pid = now.pid, create_s, load_s, waited_s, handover_s = t2.elapsed().as_secs_f64(), bytes = p.bytes, "agent memory restored");
         }
-        Ok(())
+        // The ranks of an NCCL job build their communicators again, all at once.
+        let all: Vec<i32> = pids.iter().map(|r| r.pid).collect();
+        super::nccl::rebuild(&super::nccl_down(&all), self.timeout_ms)
     }
 }

@@ -1,0 +1,1386 @@
+//! NCCL communicators that outlive a checkpoint.
+//!
+//! A communicator holds what neither the driver nor CRIU can take: peer memory mapped from
+//! other processes, proxy threads, sockets. So the agent exports NCCL's API itself
+//! (PyTorch links `libnccl.so.2` dynamically, so a preloaded library stands in front of it)
+//! and hands the application *synthetic* `ncclComm_t`s, small integers, behind which the
+//! real communicator can be torn down before a checkpoint and built again after it (with
+//! `--leave-running`, after a failed checkpoint, or in a restored process), from a record
+//! of how it was made and a fresh unique id that hiber passes between the ranks.
+//!
+//! **The cut.** Ranks wait on each other inside collectives, so they cannot simply be
+//! stopped one by one. Every communicator counts what each rank submitted on each *lane*:
+//! its collectives, and its sends to and receives from each peer. hiber asks every rank to
+//! *hold* (no new submission; the counts it reports are final), raises each lane's limit to
+//! what the furthest rank reached (a receive to what the peer sent, and so on), lets the
+//! ranks that are behind *drain* up to the limits, and only then tears the communicators
+//! down, when every rank has submitted the same work and the device has finished it.
+//! A submission is an ungrouped call or a whole `ncclGroupStart`..`ncclGroupEnd`: the hold
+//! applies at the outermost `ncclGroupStart`, never inside a group, so a group is never cut.
+//!
+//! The limit is only ever a *count*, which needs every rank to call collectives of one
+//! communicator in the same order (as NCCL itself requires).
+//!
+//! Not covered: registered buffers, windows and the device API (the handles they return
+//! would not survive a rebuild): a communicator that used them refuses the checkpoint.
+//! Programs that link NCCL statically or resolve it with `dlsym` bypass the agent; hiber
+//! sees their NCCL sockets and refuses them as before.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::{cuda, log};
+
+pub type NcclResult = c_int;
+pub const SUCCESS: NcclResult = 0;
+const SYSTEM_ERROR: NcclResult = 2;
+const INVALID_ARGUMENT: NcclResult = 4;
+const INVALID_USAGE: NcclResult = 5;
+const IN_PROGRESS: NcclResult = 7;
+
+/// `ncclComm_t`: the real one (NCCL's pointer) or a synthetic one (the agent's handle).
+pub type Comm = *mut c_void;
+/// `ncclDataType_t`, `ncclRedOp_t`: C enums.
+type Enum = c_int;
+type Stream = *mut c_void;
+
+/// `ncclUniqueId`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    pub internal: [u8; 128],
+}
+
+/// `ncclTeam_t` (device API), returned by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Team {
+    n_ranks: c_int,
+    rank: c_int,
+    stride: c_int,
+}
+
+/// Synthetic handles are 1..=MAX_HANDLE; anything larger is a real communicator the agent
+/// did not make (passed through untouched).
+const MAX_HANDLE: usize = 0xffff;
+/// How long the agent waits for a rebuilt communicator that initializes in the background.
+const INIT_POLL: Duration = Duration::from_millis(1);
+
+// ---- the real library ----------------------------------------------------------------
+
+static LIBNCCL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The application's NCCL, once loaded (the agent never loads it).
+fn libnccl() -> Option<*mut c_void> {
+    let h = LIBNCCL.load(Ordering::Acquire);
+    if !h.is_null() {
+        return Some(h);
+    }
+    for name in [c"libnccl.so.2", c"libnccl.so"] {
+        // SAFETY: RTLD_NOLOAD only returns a handle to an already loaded library.
+        let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        if !h.is_null() {
+            LIBNCCL.store(h, Ordering::Release);
+            return Some(h);
+        }
+    }
+    None
+}
+
+/// NCCL's own `name` (never the agent's export of it), resolved once into `slot`; 0 when
+/// NCCL is not loaded.
+fn resolve(slot: &AtomicUsize, name: &CStr) -> usize {
+    let p = slot.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    let (Some(h), Some(dlsym)) = (libnccl(), cuda::real_dlsym()) else { return 0 };
+    // SAFETY: `h` is a live dlopen handle and `name` is NUL-terminated.
+    let p = unsafe { dlsym(h, name.as_ptr()) } as usize;
+    slot.store(p, Ordering::Relaxed);
+    p
+}
+
+macro_rules! real {
+    (ident $name:ident => $ty:ty) => {
+        real!(@ concat!(stringify!($name), "\0") => $ty)
+    };
+    ($name:literal => $ty:ty) => {
+        real!(@ concat!($name, "\0") => $ty)
+    };
+    (@ $name:expr => $ty:ty) => {{
+        static REAL: AtomicUsize = AtomicUsize::new(0);
+        // SAFETY: the bytes are a name and the one NUL `concat!` appends.
+        let name = unsafe { CStr::from_bytes_with_nul_unchecked($name.as_bytes()) };
+        match resolve(&REAL, name) {
+            0 => None,
+            // SAFETY: the non-zero address is NCCL's entry point of this name, whose
+            // nccl.h signature `$ty` is.
+            p => Some(unsafe { std::mem::transmute::<usize, $ty>(p) }),
+        }
+    }};
+}
+
+type FnComm = unsafe extern "C" fn(Comm) -> NcclResult;
+type FnAsyncError = unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult;
+type FnCommInt = unsafe extern "C" fn(Comm, *mut c_int) -> NcclResult;
+type FnInitConfig = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut c_void) -> NcclResult;
+type FnInitAll = unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> NcclResult;
+type FnUniqueId = unsafe extern "C" fn(*mut UniqueId) -> NcclResult;
+type FnGroup = unsafe extern "C" fn() -> NcclResult;
+
+fn real_abort(c: Comm) -> NcclResult {
+    match real!("ncclCommAbort" => FnComm) {
+        // SAFETY: `c` is a live real communicator the agent recorded.
+        Some(f) => unsafe { f(c) },
+        None => SYSTEM_ERROR,
+    }
+}
+
+fn real_async_error(c: Comm) -> NcclResult {
+    let mut e = SUCCESS;
+    match real!("ncclCommGetAsyncError" => FnAsyncError) {
+        // SAFETY: a live real communicator and a valid out-pointer.
+        Some(f) => match unsafe { f(c, &mut e) } {
+            SUCCESS => e,
+            r => r,
+        },
+        None => SYSTEM_ERROR,
+    }
+}
+
+fn real_query(c: Comm, which: &str) -> Result<c_int, NcclResult> {
+    let f = match which {
+        "count" => real!("ncclCommCount" => FnCommInt),
+        "rank" => real!("ncclCommUserRank" => FnCommInt),
+        _ => real!("ncclCommCuDevice" => FnCommInt),
+    };
+    let Some(f) = f else { return Err(SYSTEM_ERROR) };
+    let mut v: c_int = -1;
+    // SAFETY: a live real communicator and a valid out-pointer.
+    match unsafe { f(c, &mut v) } {
+        SUCCESS => Ok(v),
+        r => Err(r),
+    }
+}
+
+fn real_group(end: bool) -> NcclResult {
+    let f = if end { real!("ncclGroupEnd" => FnGroup) } else { real!("ncclGroupStart" => FnGroup) };
+    match f {
+        // SAFETY: no arguments.
+        Some(f) => unsafe { f() },
+        None => SYSTEM_ERROR,
+    }
+}
+
+// ---- what the agent records ---------------------------------------------------------
+
+pub use hiber_wire::Lane;
+
+/// A copy of the application's `ncclConfig_t`, with the strings it points to.
+struct Config {
+    bytes: Vec<u64>,
+    net_name: Option<CString>,
+    comm_name: Option<CString>,
+}
+
+/// `ncclConfig_t`'s first fields (stable since NCCL 2.14): size, magic, version, then at
+/// byte 32 `const char *netName` and at byte 48 `const char *commName`.
+const CONFIG_NET_NAME: usize = 32 / 8;
+const CONFIG_COMM_NAME: usize = 48 / 8;
+const CONFIG_MAX: usize = 1024;
+
+impl Config {
+    /// Copies `*p` (the application may free its config and strings after the call).
+    ///
+    /// # Safety
+    /// `p` is null or points to an `ncclConfig_t` whose `size` field is its size.
+    unsafe fn capture(p: *const c_void) -> Option<Config> {
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: an ncclConfig_t starts with its size (a size_t).
+        let size = unsafe { *(p as *const usize) };
+        if !(56..=CONFIG_MAX).contains(&size) {
+            return None;
+        }
+        let mut bytes = vec![0u64; size.div_ceil(8)];
+        // SAFETY: `size` bytes are readable at `p` (the struct's own size), and `bytes` has
+        // room for them.
+        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, bytes.as_mut_ptr() as *mut u8, size) };
+        let string = |at: usize| {
+            let s = bytes[at] as *const c_char;
+            // SAFETY: a non-null netName/commName is a NUL-terminated string (nccl.h).
+            (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_owned())
+        };
+        let (net_name, comm_name) = (string(CONFIG_NET_NAME), string(CONFIG_COMM_NAME));
+        Some(Config { bytes, net_name, comm_name })
+    }
+
+    /// The copy, its string pointers pointing at the agent's own copies.
+    fn as_ptr(&mut self) -> *mut c_void {
+        self.bytes[CONFIG_NET_NAME] = self.net_name.as_ref().map_or(0, |s| s.as_ptr() as u64);
+        self.bytes[CONFIG_COMM_NAME] = self.comm_name.as_ref().map_or(0, |s| s.as_ptr() as u64);
+        self.bytes.as_mut_ptr() as *mut c_void
+    }
+}
+
+/// How a communicator was made, so it can be made again.
+enum Origin {
+    /// Made from a unique id every rank shares (`ncclCommInitRank*`, or derived from a
+    /// parent: split, shrink): rebuilt with `ncclCommInitRankConfig` and a fresh id.
+    Ranks { config: Option<Config> },
+    /// One of `ncclCommInitAll`'s communicators (all ranks in this process): rebuilt
+    /// together, by `ncclCommInitAll` again.
+    All { group: u64, index: usize, devs: Vec<c_int> },
+}
+
+struct Entry {
+    /// 0 while torn down.
+    real: usize,
+    /// The same on every rank: derived from the unique id, or from the parent's key.
+    key: u64,
+    rank: c_int,
+    nranks: c_int,
+    dev: c_int,
+    origin: Origin,
+    lanes: BTreeMap<Lane, u64>,
+    /// Splits and shrinks made from it, which derive their keys from it.
+    children: u64,
+    /// Why it cannot be rebuilt, when it used something the agent does not replay.
+    unsafe_use: Option<&'static str>,
+    /// The unique id of its next rebuild (from hiber).
+    next_id: Option<UniqueId>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Open,
+    /// No submission beyond the limits.
+    Held,
+    /// Communicators torn down: every call on them waits.
+    Down,
+}
+
+struct State {
+    phase: Phase,
+    comms: BTreeMap<usize, Entry>,
+    next_handle: usize,
+    next_all_group: u64,
+    /// Threads inside a group, inside a submission, inside a communicator's creation.
+    in_group: usize,
+    in_call: usize,
+    in_init: usize,
+    /// Lane limits while held; a lane not listed may not grow.
+    limits: BTreeMap<(usize, Lane), u64>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    phase: Phase::Open,
+    comms: BTreeMap::new(),
+    next_handle: 1,
+    next_all_group: 0,
+    in_group: 0,
+    in_call: 0,
+    in_init: 0,
+    limits: BTreeMap::new(),
+});
+static CHANGED: Condvar = Condvar::new();
+
+thread_local! {
+    /// The thread's depth of NCCL groups.
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// Set while the thread runs NCCL's own code (an application call the agent forwarded,
+    /// or the agent's control thread calling NCCL): NCCL's calls to its own exported API
+    /// come back to the agent's exports and must go straight through, uncounted.
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The thread runs NCCL's code until this drops.
+pub struct Inside(bool);
+
+pub fn inside() -> Inside {
+    Inside(INSIDE.replace(true))
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        INSIDE.set(self.0);
+    }
+}
+
+fn nested() -> bool {
+    INSIDE.get()
+}
+
+fn lock() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn wait(g: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+    CHANGED.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0
+}
+
+/// A 64-bit name for bytes every rank holds alike (FNV-1a: an identifier, not a checksum).
+fn name_of(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.iter() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+impl State {
+    fn count(&self, h: usize, lane: Lane) -> u64 {
+        self.comms.get(&h).and_then(|e| e.lanes.get(&lane)).copied().unwrap_or(0)
+    }
+
+    /// Whether a submission on `lane` of `h` may go ahead now.
+    fn admits(&self, h: usize, lane: Lane) -> bool {
+        match self.phase {
+            Phase::Open => true,
+            Phase::Down => false,
+            Phase::Held => {
+                let n = self.count(h, lane);
+                n < self.limits.get(&(h, lane)).copied().unwrap_or(n)
+            }
+        }
+    }
+
+    /// Whether some lane is still short of its limit (a group may be how it gets there).
+    fn behind(&self) -> bool {
+        self.limits.iter().any(|(&(h, lane), &limit)| self.count(h, lane) < limit)
+    }
+
+    fn register(&mut self, real: Comm, key: u64, rank: c_int, nranks: c_int, origin: Origin) -> Option<Comm> {
+        if self.next_handle > MAX_HANDLE {
+            return None;
+        }
+        let h = self.next_handle;
+        self.next_handle += 1;
+        let entry = Entry { real: real as usize, key, rank, nranks, dev: -1, origin, lanes: BTreeMap::new(), children: 0, unsafe_use: None, next_id: None };
+        self.comms.insert(h, entry);
+        Some(h as Comm)
+    }
+}
+
+/// The real communicator behind `c`, waiting while communicators are torn down.
+fn real_of(c: Comm) -> Result<Comm, NcclResult> {
+    let h = c as usize;
+    if h == 0 || h > MAX_HANDLE {
+        return Ok(c);
+    }
+    let mut s = lock();
+    loop {
+        match s.comms.get(&h) {
+            None => return Err(INVALID_ARGUMENT),
+            Some(e) if e.real != 0 => return Ok(e.real as Comm),
+            Some(_) if s.phase == Phase::Down => s = wait(s),
+            Some(_) => return Err(INVALID_USAGE),
+        }
+    }
+}
+
+/// A submission on its way into NCCL: counted, and left when it returns.
+struct Submission;
+
+impl Drop for Submission {
+    fn drop(&mut self) {
+        let mut s = lock();
+        s.in_call -= 1;
+        if s.phase != Phase::Open {
+            CHANGED.notify_all();
+        }
+    }
+}
+
+/// Counts a submission on `lane` of `c` (waiting first, outside a group, while the lane is
+/// at its limit) and returns the real communicator.
+fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
+    let h = c as usize;
+    let mut s = lock();
+    if h == 0 || h > MAX_HANDLE {
+        s.in_call += 1;
+        return Ok((c, Submission));
+    }
+    if DEPTH.get() == 0 {
+        while s.comms.contains_key(&h) && !s.admits(h, lane) {
+            s = wait(s);
+        }
+    }
+    let e = s.comms.get_mut(&h).ok_or(INVALID_ARGUMENT)?;
+    if e.real == 0 {
+        return Err(INVALID_USAGE);
+    }
+    *e.lanes.entry(lane).or_default() += 1;
+    let real = e.real as Comm;
+    s.in_call += 1;
+    Ok((real, Submission))
+}
+
+/// Waits until communicators may be created (not while hiber holds or rebuilds them).
+fn begin_init() {
+    let mut s = lock();
+    if DEPTH.get() == 0 {
+        while s.phase != Phase::Open {
+            s = wait(s);
+        }
+    }
+    s.in_init += 1;
+}
+
+fn end_init() {
+    let mut s = lock();
+    s.in_init -= 1;
+    CHANGED.notify_all();
+}
+
+// ---- the exported API -----------------------------------------------------------------
+
+macro_rules! collective {
+    ($($name:ident($($arg:ident: $ty:ty),*) on $comm:ident, $lane:expr;)*) => {$(
+        /// # Safety
+        /// Called by the application with the arguments nccl.h specifies.
+        #[no_mangle]
+        #[allow(non_snake_case)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> NcclResult {
+            let Some(real) = real!(ident $name => unsafe extern "C" fn($($ty),*) -> NcclResult) else { return SYSTEM_ERROR };
+            if nested() {
+                // SAFETY: NCCL calling its own API: forwarded unchanged.
+                return unsafe { real($($arg),*) };
+            }
+            let (c, _submission) = match submit($comm, $lane) {
+                Ok(x) => x,
+                Err(r) => return r,
+            };
+            let $comm = c;
+            let _inside = inside();
+            // SAFETY: the application's arguments, forwarded unchanged but for the real
+            // communicator in place of the agent's handle.
+            unsafe { real($($arg),*) }
+        }
+    )*};
+}
+
+collective! {
+    ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclBcast(buff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
+    ncclSend(sendbuff: *const c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Send(peer);
+    ncclRecv(recvbuff: *mut c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Recv(peer);
+}
+
+/// Calls that only name a communicator: translated, and waiting while it is torn down.
+/// `$unsafe_use` marks communicators whose use the agent cannot replay.
+macro_rules! translated {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, on $comm:ident, $fail:expr, $unsafe_use:expr;)*) => {$(
+        /// # Safety
+        /// Called by the application with the arguments nccl.h specifies.
+        #[no_mangle]
+        #[allow(non_snake_case)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
+            let Some(real) = real!(ident $name => unsafe extern "C" fn($($ty),*) -> $ret) else { return $fail };
+            if nested() {
+                // SAFETY: NCCL calling its own API: forwarded unchanged.
+                return unsafe { real($($arg),*) };
+            }
+            let synthetic = $comm;
+            let $comm = match real_of($comm) {
+                Ok(c) => c,
+                Err(_) => return $fail,
+            };
+            let why: Option<&'static str> = $unsafe_use;
+            if let Some(why) = why {
+                mark_unsafe(synthetic, why);
+            }
+            let _inside = inside();
+            // SAFETY: the application's arguments, forwarded unchanged but for the real
+            // communicator in place of the agent's handle.
+            unsafe { real($($arg),*) }
+        }
+    )*};
+}
+
+translated! {
+    ncclCommRegister(comm: Comm, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> NcclResult, on comm, INVALID_ARGUMENT, Some("registered buffers (ncclCommRegister)");
+    ncclCommDeregister(comm: Comm, handle: *mut c_void) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclCommWindowRegister(comm: Comm, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int) -> NcclResult, on comm, INVALID_ARGUMENT, Some("windows (ncclCommWindowRegister)");
+    ncclCommWindowDeregister(comm: Comm, win: *mut c_void) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclRedOpCreatePreMulSum(op: *mut Enum, scalar: *mut c_void, datatype: Enum, residence: Enum, comm: Comm) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclRedOpDestroy(op: Enum, comm: Comm) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclDevCommCreate(comm: Comm, reqs: *const c_void, out: *mut c_void) -> NcclResult, on comm, INVALID_ARGUMENT, Some("the device API (ncclDevCommCreate)");
+    ncclDevCommDestroy(comm: Comm, dev_comm: *const c_void) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclGinBarrierCreateRequirement(comm: Comm, team: Team, n: c_int, out_handle: *mut c_void, out_req: *mut c_void) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+    ncclTeamWorld(comm: Comm) -> Team, on comm, Team::default(), None;
+    ncclTeamLsa(comm: Comm) -> Team, on comm, Team::default(), None;
+    ncclTeamRail(comm: Comm) -> Team, on comm, Team::default(), None;
+    ncclTeamRankToWorld(comm: Comm, team: Team, rank: c_int) -> c_int, on comm, -1, None;
+    ncclTeamRankToLsa(comm: Comm, team: Team, rank: c_int) -> c_int, on comm, -1, None;
+    ncclCommRevoke(comm: Comm, flags: c_int) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+}
+
+fn mark_unsafe(c: Comm, why: &'static str) {
+    if let Some(e) = lock().comms.get_mut(&(c as usize)) {
+        e.unsafe_use.get_or_insert(why);
+    }
+}
+
+/// # Safety
+/// Called as ncclGroupStart.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclGroupStart() -> NcclResult {
+    if nested() {
+        return real_group(false);
+    }
+    let depth = DEPTH.get();
+    if depth == 0 {
+        let mut s = lock();
+        while !(s.phase == Phase::Open || (s.phase == Phase::Held && s.behind())) {
+            s = wait(s);
+        }
+        s.in_group += 1;
+    }
+    DEPTH.set(depth + 1);
+    let r = {
+        let _inside = inside();
+        real_group(false)
+    };
+    if r != SUCCESS {
+        leave_group();
+    }
+    r
+}
+
+fn leave_group() {
+    let depth = DEPTH.get().saturating_sub(1);
+    DEPTH.set(depth);
+    if depth == 0 {
+        let mut s = lock();
+        s.in_group = s.in_group.saturating_sub(1);
+        CHANGED.notify_all();
+    }
+}
+
+/// # Safety
+/// Called as ncclGroupEnd.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclGroupEnd() -> NcclResult {
+    if nested() {
+        return real_group(true);
+    }
+    let r = {
+        let _inside = inside();
+        real_group(true)
+    };
+    leave_group();
+    r
+}
+
+/// Ends the group like `ncclGroupEnd` (estimating its time instead of launching it).
+///
+/// # Safety
+/// Called as ncclGroupSimulateEnd.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclGroupSimulateEnd(info: *mut c_void) -> NcclResult {
+    let Some(real) = real!("ncclGroupSimulateEnd" => unsafe extern "C" fn(*mut c_void) -> NcclResult) else { return SYSTEM_ERROR };
+    if nested() {
+        // SAFETY: NCCL calling its own API: forwarded unchanged.
+        return unsafe { real(info) };
+    }
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's argument, forwarded unchanged.
+        unsafe { real(info) }
+    };
+    leave_group();
+    r
+}
+
+/// # Safety
+/// Called as ncclCommInitRank.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommInitRank(comm: *mut Comm, nranks: c_int, id: UniqueId, rank: c_int) -> NcclResult {
+    // SAFETY: as ncclCommInitRankConfig with the default config.
+    unsafe { ncclCommInitRankConfig(comm, nranks, id, rank, std::ptr::null_mut()) }
+}
+
+/// # Safety
+/// Called as ncclCommInitRankConfig.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommInitRankConfig(comm: *mut Comm, nranks: c_int, id: UniqueId, rank: c_int, config: *mut c_void) -> NcclResult {
+    let Some(real) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return SYSTEM_ERROR };
+    if nested() || comm.is_null() {
+        // SAFETY: NCCL calling its own API (or a null out-pointer NCCL refuses itself).
+        return unsafe { real(comm, nranks, id, rank, config) };
+    }
+    begin_init();
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's arguments, forwarded unchanged.
+        unsafe { real(comm, nranks, id, rank, config) }
+    };
+    // SAFETY: `config` is null or the application's ncclConfig_t (nccl.h).
+    let record = unsafe { Config::capture(config) };
+    let r = adopt(comm, r, name_of(&[b"init", &id.internal]), rank, nranks, Origin::Ranks { config: record });
+    end_init();
+    r
+}
+
+/// # Safety
+/// Called as ncclCommInitRankScalable.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    comm: *mut Comm,
+    nranks: c_int,
+    rank: c_int,
+    n_ids: c_int,
+    ids: *mut UniqueId,
+    config: *mut c_void,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(*mut Comm, c_int, c_int, c_int, *mut UniqueId, *mut c_void) -> NcclResult;
+    let Some(real) = real!("ncclCommInitRankScalable" => F) else { return SYSTEM_ERROR };
+    if nested() || comm.is_null() || ids.is_null() || n_ids < 1 {
+        // SAFETY: NCCL calling its own API (or arguments NCCL refuses itself).
+        return unsafe { real(comm, nranks, rank, n_ids, ids, config) };
+    }
+    begin_init();
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's arguments, forwarded unchanged.
+        unsafe { real(comm, nranks, rank, n_ids, ids, config) }
+    };
+    // SAFETY: `ids` holds `n_ids` ≥ 1 ids (nccl.h); the first names the communicator.
+    let first = unsafe { *ids };
+    // SAFETY: `config` is null or the application's ncclConfig_t.
+    let record = unsafe { Config::capture(config) };
+    let r = adopt(comm, r, name_of(&[b"init", &first.internal]), rank, nranks, Origin::Ranks { config: record });
+    end_init();
+    r
+}
+
+/// # Safety
+/// Called as ncclCommInitAll.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Comm, ndev: c_int, devlist: *const c_int) -> NcclResult {
+    let Some(real) = real!("ncclCommInitAll" => FnInitAll) else { return SYSTEM_ERROR };
+    if nested() || comms.is_null() || ndev < 1 {
+        // SAFETY: NCCL calling its own API (or arguments NCCL refuses itself).
+        return unsafe { real(comms, ndev, devlist) };
+    }
+    begin_init();
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's arguments, forwarded unchanged.
+        unsafe { real(comms, ndev, devlist) }
+    };
+    let devs: Vec<c_int> = if devlist.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: a non-null devlist holds `ndev` device ordinals (nccl.h).
+        unsafe { std::slice::from_raw_parts(devlist, ndev as usize) }.to_vec()
+    };
+    if r == SUCCESS {
+        let mut s = lock();
+        let group = s.next_all_group;
+        s.next_all_group += 1;
+        for i in 0..ndev as usize {
+            // SAFETY: NCCL filled `ndev` communicators into the application's array.
+            let slot = unsafe { comms.add(i) };
+            // SAFETY: as above; `slot` is within the array.
+            let real_comm = unsafe { *slot };
+            let key = name_of(&[b"all", &std::process::id().to_le_bytes(), &group.to_le_bytes(), &i.to_le_bytes()]);
+            let origin = Origin::All { group, index: i, devs: devs.clone() };
+            match s.register(real_comm, key, i as c_int, ndev, origin) {
+                // SAFETY: as above.
+                Some(h) => unsafe { *slot = h },
+                None => log("more NCCL communicators than the agent can name; later ones are not checkpointable"),
+            }
+        }
+    }
+    end_init();
+    r
+}
+
+/// Records the communicator NCCL just wrote to `*comm` and gives the application the
+/// agent's handle in its place.
+fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nranks: c_int, origin: Origin) -> NcclResult {
+    if r != SUCCESS && r != IN_PROGRESS {
+        return r;
+    }
+    // SAFETY: `comm` is the application's non-null out-pointer, which NCCL filled in.
+    let real_comm = unsafe { *comm };
+    if real_comm.is_null() {
+        return r;
+    }
+    match lock().register(real_comm, key, rank, nranks, origin) {
+        // SAFETY: as above.
+        Some(h) => unsafe { *comm = h },
+        None => log("more NCCL communicators than the agent can name; later ones are not checkpointable"),
+    }
+    r
+}
+
+/// A child of `parent` (split or shrink): the key follows from the parent's and the child's
+/// place among its siblings, alike on every rank that made it.
+fn adopt_child(parent: Comm, newcomm: *mut Comm, r: NcclResult, how: &[u8], config: *mut c_void) -> NcclResult {
+    let key = {
+        let mut s = lock();
+        let Some(p) = s.comms.get_mut(&(parent as usize)) else { return r };
+        p.children += 1;
+        name_of(&[b"child", &p.key.to_le_bytes(), &p.children.to_le_bytes(), how])
+    };
+    if newcomm.is_null() {
+        return r;
+    }
+    // SAFETY: `config` is null or the application's ncclConfig_t.
+    let record = unsafe { Config::capture(config) };
+    adopt(newcomm, r, key, -1, -1, Origin::Ranks { config: record })
+}
+
+/// # Safety
+/// Called as ncclCommSplit.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommSplit(comm: Comm, color: c_int, key: c_int, newcomm: *mut Comm, config: *mut c_void) -> NcclResult {
+    type F = unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> NcclResult;
+    let Some(real) = real!("ncclCommSplit" => F) else { return SYSTEM_ERROR };
+    if nested() {
+        // SAFETY: NCCL calling its own API: forwarded unchanged.
+        return unsafe { real(comm, color, key, newcomm, config) };
+    }
+    // A split is a collective on the parent.
+    let (c, submission) = match submit(comm, Lane::Coll) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's arguments, with the real parent.
+        unsafe { real(c, color, key, newcomm, config) }
+    };
+    drop(submission);
+    adopt_child(comm, newcomm, r, &color.to_le_bytes(), config)
+}
+
+/// # Safety
+/// Called as ncclCommShrink.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: Comm,
+    exclude: *mut c_int,
+    n_exclude: c_int,
+    newcomm: *mut Comm,
+    config: *mut c_void,
+    flags: c_int,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(Comm, *mut c_int, c_int, *mut Comm, *mut c_void, c_int) -> NcclResult;
+    let Some(real) = real!("ncclCommShrink" => F) else { return SYSTEM_ERROR };
+    if nested() {
+        // SAFETY: NCCL calling its own API: forwarded unchanged.
+        return unsafe { real(comm, exclude, n_exclude, newcomm, config, flags) };
+    }
+    let (c, submission) = match submit(comm, Lane::Coll) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let r = {
+        let _inside = inside();
+        // SAFETY: the application's arguments, with the real parent.
+        unsafe { real(c, exclude, n_exclude, newcomm, config, flags) }
+    };
+    drop(submission);
+    adopt_child(comm, newcomm, r, b"shrink", config)
+}
+
+/// Ends a communicator the application is done with (`ncclCommDestroy`, `ncclCommAbort`).
+fn end(comm: Comm, name: &str) -> NcclResult {
+    let h = comm as usize;
+    let f = if name == "abort" { real!("ncclCommAbort" => FnComm) } else { real!("ncclCommDestroy" => FnComm) };
+    let Some(f) = f else { return SYSTEM_ERROR };
+    if nested() || h == 0 || h > MAX_HANDLE {
+        // SAFETY: a communicator the agent did not make, forwarded unchanged.
+        return unsafe { f(comm) };
+    }
+    let real_comm = {
+        let mut s = lock();
+        while s.phase == Phase::Held && s.comms.contains_key(&h) {
+            s = wait(s);
+        }
+        match s.comms.remove(&h) {
+            Some(e) => e.real,
+            None => return INVALID_ARGUMENT,
+        }
+    };
+    if real_comm == 0 {
+        // Torn down by hiber already: nothing left to end.
+        return SUCCESS;
+    }
+    let _inside = inside();
+    // SAFETY: the real communicator, which the application ends.
+    unsafe { f(real_comm as Comm) }
+}
+
+/// # Safety
+/// Called as ncclCommDestroy.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommDestroy(comm: Comm) -> NcclResult {
+    end(comm, "destroy")
+}
+
+/// # Safety
+/// Called as ncclCommAbort.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommAbort(comm: Comm) -> NcclResult {
+    end(comm, "abort")
+}
+
+/// # Safety
+/// Called as ncclCommFinalize.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommFinalize(comm: Comm) -> NcclResult {
+    let Some(f) = real!("ncclCommFinalize" => FnComm) else { return SYSTEM_ERROR };
+    if nested() {
+        // SAFETY: NCCL calling its own API: forwarded unchanged.
+        return unsafe { f(comm) };
+    }
+    match real_of(comm) {
+        Ok(c) => {
+            let _inside = inside();
+            // SAFETY: the real communicator.
+            unsafe { f(c) }
+        }
+        Err(r) => r,
+    }
+}
+
+/// Answered from the record while the communicator is torn down, so that a watchdog
+/// thread polling it (PyTorch's) does not stop.
+fn recorded(comm: Comm, pick: fn(&Entry) -> c_int) -> Option<Result<c_int, NcclResult>> {
+    let h = comm as usize;
+    if nested() || h == 0 || h > MAX_HANDLE {
+        return None;
+    }
+    let s = lock();
+    match s.comms.get(&h) {
+        None => Some(Err(INVALID_ARGUMENT)),
+        Some(e) if e.real == 0 => Some(Ok(pick(e))),
+        Some(_) => None,
+    }
+}
+
+/// # Safety
+/// Called as ncclCommGetAsyncError.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Comm, err: *mut NcclResult) -> NcclResult {
+    let Some(f) = real!("ncclCommGetAsyncError" => FnAsyncError) else { return SYSTEM_ERROR };
+    match recorded(comm, |_| SUCCESS) {
+        Some(Ok(v)) if !err.is_null() => {
+            // SAFETY: the application's non-null out-pointer.
+            unsafe { *err = v };
+            SUCCESS
+        }
+        Some(Ok(_)) => INVALID_ARGUMENT,
+        Some(Err(r)) => r,
+        None => match real_of(comm) {
+            // SAFETY: the real communicator and the application's out-pointer.
+            Ok(c) => unsafe { f(c, err) },
+            Err(r) => r,
+        },
+    }
+}
+
+fn query(comm: Comm, out: *mut c_int, which: &str, pick: fn(&Entry) -> c_int) -> NcclResult {
+    if out.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    let v = match recorded(comm, pick) {
+        Some(v) => v,
+        None => real_of(comm).and_then(|c| real_query(c, which)),
+    };
+    match v {
+        Ok(v) => {
+            // SAFETY: the application's non-null out-pointer.
+            unsafe { *out = v };
+            SUCCESS
+        }
+        Err(r) => r,
+    }
+}
+
+/// # Safety
+/// Called as ncclCommCount.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommCount(comm: Comm, count: *mut c_int) -> NcclResult {
+    query(comm, count, "count", |e| e.nranks)
+}
+
+/// # Safety
+/// Called as ncclCommUserRank.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommUserRank(comm: Comm, rank: *mut c_int) -> NcclResult {
+    query(comm, rank, "rank", |e| e.rank)
+}
+
+/// # Safety
+/// Called as ncclCommCuDevice.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: Comm, dev: *mut c_int) -> NcclResult {
+    query(comm, dev, "device", |e| e.dev)
+}
+
+/// # Safety
+/// Called as ncclGetLastError.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn ncclGetLastError(comm: Comm) -> *const c_char {
+    let Some(f) = real!("ncclGetLastError" => unsafe extern "C" fn(Comm) -> *const c_char) else { return c"".as_ptr() };
+    let c = if comm.is_null() { comm } else { real_of(comm).unwrap_or(std::ptr::null_mut()) };
+    // SAFETY: the real communicator, or null (NCCL's last error of the thread).
+    unsafe { f(c) }
+}
+
+// ---- what hiber asks --------------------------------------------------------------------
+
+/// One communicator as a rank reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub key: u64,
+    pub rank: c_int,
+    pub nranks: c_int,
+    /// All its ranks are in this process (`ncclCommInitAll`): rebuilt without hiber's help.
+    pub local: bool,
+    pub lanes: Vec<(Lane, u64)>,
+}
+
+/// Live communicators the agent made (status).
+pub fn count() -> u64 {
+    lock().comms.len() as u64
+}
+
+/// Whether hiber left the communicators torn down.
+pub fn is_down() -> bool {
+    lock().phase == Phase::Down
+}
+
+fn reports(s: &State) -> Vec<Report> {
+    s.comms
+        .values()
+        .map(|e| Report {
+            key: e.key,
+            rank: e.rank,
+            nranks: e.nranks,
+            local: matches!(e.origin, Origin::All { .. }),
+            lanes: e.lanes.iter().map(|(l, n)| (*l, *n)).collect(),
+        })
+        .collect()
+}
+
+/// The communicators, as they are (to plan a rebuild).
+pub fn list() -> Vec<Report> {
+    reports(&lock())
+}
+
+fn wait_until(
+    mut s: MutexGuard<'static, State>,
+    deadline: Instant,
+    done: impl Fn(&State) -> bool,
+) -> Result<MutexGuard<'static, State>, MutexGuard<'static, State>> {
+    while !done(&s) {
+        if Instant::now() >= deadline {
+            return Err(s);
+        }
+        s = wait(s);
+    }
+    Ok(s)
+}
+
+/// Stops every new submission and reports each communicator's counts, once no thread is
+/// inside a group or a communicator's creation (so the counts are final).
+pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
+    let deadline = Instant::now() + timeout;
+    let mut s = lock();
+    if s.phase != Phase::Open {
+        return Err(format!("NCCL communicators are {:?} already", s.phase));
+    }
+    if let Some(why) = s.comms.values().find_map(|e| e.unsafe_use) {
+        return Err(format!("an NCCL communicator used {why}, which hiber cannot rebuild yet"));
+    }
+    s.phase = Phase::Held;
+    s.limits.clear();
+    // A submission is counted before it enters NCCL (where it may wait for its peers), so
+    // only threads inside a group (whose next calls still count) or making a communicator
+    // keep the counts from being final.
+    let s = match wait_until(s, deadline, |s| s.in_group == 0 && s.in_init == 0) {
+        Ok(s) => s,
+        Err(mut s) => {
+            let busy = (s.in_group, s.in_init);
+            reopen(&mut s);
+            return Err(format!("NCCL calls still running after {} ms (threads in groups, making communicators: {busy:?})", timeout.as_millis()));
+        }
+    };
+    let reals: Vec<(usize, Comm)> = s.comms.iter().map(|(h, e)| (*h, e.real as Comm)).collect();
+    // NCCL is asked without the lock (it may call its own exported API, the agent's).
+    drop(s);
+    let _inside = inside();
+    // What was not known at creation (children, non-blocking communicators): ask NCCL now.
+    let mut failed = None;
+    let mut known = Vec::new();
+    for (h, c) in reals {
+        if real_async_error(c) == IN_PROGRESS {
+            failed.get_or_insert("an NCCL communicator is still being created".to_string());
+            continue;
+        }
+        let q = |which| real_query(c, which).map_err(|r| format!("asking NCCL for a communicator's {which}: error {r}"));
+        match (q("count"), q("rank"), q("device")) {
+            (Ok(n), Ok(r), Ok(d)) => known.push((h, n, r, d)),
+            (Err(m), _, _) | (_, Err(m), _) | (_, _, Err(m)) => {
+                failed.get_or_insert(m);
+            }
+        }
+    }
+    let mut s = lock();
+    if let Some(m) = failed {
+        reopen(&mut s);
+        return Err(m);
+    }
+    for (h, n, r, d) in known {
+        if let Some(e) = s.comms.get_mut(&h) {
+            (e.nranks, e.rank, e.dev) = (n, r, d);
+        }
+    }
+    Ok(reports(&s))
+}
+
+fn reopen(s: &mut State) {
+    s.phase = Phase::Open;
+    s.limits.clear();
+    CHANGED.notify_all();
+}
+
+/// Raises the limit of `lane` on communicator `key` (hold first).
+pub fn limit(key: u64, lane: Lane, n: u64) -> Result<(), String> {
+    let mut s = lock();
+    if s.phase != Phase::Held {
+        return Err("limit without hold".into());
+    }
+    let h = s.comms.iter().find(|(_, e)| e.key == key).map(|(h, _)| *h).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
+    if n < s.count(h, lane) {
+        return Err(format!("communicator {key:016x} lane {lane} is past {n} already"));
+    }
+    s.limits.insert((h, lane), n);
+    CHANGED.notify_all();
+    Ok(())
+}
+
+/// Lets the held ranks reach their limits, then waits for the device to finish the work:
+/// afterwards no collective of this process is in flight.
+pub fn drain(timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    let s = lock();
+    if s.phase != Phase::Held {
+        return Err("drain without hold".into());
+    }
+    let s = wait_until(s, deadline, |s| !s.behind() && s.in_group == 0 && s.in_call == 0);
+    let devices: Vec<c_int> = match s {
+        Ok(s) => s.comms.values().map(|e| e.dev).filter(|d| *d >= 0).collect(),
+        Err(s) => {
+            let short: Vec<String> = s
+                .limits
+                .iter()
+                .filter(|(&(h, lane), &limit)| s.count(h, lane) < limit)
+                .map(|(&(h, lane), &limit)| format!("{lane} {}/{limit}", s.count(h, lane)))
+                .collect();
+            return Err(format!("ranks did not reach the cut within {} ms (short: {})", timeout.as_millis(), short.join(", ")));
+        }
+    };
+    let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
+    let mut devices = devices;
+    devices.sort_unstable();
+    devices.dedup();
+    for dev in devices {
+        d.synchronize_device(dev).map_err(|r| format!("synchronizing device {dev}: CUDA error {r}"))?;
+    }
+    Ok(())
+}
+
+/// Undoes a hold (before any teardown).
+pub fn open() -> Result<(), String> {
+    let mut s = lock();
+    match s.phase {
+        Phase::Down => Err("NCCL communicators are torn down; rebuild them".into()),
+        _ => {
+            reopen(&mut s);
+            Ok(())
+        }
+    }
+}
+
+/// Ends the session of a hiber that went away: a hold does not outlive it.
+pub fn release_hold() {
+    let mut s = lock();
+    if s.phase == Phase::Held {
+        reopen(&mut s);
+    }
+}
+
+/// Tears every communicator down (after drain, on every rank): NCCL frees its memory, peer
+/// mappings, threads and sockets. Always ends torn down; the first error is reported.
+pub fn down() -> Result<(), String> {
+    let reals: Vec<(usize, usize)> = {
+        let mut s = lock();
+        if s.phase != Phase::Held {
+            return Err("teardown without hold".into());
+        }
+        s.phase = Phase::Down;
+        s.limits.clear();
+        // Children before parents (they may share the parent's resources).
+        s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect()
+    };
+    let _inside = inside();
+    let mut first = None;
+    for (h, c) in reals {
+        let r = real_abort(c as Comm);
+        if r != SUCCESS {
+            first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// A fresh unique id (this process is rank 0 of the communicator that will use it).
+pub fn unique_id() -> Result<UniqueId, String> {
+    let Some(f) = real!("ncclGetUniqueId" => FnUniqueId) else { return Err("libnccl is not loaded".into()) };
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: a valid out-pointer.
+    match unsafe { f(&mut id) } {
+        SUCCESS => Ok(id),
+        r => Err(format!("ncclGetUniqueId: error {r}")),
+    }
+}
+
+/// The unique id communicator `key` is rebuilt with.
+pub fn set_id(key: u64, id: UniqueId) -> Result<(), String> {
+    let mut s = lock();
+    let e = s.comms.values_mut().find(|e| e.key == key).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
+    e.next_id = Some(id);
+    Ok(())
+}
+
+/// What one communicator is rebuilt from.
+struct Plan {
+    handle: usize,
+    rank: c_int,
+    nranks: c_int,
+    dev: c_int,
+    id: UniqueId,
+    config: *mut c_void,
+}
+
+/// Builds every communicator again (every rank at once: creation is collective), then lets
+/// the application's NCCL calls through.
+pub fn rebuild(timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
+    let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
+    let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
+    let (groups, plans) = {
+        let mut s = lock();
+        if s.phase != Phase::Down {
+            return Err("rebuild of communicators that are not torn down".into());
+        }
+        if let Some(e) = s.comms.values().find(|e| matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
+            return Err(format!("no unique id for NCCL communicator {:016x}", e.key));
+        }
+        let mut groups: BTreeMap<u64, Vec<(usize, usize, Vec<c_int>)>> = BTreeMap::new();
+        let mut plans = Vec::new();
+        for (h, e) in s.comms.iter_mut() {
+            match &mut e.origin {
+                Origin::All { group, index, devs } => groups.entry(*group).or_default().push((*h, *index, devs.clone())),
+                Origin::Ranks { config } => {
+                    let Some(id) = e.next_id.take() else { continue };
+                    // The copy lives in the entry, which only `end` removes, and the
+                    // application cannot end a communicator while it is torn down.
+                    let config = config.as_mut().map_or(std::ptr::null_mut(), |c| c.as_ptr());
+                    plans.push(Plan { handle: *h, rank: e.rank, nranks: e.nranks, dev: e.dev, id, config });
+                }
+            }
+        }
+        (groups, plans)
+    };
+    // NCCL runs without the lock: it may call its own exported API, the agent's.
+    let _inside = inside();
+    let mut made: Vec<(usize, Comm)> = Vec::new();
+    let mut first = None;
+    // ncclCommInitAll's communicators, each call's as a whole.
+    for members in groups.values() {
+        let devs = &members[0].2;
+        let n = members.iter().map(|m| m.1).max().unwrap_or(0) + 1;
+        let mut out: Vec<Comm> = vec![std::ptr::null_mut(); n];
+        let list = if devs.is_empty() { std::ptr::null() } else { devs.as_ptr() };
+        // SAFETY: `out` has room for `n` communicators and `list` is null or `n` devices.
+        match unsafe { init_all(out.as_mut_ptr(), n as c_int, list) } {
+            SUCCESS => made.extend(members.iter().map(|(h, index, _)| (*h, out[*index]))),
+            r => {
+                first.get_or_insert(format!("ncclCommInitAll: error {r}"));
+            }
+        }
+    }
+    // The others in one group: NCCL creates them together, whatever their order elsewhere.
+    let mut ranks_made = Vec::new();
+    match real_group(false) {
+        SUCCESS => {
+            for p in &plans {
+                let mut out: Comm = std::ptr::null_mut();
+                // NCCL takes the calling thread's current device.
+                let r = d.with_device(p.dev, || {
+                    // SAFETY: a valid out-pointer, the recorded size and rank, a fresh id,
+                    // and a config copy (or null) that outlives the call.
+                    unsafe { init(&mut out, p.nranks, p.id, p.rank, p.config) }
+                });
+                match r {
+                    Ok(SUCCESS) | Ok(IN_PROGRESS) => ranks_made.push((p.handle, out)),
+                    Ok(r) => {
+                        first.get_or_insert(format!("ncclCommInitRankConfig: error {r}"));
+                    }
+                    Err(r) => {
+                        first.get_or_insert(format!("making device {} current: CUDA error {r}", p.dev));
+                    }
+                }
+            }
+            let ended = real_group(true);
+            if ended != SUCCESS && ended != IN_PROGRESS {
+                first.get_or_insert(format!("ncclGroupEnd: error {ended}"));
+            }
+        }
+        r => {
+            first.get_or_insert(format!("ncclGroupStart: error {r}"));
+        }
+    }
+    // Non-blocking communicators finish in the background.
+    for (_, c) in &ranks_made {
+        loop {
+            match real_async_error(*c) {
+                IN_PROGRESS if Instant::now() < deadline => std::thread::sleep(INIT_POLL),
+                IN_PROGRESS => {
+                    first.get_or_insert("NCCL communicators still being created after the timeout".into());
+                    break;
+                }
+                SUCCESS => break,
+                r => {
+                    first.get_or_insert(format!("a rebuilt NCCL communicator failed: error {r}"));
+                    break;
+                }
+            }
+        }
+    }
+    made.extend(ranks_made);
+    if let Some(m) = first {
+        for (_, c) in made {
+            if !c.is_null() {
+                let _ = real_abort(c);
+            }
+        }
+        return Err(m);
+    }
+    let mut s = lock();
+    for (h, c) in made {
+        if let Some(e) = s.comms.get_mut(&h) {
+            e.real = c as usize;
+        }
+    }
+    reopen(&mut s);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_lane_admits_up_to_its_limit_and_a_torn_down_one_nothing() {
+        let mut s = State {
+            phase: Phase::Open,
+            comms: BTreeMap::new(),
+            next_handle: 1,
+            next_all_group: 0,
+            in_group: 0,
+            in_call: 0,
+            in_init: 0,
+            limits: BTreeMap::new(),
+        };
+        let h = s.register(0x1000 as Comm, 7, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
+        assert!((1..=MAX_HANDLE).contains(&h), "the application gets a synthetic handle");
+        s.comms.get_mut(&h).unwrap().lanes.insert(Lane::Coll, 3);
+        assert!(s.admits(h, Lane::Coll) && s.admits(h, Lane::Send(1)));
+        s.phase = Phase::Held;
+        assert!(!s.admits(h, Lane::Coll) && !s.admits(h, Lane::Send(1)), "held: no lane grows");
+        assert!(!s.behind(), "nothing to catch up on: groups wait too");
+        s.limits.insert((h, Lane::Coll), 5);
+        assert!(s.admits(h, Lane::Coll) && s.behind());
+        assert!(!s.admits(h, Lane::Send(1)), "only the raised lane");
+        s.comms.get_mut(&h).unwrap().lanes.insert(Lane::Coll, 5);
+        assert!(!s.admits(h, Lane::Coll) && !s.behind(), "at the limit");
+        s.phase = Phase::Down;
+        assert!(!s.admits(h, Lane::Coll));
+    }
+
+    #[test]
+    fn keys_depend_on_every_part() {
+        let a = name_of(&[b"init", &[1, 2, 3]]);
+        assert_eq!(a, name_of(&[b"init", &[1, 2, 3]]));
+        assert_ne!(a, name_of(&[b"init", &[1, 2, 4]]));
+        assert_ne!(name_of(&[b"ab", b"c"]), name_of(&[b"a", b"bc"]), "parts are delimited");
+    }
+
+    #[test]
+    fn a_config_copy_keeps_its_strings() {
+        let net = CString::new("Socket").unwrap();
+        let mut raw = [0u64; 10];
+        raw[0] = 80;
+        raw[1] = 0xcafebeef;
+        raw[CONFIG_NET_NAME] = net.as_ptr() as u64;
+        // SAFETY: `raw` is an 80-byte config whose size field says so.
+        let mut c = unsafe { Config::capture(raw.as_ptr() as *const c_void) }.unwrap();
+        drop(net);
+        let p = c.as_ptr() as *const u64;
+        // SAFETY: the copy is 80 bytes, and its netName points at the agent's own string.
+        unsafe {
+            assert_eq!(*p, 80);
+            assert_eq!(*p.add(1), 0xcafebeef);
+            assert_eq!(CStr::from_ptr(*p.add(CONFIG_NET_NAME) as *const c_char).to_str().unwrap(), "Socket");
+            assert_eq!(*p.add(CONFIG_COMM_NAME), 0);
+        }
+        raw[0] = 8;
+        // SAFETY: as above; a size too small to be a config is refused before reading more.
+        assert!(unsafe { Config::capture(raw.as_ptr() as *const c_void) }.is_none());
+    }
+}

@@ -1,0 +1,292 @@
+//! NCCL jobs: one cut across every rank before the agents quiesce, and the communicators
+//! built again after they resume (the agent's side, and why, is in hiber-agent's
+//! `nccl.rs`).
+//!
+//! The cut, over one connection to each rank's agent:
+//! 1. `nccl-hold` every rank: no new submission, and the counts each reports are final;
+//! 2. from the counts, the *limit* of every lane a rank is behind on ([`limits`]): a
+//!    collective lane to what the furthest rank submitted, a send to what its peer
+//!    received, and the other way round;
+//! 3. `nccl-drain` every rank: each catches up to its limits and its device finishes;
+//! 4. `nccl-down` every rank, once all drained: no rank's collective reads a peer's
+//!    memory any more when that peer's communicator goes.
+//!
+//! Until step 4 a failure only ends the connections, which ends the hold (the job runs on
+//! as before). From step 4 on the communicators are gone until [`rebuild`], which the undo
+//! (and `--leave-running`, and a restore, and `hiber recover`) runs once every agent has its
+//! memory back and its gate open: rank 0 of each communicator makes a fresh unique id, and
+//! every rank builds its communicators at once (creation is collective).
+//!
+//! Every rank of a communicator must be in the job: one that spans hosts needs hibers on
+//! each of them, coordinated (`hiber coordinate`), which the cut does not drive yet.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use hiber_wire::{socket, Lane, Reply, Request};
+
+use super::{connect, fail};
+use crate::engine::layer::Conn;
+use crate::engine::EngineError;
+
+/// Creation can take a while on a loaded machine (every rank connects to every other).
+const REBUILD_MIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One communicator as one rank reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommReport {
+    pub key: u64,
+    pub rank: i32,
+    pub nranks: i32,
+    /// Every rank in the one process (`ncclCommInitAll`): its agent rebuilds it alone.
+    pub local: bool,
+    pub lanes: BTreeMap<Lane, u64>,
+}
+
+/// The ranks of each communicator that spans processes, by key: process index and report.
+type Members<'a> = BTreeMap<u64, Vec<(usize, &'a CommReport)>>;
+/// Per process, the lanes to raise: (communicator key, lane, limit).
+type Limits = Vec<Vec<(u64, Lane, u64)>>;
+
+/// Reads `nccl-comm`/`nccl-lane` replies up to `done`.
+fn read_reports(conn: &Conn) -> Result<Vec<CommReport>, EngineError> {
+    let mut out: Vec<CommReport> = Vec::new();
+    loop {
+        match conn.recv::<Reply>()?.0 {
+            Reply::NcclComm { key, rank, nranks, local } => out.push(CommReport { key, rank, nranks, local, lanes: BTreeMap::new() }),
+            Reply::NcclLane { key, lane, count } => match out.last_mut() {
+                Some(c) if c.key == key => {
+                    c.lanes.insert(lane, count);
+                }
+                _ => return Err(fail(format!("agent of process {}: lane of an unannounced communicator", conn.pid), None)),
+            },
+            Reply::Done { count } if count == out.len() as u64 => return Ok(out),
+            Reply::Err(m) => return Err(fail(format!("agent of process {}: {m}", conn.pid), None)),
+            other => return Err(fail(format!("agent of process {}: unexpected {other:?}", conn.pid), None)),
+        }
+    }
+}
+
+/// The ranks of each communicator that spans processes, checked whole.
+fn by_key(ranks: &[Vec<CommReport>]) -> Result<Members<'_>, String> {
+    let mut keys: Members = BTreeMap::new();
+    for (i, comms) in ranks.iter().enumerate() {
+        for c in comms.iter().filter(|c| !c.local) {
+            keys.entry(c.key).or_default().push((i, c));
+        }
+    }
+    for (key, members) in &keys {
+        let nranks = members[0].1.nranks;
+        let mut seen: Vec<i32> = members.iter().map(|(_, c)| c.rank).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let whole = nranks > 0 && seen.len() == members.len() && seen.len() == nranks as usize && seen.iter().all(|r| (0..nranks).contains(r));
+        if !whole {
+            return Err(format!(
+                "NCCL communicator {key:016x} has {} of its {nranks} ranks in this job (a communicator that spans hosts needs a hiber on each, which the NCCL cut does not coordinate yet)",
+                members.len()
+            ));
+        }
+    }
+    Ok(keys)
+}
+
+/// For each process (as indexed in `ranks`), the lanes it must catch up on: (key, lane,
+/// limit). A collective lane goes to the most any rank submitted; a send to a peer to what
+/// that peer received from it, and the other way round.
+pub fn limits(ranks: &[Vec<CommReport>]) -> Result<Limits, String> {
+    let keys = by_key(ranks)?;
+    let mut out = vec![Vec::new(); ranks.len()];
+    for (key, members) in keys {
+        let by_rank: HashMap<i32, (usize, &CommReport)> = members.iter().map(|(i, c)| (c.rank, (*i, *c))).collect();
+        let mut need: BTreeMap<(i32, Lane), u64> = BTreeMap::new();
+        let collectives = members.iter().map(|(_, c)| c.lanes.get(&Lane::Coll).copied().unwrap_or(0)).max().unwrap_or(0);
+        for (_, c) in &members {
+            need.insert((c.rank, Lane::Coll), collectives);
+            for (&lane, &n) in &c.lanes {
+                let (mine, theirs) = match lane {
+                    Lane::Coll => continue,
+                    Lane::Send(p) => ((c.rank, Lane::Send(p)), (p, Lane::Recv(c.rank))),
+                    Lane::Recv(p) => ((c.rank, Lane::Recv(p)), (p, Lane::Send(c.rank))),
+                };
+                if !by_rank.contains_key(&theirs.0) {
+                    return Err(format!("NCCL communicator {key:016x}: rank {} talks to rank {}, which it does not have", c.rank, theirs.0));
+                }
+                for k in [mine, theirs] {
+                    let e = need.entry(k).or_default();
+                    *e = (*e).max(n);
+                }
+            }
+        }
+        for ((rank, lane), limit) in need {
+            let (i, c) = by_rank[&rank];
+            if c.lanes.get(&lane).copied().unwrap_or(0) < limit {
+                out[i].push((key, lane, limit));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A process whose agent keeps NCCL communicators.
+#[derive(Debug, Clone)]
+pub struct Rank {
+    pub pid: i32,
+    /// Its agent's socket name.
+    pub name: String,
+}
+
+/// Cuts every rank's NCCL work at one point and tears the communicators down. `Err` with
+/// `true` when some were torn down (the caller must [`rebuild`] them), `false` when the job
+/// runs on untouched.
+pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
+    let untouched = |e| (e, false);
+    let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>().map_err(untouched)?;
+    // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
+    for c in &conns {
+        let _ = socket::set_recv_timeout(&c.sock, Some(Duration::from_millis(timeout_ms + 2_000)));
+    }
+    let mut reports = Vec::new();
+    for c in &conns {
+        c.send(&Request::NcclHold { timeout_ms }, None).map_err(untouched)?;
+        reports.push(read_reports(c).map_err(|e| untouched(fail(format!("holding NCCL work: {e}"), None)))?);
+    }
+    let limits = limits(&reports).map_err(|m| untouched(fail(m, Some("checkpoint every rank of an NCCL job together, from the job's root process"))))?;
+    for (c, lanes) in conns.iter().zip(&limits) {
+        for &(key, lane, count) in lanes {
+            c.call::<Reply>(&Request::NcclLimit { key, lane, count }, None).map_err(untouched)?;
+        }
+    }
+    let raised: usize = limits.iter().map(Vec::len).sum();
+    for c in &conns {
+        c.call::<Reply>(&Request::NcclDrain { timeout_ms }, None).map_err(|e| {
+            untouched(fail(
+                format!("bringing NCCL ranks to one cut: {e}"),
+                Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
+            ))
+        })?;
+    }
+    // Every rank is at the cut with its device idle: now the communicators go, on all of
+    // them even if one fails (an agent always ends torn down).
+    let mut first = None;
+    for c in &conns {
+        if let Err(e) = c.call::<Reply>(&Request::NcclDown, None) {
+            first.get_or_insert(e);
+        }
+    }
+    tracing::info!(ranks = ranks.len(), communicators = reports.iter().map(Vec::len).sum::<usize>(), lanes_raised = raised, "NCCL work cut and torn down");
+    if let Some(e) = first {
+        return Err((e, true));
+    }
+    // NCCL's proxy sockets and shared memory went with the communicators; anything left
+    // would fail the dump.
+    for r in ranks {
+        if let Some(path) = crate::proctree::read_process(r.pid).ok().and_then(|p| crate::checkpoint::preflight::nccl_member(r.pid, &p.fds)) {
+            return Err((fail(format!("process {} still holds NCCL state ({path}) after its communicators were torn down", r.pid), None), true));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the communicators of `ranks` again: every rank's agent must have its memory back
+/// and its gate open.
+pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
+    if ranks.is_empty() {
+        return Ok(());
+    }
+    let timeout = Duration::from_millis(timeout_ms).max(REBUILD_MIN_TIMEOUT);
+    let started = std::time::Instant::now();
+    let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
+    let mut reports = Vec::new();
+    for c in &conns {
+        c.send(&Request::NcclList, None)?;
+        reports.push(read_reports(c)?);
+    }
+    let keys = by_key(&reports).map_err(|m| fail(m, None))?;
+    for (key, members) in &keys {
+        let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("by_key checked every rank is there");
+        let id = match conns[*root].call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
+            Reply::NcclId { id, .. } => id,
+            other => return Err(fail(format!("agent of process {}: unexpected {other:?}", conns[*root].pid), None)),
+        };
+        for (i, _) in members {
+            conns[*i].call::<Reply>(&Request::NcclSetId { key: *key, id: id.clone() }, None)?;
+        }
+    }
+    let timeout_ms = timeout.as_millis() as u64;
+    let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = conns
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let _ = socket::set_recv_timeout(&c.sock, Some(timeout + Duration::from_secs(2)));
+                    c.call::<Reply>(&Request::NcclRebuild { timeout_ms }, None).map(|_| ())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL rebuild thread panicked", None)))).collect()
+    });
+    results
+        .into_iter()
+        .collect::<Result<(), _>>()
+        .map_err(|e| fail(format!("building NCCL communicators again: {e}"), Some("the job's NCCL calls wait; `hiber recover` retries")))?;
+    tracing::info!(ranks = ranks.len(), communicators = keys.len(), seconds = started.elapsed().as_secs_f64(), "NCCL communicators rebuilt");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comm(key: u64, rank: i32, nranks: i32, lanes: &[(Lane, u64)]) -> CommReport {
+        CommReport { key, rank, nranks, local: false, lanes: lanes.iter().copied().collect() }
+    }
+
+    #[test]
+    fn ranks_behind_catch_up_to_the_furthest() {
+        // Rank 1 has submitted two all-reduces fewer than rank 0 (it is still computing).
+        let ranks = vec![vec![comm(7, 0, 2, &[(Lane::Coll, 12)])], vec![comm(7, 1, 2, &[(Lane::Coll, 10)])]];
+        assert_eq!(limits(&ranks).unwrap(), vec![vec![], vec![(7, Lane::Coll, 12)]]);
+        // In step: nothing to raise.
+        let ranks = vec![vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], vec![comm(7, 1, 2, &[(Lane::Coll, 3)])]];
+        assert_eq!(limits(&ranks).unwrap(), vec![vec![], vec![]]);
+    }
+
+    #[test]
+    fn sends_and_receives_match_per_peer() {
+        // A pipeline: rank 0 sent 5 to rank 1, which received 4; rank 1 sent 2 to rank 2,
+        // which has not received anything yet (no lane at all).
+        let ranks = vec![vec![comm(9, 0, 3, &[(Lane::Send(1), 5)])], vec![comm(9, 1, 3, &[(Lane::Recv(0), 4), (Lane::Send(2), 2)])], vec![comm(9, 2, 3, &[])]];
+        let l = limits(&ranks).unwrap();
+        assert_eq!(l[0], vec![]);
+        assert_eq!(l[1], vec![(9, Lane::Recv(0), 5)]);
+        assert_eq!(l[2], vec![(9, Lane::Recv(1), 2)]);
+    }
+
+    #[test]
+    fn each_communicator_is_cut_on_its_own() {
+        let ranks = vec![
+            vec![comm(1, 0, 2, &[(Lane::Coll, 4)]), comm(2, 1, 2, &[(Lane::Coll, 1)])],
+            vec![comm(1, 1, 2, &[(Lane::Coll, 5)]), comm(2, 0, 2, &[(Lane::Coll, 1)])],
+        ];
+        assert_eq!(limits(&ranks).unwrap(), vec![vec![(1, Lane::Coll, 5)], vec![]]);
+    }
+
+    #[test]
+    fn a_communicator_missing_ranks_is_refused() {
+        let ranks = vec![vec![comm(7, 0, 2, &[])]];
+        let e = limits(&ranks).unwrap_err();
+        assert!(e.contains("1 of its 2 ranks"), "{e}");
+        let dup = vec![vec![comm(7, 0, 2, &[])], vec![comm(7, 0, 2, &[])]];
+        assert!(limits(&dup).is_err(), "two rank 0s");
+        let stranger = vec![vec![comm(7, 0, 2, &[(Lane::Send(5), 1)])], vec![comm(7, 1, 2, &[])]];
+        assert!(limits(&stranger).unwrap_err().contains("rank 5"));
+    }
+
+    #[test]
+    fn local_communicators_need_no_peers() {
+        let mut c = comm(3, 0, 4, &[(Lane::Coll, 2)]);
+        c.local = true;
+        assert_eq!(limits(&[vec![c]]).unwrap(), vec![vec![]]);
+    }
+}
