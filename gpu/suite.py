@@ -1001,9 +1001,16 @@ def assert_on_reference(job, ref):
 
 def hiber_logged(m, key, *args):
     """hiber ARGS --json with HIBER_LOG=info: the JSON, and hiber's own account of where the
-    time went in M[KEY]."""
-    p = hiber(*args, "--json", env=dict(ENV, HIBER_LOG="hiber_core=info"))
+    time went in M[KEY]. On failure, the error lines of the CRIU log it names go with the
+    error."""
+    p = hiber(*args, "--json", env=dict(ENV, HIBER_LOG="hiber_core=info"), check=False)
     m[key] = [l.strip()[-260:] for l in p.stderr.splitlines() if "INFO" in l][-14:]
+    if p.returncode != 0:
+        criu = [l.split("CRIU's log: ", 1)[1].strip() for l in p.stderr.splitlines() if "CRIU's log: " in l]
+        if criu and Path(criu[0]).exists():
+            lines = Path(criu[0]).read_text(errors="replace").splitlines()
+            m[key + "_criu_errors"] = [l[-300:] for i, l in enumerate(lines) if "Error" in l or "rror" in lines[min(i + 1, len(lines) - 1)]][:24]
+        raise AssertionError(f"hiber {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-700:]}")
     return json.loads(p.stdout)
 
 
@@ -1031,15 +1038,20 @@ def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
     m["step_gap_ms"] = step_gap_ms(job, 2, int(steps))
     agent = agent_section(img)
     m["agent_mib"] = sum(p["bytes"] for p in agent["processes"]) >> 20
+    failures = []
     for name, extra in ((job + "-r", ("--gpu-map", "0=1,1=0")), (job + "-r2", ())):
-        t0 = time.time()
-        hiber_logged(m, "restore_log", "restore", img, "--name", name, *extra)
-        wait_step(name, 0, 120)
-        m.setdefault("restore_until_step_s", []).append(round(time.time() - t0, 2))
-        assert_verified(name)
-        got = assert_on_reference(name, ref)
-        assert got[-1][0] == int(steps) - 1, f"{name} ran to the end"
-        m.setdefault("resumed_at", []).append(got[0][0])
+        try:
+            t0 = time.time()
+            hiber_logged(m, "restore_log_" + name, "restore", img, "--name", name, *extra)
+            wait_step(name, 0, 120)
+            m.setdefault("restore_until_step_s", []).append(round(time.time() - t0, 2))
+            assert_verified(name)
+            got = assert_on_reference(name, ref)
+            assert got[-1][0] == int(steps) - 1, f"{name} ran to the end"
+            m.setdefault("resumed_at", []).append(got[0][0])
+        except AssertionError as e:
+            failures.append(f"{name} {' '.join(extra)}: {e}")
+    assert not failures, " | ".join(failures)
 
 
 @scenario

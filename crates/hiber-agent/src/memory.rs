@@ -439,7 +439,13 @@ pub fn create_for(d: &Driver, id: u64) -> Result<(usize, c_int, c_int), CuResult
 }
 
 pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
-    let h = d.import_fd(fd.as_raw_fd())?;
+    // Memory the agent made itself ([`create_for`]) is mapped through its own handle: the
+    // driver refuses to import it again into a process that never saw its GPU (error 3),
+    // though it let the process make it there.
+    let h = match with(|t| t.created.remove(&id)) {
+        Some(made) => made,
+        None => d.import_fd(fd.as_raw_fd())?,
+    };
     let reported = match d.properties(h) {
         Ok(p) if p.location.is_device() => p.location.id,
         _ => {
@@ -499,10 +505,6 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
         e.handle = h;
         e.evacuated = false;
         e.shared = Some(fd);
-        // The reference [`create_for`] kept: the mappings and `h` hold the memory now.
-        if let Some(made) = t.created.remove(&id) {
-            let _ = d.release(made);
-        }
         Ok(())
     })
 }
