@@ -1014,6 +1014,13 @@ def hiber_logged(m, key, *args):
     return json.loads(p.stdout)
 
 
+def job_sockets(job):
+    """The TCP sockets of JOB's network namespace (`ss -tanp` inside it): NCCL's and the
+    store's, with their states."""
+    p = sh("nsenter", "-t", job_pid(job), "-n", "ss", "-tanp", check=False)
+    return [" ".join(l.split())[:160] for l in p.stdout.splitlines()[1:]][:40]
+
+
 def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
     """A two-rank job over NCCL (MODE of ddp.py) checkpointed with --leave-running at step
     40: it trains on, on the uninterrupted run's trajectory, paused for no longer than the
@@ -1024,8 +1031,11 @@ def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
     args = ("--mib", mib, "--interval-ms", interval)
     ref = nccl_reference(mode, steps, args)
     job = "nc" + mode[:4]
-    run_job(job, *TORCHRUN2, DDP, "--mode", mode, "--steps", steps, *args, agent=True, limit=180)
+    # SUITE_NCCL_ENV=K=V,... adds to the jobs' environment (to try NCCL's settings).
+    extra_env = dict(kv.split("=", 1) for kv in filter(None, os.environ.get("SUITE_NCCL_ENV", "").split(",")))
+    run_job(job, *TORCHRUN2, DDP, "--mode", mode, "--steps", steps, *args, agent=True, limit=180, env=dict(ENV, **extra_env))
     wait_step(job, 40, 180)
+    m["sockets"] = job_sockets(job)
     img = image_of(job)
     ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", img)
     m["checkpoint_s"] = round(ck["total_seconds"], 2)

@@ -98,11 +98,20 @@ fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
         return None;
     }
     let token = super::layer::token()?;
-    Some(vec![
+    let mut env = vec![
         super::layer::preload(&lib),
         (hiber_wire::TOKEN_ENV.into(), token),
         (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
-    ])
+    ];
+    // NCCL's RAS service (2.24 and newer: a diagnostics thread per process, with its own
+    // listening socket and connections to the other ranks') outlives every communicator, so
+    // the agent's teardown leaves its sockets in the image; on 2×H200 a restored FSDP job
+    // then failed to bind one ("Address already in use"). It only answers the `ncclras`
+    // tool and changes nothing a job computes; a user who sets it keeps it.
+    if std::env::var_os("NCCL_RAS_ENABLE").is_none() {
+        env.push(("NCCL_RAS_ENABLE".into(), "0".into()));
+    }
+    Some(env)
 }
 
 /// How the device memory reached the image.
