@@ -1014,11 +1014,33 @@ def hiber_logged(m, key, *args):
     return json.loads(p.stdout)
 
 
+TCP_STATES = {"01": "ESTAB", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+
 def job_sockets(job):
-    """The TCP sockets of JOB's network namespace (`ss -tanp` inside it): NCCL's and the
-    store's, with their states."""
-    p = sh("nsenter", "-t", job_pid(job), "-n", "ss", "-tanp", check=False)
-    return [" ".join(l.split())[:160] for l in p.stdout.splitlines()[1:]][:40]
+    """The TCP sockets of JOB's processes, `PID STATE LOCAL REMOTE` (IPv4, from
+    /proc/PID/net/tcp and the sockets each holds): NCCL's, the store's."""
+    out = []
+    for pid in tree_of(job_pid(job)):
+        inodes = set()
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                t = os.readlink(fd)
+                if t.startswith("socket:["):
+                    inodes.add(t[8:-1])
+            lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+        except OSError:
+            continue
+
+        def addr(h):
+            ip, port = h.split(":")
+            return ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+
+        for l in lines:
+            f = l.split()
+            if len(f) > 9 and f[9] in inodes:
+                out.append(f"{pid} {TCP_STATES.get(f[3], f[3])} {addr(f[1])} {addr(f[2])}")
+    return out[:40]
 
 
 def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):

@@ -103,11 +103,14 @@ fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
         (hiber_wire::TOKEN_ENV.into(), token),
         (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
     ];
-    // NCCL's RAS service (2.24 and newer: a diagnostics thread per process, with its own
-    // listening socket and connections to the other ranks') outlives every communicator, so
-    // the agent's teardown leaves its sockets in the image; on 2×H200 a restored FSDP job
-    // then failed to bind one ("Address already in use"). It only answers the `ncclras`
-    // tool and changes nothing a job computes; a user who sets it keeps it.
+    // NCCL's RAS service (2.24 and newer) outlives every communicator: its thread starts
+    // with the first one and ends at exit (ras.cc, 2.28.9), keeping a listening socket on a
+    // random port of the bootstrap interface, one for the `ncclras` client on
+    // 127.0.0.1:28028, and connections to the other ranks'. So the agent's teardown leaves
+    // them in the image, and on 2×H200 4 of 14 restores of NCCL jobs' --leave-running
+    // images failed in CRIU binding a rank's listening socket ("Address already in use",
+    // beside TCP_LISTEN sockets on 192.0.2.2 and 127.0.0.1:28028). RAS only answers that
+    // client and changes nothing a job computes; a user who sets the variable keeps it.
     if std::env::var_os("NCCL_RAS_ENABLE").is_none() {
         env.push(("NCCL_RAS_ENABLE".into(), "0".into()));
     }
