@@ -98,11 +98,8 @@ fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
         return None;
     }
     let token = super::layer::token()?;
-    let mut env = vec![
-        super::layer::preload(&lib),
-        (hiber_wire::TOKEN_ENV.into(), token),
-        (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
-    ];
+    let mut env =
+        vec![super::layer::preload(&lib), (hiber_wire::TOKEN_ENV.into(), token), (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string())];
     // NCCL's RAS service (2.24 and newer) outlives every communicator: its thread starts
     // with the first one and ends at exit (ras.cc, 2.28.9), keeping a listening socket on a
     // random port of the bootstrap interface, one for the `ncclras` client on

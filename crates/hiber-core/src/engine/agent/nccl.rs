@@ -141,6 +141,7 @@ pub struct Rank {
 /// runs on untouched.
 pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
     let untouched = |e| (e, false);
+    let started = std::time::Instant::now();
     let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>().map_err(untouched)?;
     // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
     for c in &conns {
@@ -151,6 +152,7 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
         c.send(&Request::NcclHold { timeout_ms }, None).map_err(untouched)?;
         reports.push(read_reports(c).map_err(|e| untouched(fail(format!("holding NCCL work: {e}"), None)))?);
     }
+    let held = started.elapsed();
     let limits = limits(&reports).map_err(|m| untouched(fail(m, Some("checkpoint every rank of an NCCL job together, from the job's root process"))))?;
     for (c, lanes) in conns.iter().zip(&limits) {
         for &(key, lane, count) in lanes {
@@ -166,6 +168,7 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
             ))
         })?;
     }
+    let drained = started.elapsed();
     // Every rank is at the cut with its device idle: now the communicators go, on all of
     // them even if one fails (an agent always ends torn down).
     let mut first = None;
@@ -174,7 +177,15 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
             first.get_or_insert(e);
         }
     }
-    tracing::info!(ranks = ranks.len(), communicators = reports.iter().map(Vec::len).sum::<usize>(), lanes_raised = raised, "NCCL work cut and torn down");
+    tracing::info!(
+        ranks = ranks.len(),
+        communicators = reports.iter().map(Vec::len).sum::<usize>(),
+        lanes_raised = raised,
+        hold_s = held.as_secs_f64(),
+        drain_s = (drained - held).as_secs_f64(),
+        down_s = (started.elapsed() - drained).as_secs_f64(),
+        "NCCL work cut and torn down"
+    );
     if let Some(e) = first {
         return Err((e, true));
     }
@@ -281,6 +292,98 @@ mod tests {
         assert!(limits(&dup).is_err(), "two rank 0s");
         let stranger = vec![vec![comm(7, 0, 2, &[(Lane::Send(5), 1)])], vec![comm(7, 1, 2, &[])]];
         assert!(limits(&stranger).unwrap_err().contains("rank 5"));
+    }
+
+    /// An agent that answers the NCCL part of the protocol from a script and records what
+    /// hiber asked, on an abstract socket of this process.
+    struct ScriptedAgent {
+        asked: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+        rank: Rank,
+    }
+
+    fn scripted(name: &str, comms: Vec<CommReport>, fail: &'static str) -> ScriptedAgent {
+        let name = format!("hiber-test-nccl-{}-{name}", std::process::id());
+        let listener = socket::listen(&name).unwrap();
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        std::thread::spawn(move || loop {
+            let Ok(conn) = socket::accept(&listener) else { return };
+            while let Ok(Some((msg, _))) = socket::recv(&conn) {
+                log.lock().unwrap().push(msg.clone());
+                let send = |r: Reply| socket::send(&conn, &r.encode(), None).unwrap();
+                match Request::parse(&msg).unwrap() {
+                    _ if msg.split(' ').next() == Some(fail) => send(Reply::Err("scripted failure".into())),
+                    Request::NcclHold { .. } | Request::NcclList => {
+                        for c in &comms {
+                            send(Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local });
+                            for (&lane, &count) in &c.lanes {
+                                send(Reply::NcclLane { key: c.key, lane, count });
+                            }
+                        }
+                        send(Reply::Done { count: comms.len() as u64 });
+                    }
+                    Request::NcclNewId { key } => send(Reply::NcclId { key, id: format!("{key:02x}").repeat(128)[..256].to_string() }),
+                    _ => send(Reply::Ok),
+                }
+            }
+        });
+        ScriptedAgent { asked, rank: Rank { pid: std::process::id() as i32, name } }
+    }
+
+    impl ScriptedAgent {
+        fn asked(&self) -> Vec<String> {
+            self.asked.lock().unwrap().clone()
+        }
+
+        fn verbs(&self) -> Vec<String> {
+            self.asked().iter().map(|m| m.split(' ').next().unwrap().to_string()).collect()
+        }
+    }
+
+    #[test]
+    fn a_cut_raises_the_ranks_behind_and_tears_every_rank_down_after_all_drained() {
+        let a = scripted("cut-a", vec![comm(7, 0, 2, &[(Lane::Coll, 12)])], "");
+        let b = scripted("cut-b", vec![comm(7, 1, 2, &[(Lane::Coll, 10)])], "");
+        cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
+        assert_eq!(a.verbs(), ["nccl-hold", "nccl-drain", "nccl-down"]);
+        assert_eq!(b.verbs(), ["nccl-hold", "nccl-limit", "nccl-drain", "nccl-down"]);
+        assert_eq!(b.asked()[1], "nccl-limit 0000000000000007 c 12");
+    }
+
+    #[test]
+    fn a_rank_that_cannot_drain_leaves_every_communicator_up() {
+        let a = scripted("drain-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
+        let b = scripted("drain-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "nccl-drain");
+        let (e, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        assert!(!down, "nothing torn down: {e}");
+        assert!(!a.verbs().contains(&"nccl-down".to_string()) && !b.verbs().contains(&"nccl-down".to_string()));
+    }
+
+    #[test]
+    fn a_failed_teardown_still_reaches_every_rank_and_asks_for_a_rebuild() {
+        let a = scripted("down-a", vec![comm(7, 0, 2, &[])], "nccl-down");
+        let b = scripted("down-b", vec![comm(7, 1, 2, &[])], "");
+        let (_, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        assert!(down, "the caller must rebuild");
+        assert_eq!(b.verbs().last().unwrap(), "nccl-down", "the other rank was torn down too");
+    }
+
+    #[test]
+    fn a_job_missing_a_rank_is_refused_before_any_limit() {
+        let a = scripted("alone", vec![comm(7, 0, 2, &[(Lane::Coll, 1)])], "");
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000).unwrap_err();
+        assert!(!down && e.to_string().contains("1 of its 2 ranks"), "{e}");
+        assert_eq!(a.verbs(), ["nccl-hold"]);
+    }
+
+    #[test]
+    fn a_rebuild_takes_rank_0s_id_to_every_rank() {
+        let a = scripted("re-a", vec![comm(9, 1, 2, &[])], "");
+        let b = scripted("re-b", vec![comm(9, 0, 2, &[])], "");
+        rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
+        assert_eq!(b.verbs(), ["nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild"], "rank 0 draws the id");
+        assert_eq!(a.verbs(), ["nccl-list", "nccl-set-id", "nccl-rebuild"]);
+        assert_eq!(a.asked()[1], b.asked()[2], "the same id");
     }
 
     #[test]
