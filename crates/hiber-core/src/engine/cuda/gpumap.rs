@@ -22,6 +22,8 @@ pub enum GpuMapError {
     ChipMismatch { old: String, old_name: String, new: String, new_name: String },
     #[error("the image's GPUs {} are not on this machine", .missing.join(", "))]
     Missing { missing: Vec<String>, available: Vec<String> },
+    #[error("the image's processes used {used} GPUs ({name}); this machine has {here} of that type")]
+    TooFew { used: usize, here: usize, name: String },
     #[error("'{0}' is not a GPU UUID")]
     BadUuid(String),
 }
@@ -32,6 +34,7 @@ impl GpuMapError {
             GpuMapError::Missing { .. } => {
                 Some("map each one onto a GPU of the same type here: --gpu-map OLD=NEW[,...] (UUIDs or indices; `hiber doctor` lists this machine's GPUs)")
             }
+            GpuMapError::TooFew { .. } => Some("a job restores onto as many GPUs as it used: restore it on a machine with that many of that type"),
             GpuMapError::UnknownOld(_) => Some("`hiber inspect IMAGE` lists the image's GPUs"),
             GpuMapError::UnknownNew(_) => Some("`hiber doctor` lists this machine's GPUs"),
             _ => None,
@@ -142,6 +145,12 @@ fn complete(out: &mut BTreeMap<String, String>, recorded: &[Gpu], here: &[Gpu], 
                 out.insert(g.uuid.clone(), h.uuid.clone());
             }
             None if used.contains(&g.uuid.as_str()) => {
+                let of_type = |gpus: &[&Gpu]| gpus.iter().filter(|h| h.name == g.name).count();
+                let here_of_type = of_type(&here.iter().collect::<Vec<_>>());
+                let used_of_type = recorded.iter().chain(extra.iter()).filter(|r| r.name == g.name && used.contains(&r.uuid.as_str())).count();
+                if here_of_type > 0 && used_of_type > here_of_type {
+                    return Err(GpuMapError::TooFew { used: used_of_type, here: here_of_type, name: g.name.clone() });
+                }
                 return Err(GpuMapError::Missing {
                     missing: vec![g.uuid.clone()],
                     available: here.iter().map(|g| format!("{} {}", g.index, g.uuid)).collect(),

@@ -336,6 +336,13 @@ fn a_partial_map_is_completed_into_a_bijection() {
     let m = resolve_gpu_map(&[("0".into(), "0".into())], &four[..3], &other, &[&uuids[2]]).unwrap();
     assert_eq!((m[&uuids[0]].as_str(), m[&uuids[2]].as_str()), (other[0].uuid.as_str(), other[1].uuid.as_str()));
     assert!(!m.contains_key(&uuids[1]), "the unused one is left out");
+    // A job that used two GPUs, onto a machine with one: refused, saying so.
+    let e = resolve_gpu_map(&[], &four[..2], &other[..1], &[&uuids[0], &uuids[1]]).unwrap_err();
+    assert!(matches!(e, GpuMapError::TooFew { used: 2, here: 1, .. }), "{e:?}");
+    assert!(e.to_string().contains("used 2 GPUs") && e.hint().unwrap().contains("as many GPUs"), "{e}");
+    // One GPU of another type: still a question of which GPU, not how many.
+    let h200 = vec![gpu(0, "GPU-99999999-9999-9999-9999-999999999999", "NVIDIA H200", 100)];
+    assert!(matches!(resolve_gpu_map(&[], &four[..1], &h200, &[&uuids[0]]), Err(GpuMapError::Missing { .. })));
 }
 
 #[test]
