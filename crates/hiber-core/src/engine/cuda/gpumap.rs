@@ -73,6 +73,11 @@ pub fn resolve_gpu_map(map: &[(String, String)], recorded: &[Gpu], here: &[Gpu],
     if map.is_empty() {
         let missing: Vec<String> =
             used.iter().filter(|u| !here.iter().any(|g| g.uuid == **u)).map(|u| u.to_string()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        if let Some(name) = missing.iter().find_map(|m| recorded.iter().find(|r| &r.uuid == m).map(|r| &r.name)) {
+            if let Some(e) = too_few(name, recorded, here, used) {
+                return Err(e);
+            }
+        }
         if !missing.is_empty() {
             return Err(GpuMapError::Missing { missing, available: here.iter().map(|g| format!("{} {}", g.index, g.uuid)).collect() });
         }
@@ -145,11 +150,8 @@ fn complete(out: &mut BTreeMap<String, String>, recorded: &[Gpu], here: &[Gpu], 
                 out.insert(g.uuid.clone(), h.uuid.clone());
             }
             None if used.contains(&g.uuid.as_str()) => {
-                let of_type = |gpus: &[&Gpu]| gpus.iter().filter(|h| h.name == g.name).count();
-                let here_of_type = of_type(&here.iter().collect::<Vec<_>>());
-                let used_of_type = recorded.iter().chain(extra.iter()).filter(|r| r.name == g.name && used.contains(&r.uuid.as_str())).count();
-                if here_of_type > 0 && used_of_type > here_of_type {
-                    return Err(GpuMapError::TooFew { used: used_of_type, here: here_of_type, name: g.name.clone() });
+                if let Some(e) = too_few(&g.name, recorded, here, used) {
+                    return Err(e);
                 }
                 return Err(GpuMapError::Missing {
                     missing: vec![g.uuid.clone()],
@@ -165,6 +167,14 @@ fn complete(out: &mut BTreeMap<String, String>, recorded: &[Gpu], here: &[Gpu], 
         return Err(GpuMapError::Collision { new: w[0].clone() });
     }
     Ok(())
+}
+
+/// The refusal of an image whose processes used more GPUs of type `name` than this machine
+/// has (none of the type is a question of which GPU, not how many).
+fn too_few(name: &str, recorded: &[Gpu], here: &[Gpu], used: &[&str]) -> Option<GpuMapError> {
+    let here_n = here.iter().filter(|h| h.name == name).count();
+    let used_n = recorded.iter().filter(|r| r.name == name && used.contains(&r.uuid.as_str())).count();
+    (here_n > 0 && used_n > here_n).then(|| GpuMapError::TooFew { used: used_n, here: here_n, name: name.to_string() })
 }
 
 /// The GPUs a process can see, by UUID, from its `CUDA_VISIBLE_DEVICES` (`None`: unset, so
