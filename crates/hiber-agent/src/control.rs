@@ -59,6 +59,9 @@ fn serve(listener: OwnedFd) {
         // A hold of NCCL submissions does not outlive the hiber that asked for it (a
         // teardown does: only a rebuild undoes it).
         nccl::release_hold();
+        if let Some(d) = cuda::driver() {
+            memory::drop_created(d);
+        }
         // A session that ends with nothing handed over (hiber gave up, timed out or died
         // after quiesce) leaves the application running, not waiting.
         if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {

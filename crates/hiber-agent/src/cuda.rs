@@ -140,6 +140,7 @@ driver_fns! {
     mem_free = cuMemFree_v2;
     mem_alloc_pitch = cuMemAllocPitch_v2;
     mem_address_range = cuMemGetAddressRange_v2;
+    stream_is_capturing = cuStreamIsCapturing;
 }
 
 static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
@@ -217,6 +218,15 @@ impl Driver {
             (self.primary_release)(dev);
             r
         }
+    }
+
+    /// Whether work sent to `stream` (a CUstream's value, never dereferenced here) now is
+    /// captured into a CUDA graph (not run).
+    pub fn capturing(&self, stream: usize) -> bool {
+        let mut status: c_int = 0;
+        // SAFETY: the application's stream handle, passed as it gave it, and a valid
+        // out-pointer; the driver answers an error for a handle it does not know.
+        check(unsafe { (self.stream_is_capturing)(stream as *mut c_void, &mut status) }).is_ok() && status != 0
     }
 
     /// Runs `f` with `dev`'s primary context current on this thread.

@@ -438,6 +438,14 @@ pub fn create_for(d: &Driver, id: u64) -> Result<(usize, c_int, c_int), CuResult
     }
 }
 
+/// Releases memory made for hiber ([`create_for`]) that it never handed back (its restore
+/// failed): a later `load` must not map it unfilled.
+pub fn drop_created(d: &Driver) {
+    for h in with(|t| std::mem::take(&mut t.created)).into_values() {
+        let _ = d.release(h);
+    }
+}
+
 pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
     // Memory the agent made itself ([`create_for`]) is mapped through its own handle: the
     // driver refuses to import it again into a process that never saw its GPU (error 3),

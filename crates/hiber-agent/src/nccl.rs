@@ -67,8 +67,10 @@ pub struct Team {
 /// Synthetic handles are 1..=MAX_HANDLE; anything larger is a real communicator the agent
 /// did not make (passed through untouched).
 const MAX_HANDLE: usize = 0xffff;
-/// How long the agent waits for a rebuilt communicator that initializes in the background.
+/// How often the agent looks at a communicator that initializes in the background.
 const INIT_POLL: Duration = Duration::from_millis(1);
+/// How long a teardown waits for calls that hold a communicator.
+const DOWN_WAIT: Duration = Duration::from_secs(5);
 
 // ---- the real library ----------------------------------------------------------------
 
@@ -91,16 +93,22 @@ fn libnccl() -> Option<*mut c_void> {
     None
 }
 
-/// NCCL's own `name` (never the agent's export of it), resolved once into `slot`; 0 when
-/// NCCL is not loaded.
+/// NCCL's own `name` (never the agent's export of it), resolved once into `slot`: in the
+/// loaded `libnccl.so`, else the next definition after the agent (a library that carries
+/// NCCL inside it and exports its names); 0 when there is none.
 fn resolve(slot: &AtomicUsize, name: &CStr) -> usize {
     let p = slot.load(Ordering::Relaxed);
     if p != 0 {
         return p;
     }
-    let (Some(h), Some(dlsym)) = (libnccl(), cuda::real_dlsym()) else { return 0 };
-    // SAFETY: `h` is a live dlopen handle and `name` is NUL-terminated.
-    let p = unsafe { dlsym(h, name.as_ptr()) } as usize;
+    let Some(dlsym) = cuda::real_dlsym() else { return 0 };
+    let p = match libnccl() {
+        // SAFETY: `h` is a live dlopen handle and `name` is NUL-terminated.
+        Some(h) => (unsafe { dlsym(h, name.as_ptr()) }) as usize,
+        // SAFETY: RTLD_NEXT from the agent's own code (glibc's dlsym, called directly, sees
+        // the agent as the caller): the first definition loaded after the agent.
+        None => (unsafe { dlsym(libc::RTLD_NEXT, name.as_ptr()) }) as usize,
+    };
     slot.store(p, Ordering::Relaxed);
     p
 }
@@ -182,6 +190,7 @@ fn real_group(end: bool) -> NcclResult {
 pub use hiber_wire::Lane;
 
 /// A copy of the application's `ncclConfig_t`, with the strings it points to.
+#[derive(Clone)]
 struct Config {
     bytes: Vec<u64>,
     net_name: Option<CString>,
@@ -236,7 +245,7 @@ enum Origin {
     Ranks { config: Option<Config> },
     /// One of `ncclCommInitAll`'s communicators (all ranks in this process): rebuilt
     /// together, by `ncclCommInitAll` again.
-    All { group: u64, index: usize, devs: Vec<c_int> },
+    All { group: u64, index: usize, ndev: c_int, devs: Vec<c_int> },
 }
 
 struct Entry {
@@ -275,8 +284,12 @@ struct State {
     in_group: usize,
     in_call: usize,
     in_init: usize,
+    /// Threads in other calls on a real communicator.
+    in_use: usize,
     /// Lane limits while held; a lane not listed may not grow.
     limits: BTreeMap<(usize, Lane), u64>,
+    /// Every lane's count when the hold began: what a lane without a limit must still have.
+    held_at: BTreeMap<(usize, Lane), u64>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -287,7 +300,9 @@ static STATE: Mutex<State> = Mutex::new(State {
     in_group: 0,
     in_call: 0,
     in_init: 0,
+    in_use: 0,
     limits: BTreeMap::new(),
+    held_at: BTreeMap::new(),
 });
 static CHANGED: Condvar = Condvar::new();
 
@@ -372,17 +387,36 @@ impl State {
     }
 }
 
-/// The real communicator behind `c`, waiting while communicators are torn down.
-fn real_of(c: Comm) -> Result<Comm, NcclResult> {
-    let h = c as usize;
-    if h == 0 || h > MAX_HANDLE {
-        return Ok(c);
+/// A call holding a real communicator: [`down`] waits for it before tearing any down.
+struct InUse;
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let mut s = lock();
+        s.in_use -= 1;
+        if s.phase != Phase::Open {
+            CHANGED.notify_all();
+        }
     }
+}
+
+/// The real communicator behind `c` (waiting while communicators are torn down), in use
+/// until the guard drops.
+fn real_of(c: Comm) -> Result<(Comm, InUse), NcclResult> {
+    let h = c as usize;
     let mut s = lock();
+    if h == 0 || h > MAX_HANDLE {
+        s.in_use += 1;
+        return Ok((c, InUse));
+    }
     loop {
         match s.comms.get(&h) {
             None => return Err(INVALID_ARGUMENT),
-            Some(e) if e.real != 0 => return Ok(e.real as Comm),
+            Some(e) if e.real != 0 => {
+                let real = e.real as Comm;
+                s.in_use += 1;
+                return Ok((real, InUse));
+            }
             Some(_) if s.phase == Phase::Down => s = wait(s),
             Some(_) => return Err(INVALID_USAGE),
         }
@@ -446,7 +480,7 @@ fn end_init() {
 // ---- the exported API -----------------------------------------------------------------
 
 macro_rules! collective {
-    ($($name:ident($($arg:ident: $ty:ty),*) on $comm:ident, $lane:expr;)*) => {$(
+    ($($name:ident($($arg:ident: $ty:ty),*) on $comm:ident, $lane:expr, $stream:ident;)*) => {$(
         /// # Safety
         /// Called by the application with the arguments nccl.h specifies.
         #[no_mangle]
@@ -457,10 +491,16 @@ macro_rules! collective {
                 // SAFETY: NCCL calling its own API: forwarded unchanged.
                 return unsafe { real($($arg),*) };
             }
+            let synthetic = $comm;
             let (c, _submission) = match submit($comm, $lane) {
                 Ok(x) => x,
                 Err(r) => return r,
             };
+            // A graph replays the collective where no count sees it, on this communicator
+            // even after it was rebuilt: such a communicator refuses the checkpoint.
+            if cuda::driver().is_some_and(|d| d.capturing($stream as usize)) {
+                mark_unsafe(synthetic, "collectives captured into a CUDA graph");
+            }
             let $comm = c;
             let _inside = inside();
             // SAFETY: the application's arguments, forwarded unchanged but for the real
@@ -471,17 +511,17 @@ macro_rules! collective {
 }
 
 collective! {
-    ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclBcast(buff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll;
-    ncclSend(sendbuff: *const c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Send(peer);
-    ncclRecv(recvbuff: *mut c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Recv(peer);
+    ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclBcast(buff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, op: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: Enum, op: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: Enum, root: c_int, comm: Comm, stream: Stream) on comm, Lane::Coll, stream;
+    ncclSend(sendbuff: *const c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Send(peer), stream;
+    ncclRecv(recvbuff: *mut c_void, count: usize, datatype: Enum, peer: c_int, comm: Comm, stream: Stream) on comm, Lane::Recv(peer), stream;
 }
 
 /// Calls that only name a communicator: translated, and waiting while it is torn down.
@@ -499,7 +539,7 @@ macro_rules! translated {
                 return unsafe { real($($arg),*) };
             }
             let synthetic = $comm;
-            let $comm = match real_of($comm) {
+            let ($comm, _in_use) = match real_of($comm) {
                 Ok(c) => c,
                 Err(_) => return $fail,
             };
@@ -567,9 +607,13 @@ pub unsafe extern "C" fn ncclGroupStart() -> NcclResult {
 }
 
 fn leave_group() {
-    let depth = DEPTH.get().saturating_sub(1);
-    DEPTH.set(depth);
+    let depth = DEPTH.get();
     if depth == 0 {
+        // An unmatched end: NCCL answers it; no group of this thread to leave.
+        return;
+    }
+    DEPTH.set(depth - 1);
+    if depth == 1 {
         let mut s = lock();
         s.in_group = s.in_group.saturating_sub(1);
         CHANGED.notify_all();
@@ -632,14 +676,14 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(comm: *mut Comm, nranks: c_int, 
         // SAFETY: NCCL calling its own API (or a null out-pointer NCCL refuses itself).
         return unsafe { real(comm, nranks, id, rank, config) };
     }
+    // SAFETY: `config` is null or the application's ncclConfig_t (nccl.h), valid for the call.
+    let record = unsafe { Config::capture(config) };
     begin_init();
     let r = {
         let _inside = inside();
         // SAFETY: the application's arguments, forwarded unchanged.
         unsafe { real(comm, nranks, id, rank, config) }
     };
-    // SAFETY: `config` is null or the application's ncclConfig_t (nccl.h).
-    let record = unsafe { Config::capture(config) };
     let r = adopt(comm, r, name_of(&[b"init", &id.internal]), rank, nranks, Origin::Ranks { config: record });
     end_init();
     r
@@ -663,16 +707,16 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
         // SAFETY: NCCL calling its own API (or arguments NCCL refuses itself).
         return unsafe { real(comm, nranks, rank, n_ids, ids, config) };
     }
+    // SAFETY: `ids` holds `n_ids` ≥ 1 ids (nccl.h); the first names the communicator.
+    let first = unsafe { *ids };
+    // SAFETY: `config` is null or the application's ncclConfig_t, valid for the call.
+    let record = unsafe { Config::capture(config) };
     begin_init();
     let r = {
         let _inside = inside();
         // SAFETY: the application's arguments, forwarded unchanged.
         unsafe { real(comm, nranks, rank, n_ids, ids, config) }
     };
-    // SAFETY: `ids` holds `n_ids` ≥ 1 ids (nccl.h); the first names the communicator.
-    let first = unsafe { *ids };
-    // SAFETY: `config` is null or the application's ncclConfig_t.
-    let record = unsafe { Config::capture(config) };
     let r = adopt(comm, r, name_of(&[b"init", &first.internal]), rank, nranks, Origin::Ranks { config: record });
     end_init();
     r
@@ -710,7 +754,7 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Comm, ndev: c_int, devlist:
             // SAFETY: as above; `slot` is within the array.
             let real_comm = unsafe { *slot };
             let key = name_of(&[b"all", &std::process::id().to_le_bytes(), &group.to_le_bytes(), &i.to_le_bytes()]);
-            let origin = Origin::All { group, index: i, devs: devs.clone() };
+            let origin = Origin::All { group, index: i, ndev, devs: devs.clone() };
             match s.register(real_comm, key, i as c_int, ndev, origin) {
                 // SAFETY: as above.
                 Some(h) => unsafe { *slot = h },
@@ -724,8 +768,12 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Comm, ndev: c_int, devlist:
 
 /// Records the communicator NCCL just wrote to `*comm` and gives the application the
 /// agent's handle in its place.
+///
+/// Only communicators of a dynamically loaded `libnccl.so` get the agent's handles: an NCCL
+/// carried inside another library may call its own functions directly, and must never see
+/// one (its jobs keep NCCL's own handles, and hiber refuses to checkpoint them).
 fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nranks: c_int, origin: Origin) -> NcclResult {
-    if r != SUCCESS && r != IN_PROGRESS {
+    if (r != SUCCESS && r != IN_PROGRESS) || libnccl().is_none() {
         return r;
     }
     // SAFETY: `comm` is the application's non-null out-pointer, which NCCL filled in.
@@ -733,9 +781,23 @@ fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nranks: c_int, o
     if real_comm.is_null() {
         return r;
     }
-    match lock().register(real_comm, key, rank, nranks, origin) {
-        // SAFETY: as above.
-        Some(h) => unsafe { *comm = h },
+    // Ready now (a blocking creation): its size, rank and device are known at once, so a
+    // communicator made while hiber holds the others is complete when it is torn down.
+    let known = (r == SUCCESS && real_async_error(real_comm) == SUCCESS).then(|| {
+        let _inside = inside();
+        (real_query(real_comm, "count"), real_query(real_comm, "rank"), real_query(real_comm, "device"))
+    });
+    let mut s = lock();
+    match s.register(real_comm, key, rank, nranks, origin) {
+        Some(h) => {
+            if let Some((Ok(n), Ok(rk), Ok(d))) = known {
+                if let Some(e) = s.comms.get_mut(&(h as usize)) {
+                    (e.nranks, e.rank, e.dev) = (n, rk, d);
+                }
+            }
+            // SAFETY: as above.
+            unsafe { *comm = h }
+        }
         None => log("more NCCL communicators than the agent can name; later ones are not checkpointable"),
     }
     r
@@ -743,18 +805,22 @@ fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nranks: c_int, o
 
 /// A child of `parent` (split or shrink): the key follows from the parent's and the child's
 /// place among its siblings, alike on every rank that made it.
-fn adopt_child(parent: Comm, newcomm: *mut Comm, r: NcclResult, how: &[u8], config: *mut c_void) -> NcclResult {
-    let key = {
+/// `record` is the child's config as the application gave it; without one, the child
+/// has its parent's (as NCCL gives it), which its rebuild keeps.
+fn adopt_child(parent: Comm, newcomm: *mut Comm, r: NcclResult, how: &[u8], record: Option<Config>) -> NcclResult {
+    let (key, record) = {
         let mut s = lock();
         let Some(p) = s.comms.get_mut(&(parent as usize)) else { return r };
         p.children += 1;
-        name_of(&[b"child", &p.key.to_le_bytes(), &p.children.to_le_bytes(), how])
+        let inherited = match &p.origin {
+            Origin::Ranks { config } => config.clone(),
+            Origin::All { .. } => None,
+        };
+        (name_of(&[b"child", &p.key.to_le_bytes(), &p.children.to_le_bytes(), how]), record.or(inherited))
     };
     if newcomm.is_null() {
         return r;
     }
-    // SAFETY: `config` is null or the application's ncclConfig_t.
-    let record = unsafe { Config::capture(config) };
     adopt(newcomm, r, key, -1, -1, Origin::Ranks { config: record })
 }
 
@@ -769,7 +835,10 @@ pub unsafe extern "C" fn ncclCommSplit(comm: Comm, color: c_int, key: c_int, new
         // SAFETY: NCCL calling its own API: forwarded unchanged.
         return unsafe { real(comm, color, key, newcomm, config) };
     }
-    // A split is a collective on the parent.
+    // SAFETY: `config` is null or the application's ncclConfig_t.
+    let record = unsafe { Config::capture(config) };
+    // A split is a collective on the parent; the child is adopted before the submission
+    // ends, so a cut that waits for it finds the child too.
     let (c, submission) = match submit(comm, Lane::Coll) {
         Ok(x) => x,
         Err(r) => return r,
@@ -779,8 +848,9 @@ pub unsafe extern "C" fn ncclCommSplit(comm: Comm, color: c_int, key: c_int, new
         // SAFETY: the application's arguments, with the real parent.
         unsafe { real(c, color, key, newcomm, config) }
     };
+    let r = adopt_child(comm, newcomm, r, &color.to_le_bytes(), record);
     drop(submission);
-    adopt_child(comm, newcomm, r, &color.to_le_bytes(), config)
+    r
 }
 
 /// # Safety
@@ -801,6 +871,8 @@ pub unsafe extern "C" fn ncclCommShrink(
         // SAFETY: NCCL calling its own API: forwarded unchanged.
         return unsafe { real(comm, exclude, n_exclude, newcomm, config, flags) };
     }
+    // SAFETY: `config` is null or the application's ncclConfig_t.
+    let record = unsafe { Config::capture(config) };
     let (c, submission) = match submit(comm, Lane::Coll) {
         Ok(x) => x,
         Err(r) => return r,
@@ -810,8 +882,9 @@ pub unsafe extern "C" fn ncclCommShrink(
         // SAFETY: the application's arguments, with the real parent.
         unsafe { real(c, exclude, n_exclude, newcomm, config, flags) }
     };
+    let r = adopt_child(comm, newcomm, r, b"shrink", record);
     drop(submission);
-    adopt_child(comm, newcomm, r, b"shrink", config)
+    r
 }
 
 /// Ends a communicator the application is done with (`ncclCommDestroy`, `ncclCommAbort`).
@@ -824,8 +897,10 @@ fn end(comm: Comm, name: &str) -> NcclResult {
         return unsafe { f(comm) };
     }
     let real_comm = {
+        // Not while hiber holds or rebuilds the communicators: every rank's must be there
+        // for the rebuild, and this one is ended once it is rebuilt.
         let mut s = lock();
-        while s.phase == Phase::Held && s.comms.contains_key(&h) {
+        while s.phase != Phase::Open && s.comms.contains_key(&h) {
             s = wait(s);
         }
         match s.comms.remove(&h) {
@@ -869,7 +944,7 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: Comm) -> NcclResult {
         return unsafe { f(comm) };
     }
     match real_of(comm) {
-        Ok(c) => {
+        Ok((c, _in_use)) => {
             let _inside = inside();
             // SAFETY: the real communicator.
             unsafe { f(c) }
@@ -909,7 +984,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Comm, err: *mut NcclResult)
         Some(Err(r)) => r,
         None => match real_of(comm) {
             // SAFETY: the real communicator and the application's out-pointer.
-            Ok(c) => unsafe { f(c, err) },
+            Ok((c, _in_use)) => unsafe { f(c, err) },
             Err(r) => r,
         },
     }
@@ -921,7 +996,7 @@ fn query(comm: Comm, out: *mut c_int, which: &str, pick: fn(&Entry) -> c_int) ->
     }
     let v = match recorded(comm, pick) {
         Some(v) => v,
-        None => real_of(comm).and_then(|c| real_query(c, which)),
+        None => real_of(comm).and_then(|(c, _in_use)| real_query(c, which)),
     };
     match v {
         Ok(v) => {
@@ -963,7 +1038,8 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: Comm, dev: *mut c_int) -> NcclRe
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn ncclGetLastError(comm: Comm) -> *const c_char {
     let Some(f) = real!("ncclGetLastError" => unsafe extern "C" fn(Comm) -> *const c_char) else { return c"".as_ptr() };
-    let c = if comm.is_null() { comm } else { real_of(comm).unwrap_or(std::ptr::null_mut()) };
+    let held = if comm.is_null() { None } else { real_of(comm).ok() };
+    let c = held.as_ref().map_or(std::ptr::null_mut(), |(c, _)| *c);
     // SAFETY: the real communicator, or null (NCCL's last error of the thread).
     unsafe { f(c) }
 }
@@ -1027,6 +1103,7 @@ fn wait_until(
 /// inside a group or a communicator's creation (so the counts are final).
 pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
     let deadline = Instant::now() + timeout;
+    refuse_closed_gate()?;
     let mut s = lock();
     if s.phase != Phase::Open {
         return Err(format!("NCCL communicators are {:?} already", s.phase));
@@ -1077,13 +1154,37 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
             (e.nranks, e.rank, e.dev) = (n, r, d);
         }
     }
+    s.held_at = s.comms.iter().flat_map(|(h, e)| e.lanes.iter().map(move |(l, n)| ((*h, *l), *n))).collect();
     Ok(reports(&s))
 }
 
 fn reopen(s: &mut State) {
     s.phase = Phase::Open;
     s.limits.clear();
+    s.held_at.clear();
     CHANGED.notify_all();
+}
+
+/// The agent's own NCCL calls (teardown, creation) make gated driver calls, on its thread
+/// and on NCCL's: with the gate closed they would wait for ever.
+fn refuse_closed_gate() -> Result<(), String> {
+    if crate::gate::is_closed() {
+        return Err("the application's CUDA calls are held (its memory is not back yet)".into());
+    }
+    Ok(())
+}
+
+impl State {
+    /// The first lane that went past where the cut puts it (its limit, or its count when
+    /// the hold began): a group let in to catch up on one lane can add to others.
+    fn overshoot(&self) -> Option<String> {
+        self.comms.iter().find_map(|(h, e)| {
+            e.lanes.iter().find_map(|(lane, &n)| {
+                let cut = self.limits.get(&(*h, *lane)).or_else(|| self.held_at.get(&(*h, *lane))).copied().unwrap_or(0);
+                (n > cut).then(|| format!("communicator {:016x} lane {lane} reached {n}, past the cut at {cut}", e.key))
+            })
+        })
+    }
 }
 
 /// Raises the limit of `lane` on communicator `key` (hold first).
@@ -1102,7 +1203,8 @@ pub fn limit(key: u64, lane: Lane, n: u64) -> Result<(), String> {
 }
 
 /// Lets the held ranks reach their limits, then waits for the device to finish the work:
-/// afterwards no collective of this process is in flight.
+/// afterwards no collective of this process is in flight. Every wait is bounded; a lane
+/// that went past the cut fails the drain (the ranks cannot all reach one point then).
 pub fn drain(timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     let s = lock();
@@ -1110,8 +1212,13 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
         return Err("drain without hold".into());
     }
     let s = wait_until(s, deadline, |s| !s.behind() && s.in_group == 0 && s.in_call == 0);
-    let devices: Vec<c_int> = match s {
-        Ok(s) => s.comms.values().map(|e| e.dev).filter(|d| *d >= 0).collect(),
+    let (reals, devices): (Vec<Comm>, Vec<c_int>) = match s {
+        Ok(s) => {
+            if let Some(m) = s.overshoot() {
+                return Err(m);
+            }
+            (s.comms.values().map(|e| e.real as Comm).collect(), s.comms.values().map(|e| e.dev).filter(|d| *d >= 0).collect())
+        }
         Err(s) => {
             let short: Vec<String> = s
                 .limits
@@ -1122,14 +1229,36 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             return Err(format!("ranks did not reach the cut within {} ms (short: {})", timeout.as_millis(), short.join(", ")));
         }
     };
+    // Non-blocking communicators may still be taking work in.
+    {
+        let _inside = inside();
+        for c in reals {
+            while real_async_error(c) == IN_PROGRESS {
+                if Instant::now() >= deadline {
+                    return Err("an NCCL communicator still had work in progress at the timeout".into());
+                }
+                std::thread::sleep(INIT_POLL);
+            }
+        }
+    }
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
     let mut devices = devices;
     devices.sort_unstable();
     devices.dedup();
-    for dev in devices {
-        d.synchronize_device(dev).map_err(|r| format!("synchronizing device {dev}: CUDA error {r}"))?;
+    // A kernel waiting for a peer that never comes (a cut gone wrong) must not hold the
+    // control thread: the wait runs on a thread of its own, left to finish by itself.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("hiber-nccl-sync".into())
+        .spawn(move || {
+            let r = devices.iter().try_for_each(|&dev| d.synchronize_device(dev).map_err(|r| format!("synchronizing device {dev}: CUDA error {r}")));
+            let _ = tx.send(r);
+        })
+        .map_err(|e| format!("cannot start a thread to wait for the device: {e}"))?;
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(r) => r,
+        Err(_) => Err(format!("collectives still running on the device after {} ms", timeout.as_millis())),
     }
-    Ok(())
 }
 
 /// Undoes a hold (before any teardown).
@@ -1155,6 +1284,7 @@ pub fn release_hold() {
 /// Tears every communicator down (after drain, on every rank): NCCL frees its memory, peer
 /// mappings, threads and sockets. Always ends torn down; the first error is reported.
 pub fn down() -> Result<(), String> {
+    refuse_closed_gate()?;
     let reals: Vec<(usize, usize)> = {
         let mut s = lock();
         if s.phase != Phase::Held {
@@ -1162,8 +1292,16 @@ pub fn down() -> Result<(), String> {
         }
         s.phase = Phase::Down;
         s.limits.clear();
+        s.held_at.clear();
         // Children before parents (they may share the parent's resources).
-        s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect()
+        let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
+        // Calls that already hold a real communicator (a watchdog polling for errors) end
+        // first; new ones wait until the rebuild. Bounded: such calls return at once.
+        let deadline = Instant::now() + DOWN_WAIT;
+        if let Err(s) = wait_until(s, deadline, |s| s.in_use == 0) {
+            log(&format!("{} NCCL calls still held a communicator at the teardown", s.in_use));
+        }
+        reals
     };
     let _inside = inside();
     let mut first = None;
@@ -1205,50 +1343,35 @@ struct Plan {
     config: *mut c_void,
 }
 
-/// Builds every communicator again (every rank at once: creation is collective), then lets
-/// the application's NCCL calls through.
-pub fn rebuild(timeout: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + timeout;
-    let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
-    let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
-    let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let (groups, plans) = {
-        let mut s = lock();
-        if s.phase != Phase::Down {
-            return Err("rebuild of communicators that are not torn down".into());
-        }
-        if let Some(e) = s.comms.values().find(|e| matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
-            return Err(format!("no unique id for NCCL communicator {:016x}", e.key));
-        }
-        let mut groups: BTreeMap<u64, Vec<(usize, usize, Vec<c_int>)>> = BTreeMap::new();
-        let mut plans = Vec::new();
-        for (h, e) in s.comms.iter_mut() {
-            match &mut e.origin {
-                Origin::All { group, index, devs } => groups.entry(*group).or_default().push((*h, *index, devs.clone())),
-                Origin::Ranks { config } => {
-                    let Some(id) = e.next_id.take() else { continue };
-                    // The copy lives in the entry, which only `end` removes, and the
-                    // application cannot end a communicator while it is torn down.
-                    let config = config.as_mut().map_or(std::ptr::null_mut(), |c| c.as_ptr());
-                    plans.push(Plan { handle: *h, rank: e.rank, nranks: e.nranks, dev: e.dev, id, config });
-                }
-            }
-        }
-        (groups, plans)
-    };
-    // NCCL runs without the lock: it may call its own exported API, the agent's.
+/// One `ncclCommInitAll` call to make again: its members (handle, index), and the call's
+/// device count and list.
+type AllCall = (Vec<(usize, usize)>, c_int, Vec<c_int>);
+
+/// Every communicator to make again.
+struct Creation {
+    all: Vec<AllCall>,
+    plans: Vec<Plan>,
+}
+
+// SAFETY: a Creation moves to the thread that makes the communicators, and is only read
+// there. Its config pointers point into records that stay while communicators are torn
+// down (`end` waits for the rebuild); everything else in it is plain data.
+unsafe impl Send for Creation {}
+
+/// Makes the communicators of `c` (on a thread of its own: creation is collective and
+/// waits for every rank). Returns each one's handle and real communicator.
+fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
     let _inside = inside();
     let mut made: Vec<(usize, Comm)> = Vec::new();
     let mut first = None;
     // ncclCommInitAll's communicators, each call's as a whole.
-    for members in groups.values() {
-        let devs = &members[0].2;
-        let n = members.iter().map(|m| m.1).max().unwrap_or(0) + 1;
-        let mut out: Vec<Comm> = vec![std::ptr::null_mut(); n];
+    for (members, ndev, devs) in &c.all {
+        let mut out: Vec<Comm> = vec![std::ptr::null_mut(); *ndev as usize];
         let list = if devs.is_empty() { std::ptr::null() } else { devs.as_ptr() };
-        // SAFETY: `out` has room for `n` communicators and `list` is null or `n` devices.
-        match unsafe { init_all(out.as_mut_ptr(), n as c_int, list) } {
-            SUCCESS => made.extend(members.iter().map(|(h, index, _)| (*h, out[*index]))),
+        // SAFETY: `out` has room for `ndev` communicators and `list` is null or `ndev`
+        // devices, as the application's call had them.
+        match unsafe { init_all(out.as_mut_ptr(), *ndev, list) } {
+            SUCCESS => made.extend(members.iter().filter(|(_, i)| *i < out.len()).map(|(h, i)| (*h, out[*i]))),
             r => {
                 first.get_or_insert(format!("ncclCommInitAll: error {r}"));
             }
@@ -1258,7 +1381,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let mut ranks_made = Vec::new();
     match real_group(false) {
         SUCCESS => {
-            for p in &plans {
+            for p in &c.plans {
                 let mut out: Comm = std::ptr::null_mut();
                 // NCCL takes the calling thread's current device.
                 let r = d.with_device(p.dev, || {
@@ -1286,9 +1409,9 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
         }
     }
     // Non-blocking communicators finish in the background.
-    for (_, c) in &ranks_made {
+    for (_, comm) in &ranks_made {
         loop {
-            match real_async_error(*c) {
+            match real_async_error(*comm) {
                 IN_PROGRESS if Instant::now() < deadline => std::thread::sleep(INIT_POLL),
                 IN_PROGRESS => {
                     first.get_or_insert("NCCL communicators still being created after the timeout".into());
@@ -1304,17 +1427,63 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     }
     made.extend(ranks_made);
     if let Some(m) = first {
-        for (_, c) in made {
-            if !c.is_null() {
-                let _ = real_abort(c);
+        for (_, comm) in made {
+            if !comm.is_null() {
+                let _ = real_abort(comm);
             }
         }
         return Err(m);
     }
+    Ok(made.into_iter().map(|(h, comm)| (h, comm as usize)).collect())
+}
+
+/// Builds every communicator again (every rank at once: creation is collective), then lets
+/// the application's NCCL calls through. Bounded by `timeout`: a rank that never comes
+/// leaves the others torn down (their creation thread waits on in NCCL), not the control
+/// thread stuck.
+pub fn rebuild(timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    refuse_closed_gate()?;
+    let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
+    let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
+    let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
+    let creation = {
+        let mut s = lock();
+        if s.phase != Phase::Down {
+            return Err("rebuild of communicators that are not torn down".into());
+        }
+        if let Some(e) = s.comms.values().find(|e| matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
+            return Err(format!("no unique id for NCCL communicator {:016x}", e.key));
+        }
+        let mut all: BTreeMap<u64, AllCall> = BTreeMap::new();
+        let mut plans = Vec::new();
+        for (h, e) in s.comms.iter_mut() {
+            match &mut e.origin {
+                Origin::All { group, index, ndev, devs } => all.entry(*group).or_insert_with(|| (Vec::new(), *ndev, devs.clone())).0.push((*h, *index)),
+                Origin::Ranks { config } => {
+                    let Some(id) = e.next_id.take() else { continue };
+                    let config = config.as_mut().map_or(std::ptr::null_mut(), |c| c.as_ptr());
+                    plans.push(Plan { handle: *h, rank: e.rank, nranks: e.nranks, dev: e.dev, id, config });
+                }
+            }
+        }
+        Creation { all: all.into_values().collect(), plans }
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("hiber-nccl-init".into())
+        .spawn(move || {
+            let _ = tx.send(create(creation, d, init, init_all, deadline));
+        })
+        .map_err(|e| format!("cannot start a thread to make the communicators: {e}"))?;
+    let made = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(r) => r?,
+        Err(_) => return Err(format!("NCCL communicators not made within {} ms (a rank did not join)", timeout.as_millis())),
+    };
     let mut s = lock();
     for (h, c) in made {
         if let Some(e) = s.comms.get_mut(&h) {
-            e.real = c as usize;
+            e.real = c;
         }
     }
     reopen(&mut s);
@@ -1335,7 +1504,9 @@ mod tests {
             in_group: 0,
             in_call: 0,
             in_init: 0,
+            in_use: 0,
             limits: BTreeMap::new(),
+            held_at: BTreeMap::new(),
         };
         let h = s.register(0x1000 as Comm, 7, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
         assert!((1..=MAX_HANDLE).contains(&h), "the application gets a synthetic handle");

@@ -230,6 +230,7 @@ pub mod fns {
     // Streams, modules, launches.
     pub type cuStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
     pub type cuStreamSynchronize = unsafe extern "C" fn(CUstream) -> CUresult;
+    pub type cuStreamIsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
     pub type cuStreamDestroy_v2 = unsafe extern "C" fn(CUstream) -> CUresult;
     pub type cuModuleLoadData = unsafe extern "C" fn(*mut CUmodule, *const c_void) -> CUresult;
     pub type cuModuleGetFunction = unsafe extern "C" fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;

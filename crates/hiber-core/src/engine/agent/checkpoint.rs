@@ -474,6 +474,7 @@ impl CheckpointSession for AgentCheckpoint {
 
     fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         let mut first = None;
+        let mut not_back = Vec::new();
         for t in &self.targets {
             if !crate::proctree::exists(t.pid) {
                 // It died during the checkpoint: nothing to hand back to, nothing to undo.
@@ -510,12 +511,15 @@ impl CheckpointSession for AgentCheckpoint {
                 },
             };
             if let Err(e) = r {
+                not_back.push(t.pid);
                 first.get_or_insert(e);
             }
         }
         // Every rank runs again (its gate open, its NCCL calls waiting): now the
         // communicators can be built again, by all ranks at once.
-        if self.nccl_down {
+        // (A rank whose memory is not back cannot take part: the others would wait for it,
+        // so all stay torn down, for `hiber recover`.)
+        if self.nccl_down && !self.nccl.iter().any(|r| not_back.contains(&r.pid)) {
             let alive: Vec<nccl::Rank> = self.nccl.iter().filter(|r| crate::proctree::exists(r.pid)).cloned().collect();
             match nccl::rebuild(&alive, self.timeout_ms) {
                 Ok(()) => self.nccl_down = false,

@@ -210,6 +210,13 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
     let mut reports = Vec::new();
     for c in &conns {
+        // NCCL's creation makes gated driver calls: a rank whose memory is not back would
+        // keep every other waiting for it.
+        if let Reply::Status(s) = c.call::<Reply>(&Request::Status, None)? {
+            if s.gate_closed {
+                return Err(fail(format!("process {} does not run yet (its device memory is not back)", c.pid), Some("`hiber recover` retries")));
+            }
+        }
         c.send(&Request::NcclList, None)?;
         reports.push(read_reports(c)?);
     }
@@ -323,6 +330,9 @@ mod tests {
                         send(Reply::Done { count: comms.len() as u64 });
                     }
                     Request::NcclNewId { key } => send(Reply::NcclId { key, id: format!("{key:02x}").repeat(128)[..256].to_string() }),
+                    Request::Status => {
+                        send(Reply::Status(hiber_wire::Status { gate_closed: fail == "closed", nccl: comms.len() as u64, ..Default::default() }))
+                    }
                     _ => send(Reply::Ok),
                 }
             }
@@ -381,9 +391,18 @@ mod tests {
         let a = scripted("re-a", vec![comm(9, 1, 2, &[])], "");
         let b = scripted("re-b", vec![comm(9, 0, 2, &[])], "");
         rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
-        assert_eq!(b.verbs(), ["nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild"], "rank 0 draws the id");
-        assert_eq!(a.verbs(), ["nccl-list", "nccl-set-id", "nccl-rebuild"]);
-        assert_eq!(a.asked()[1], b.asked()[2], "the same id");
+        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild"], "rank 0 draws the id");
+        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild"]);
+        assert_eq!(a.asked()[2], b.asked()[3], "the same id");
+    }
+
+    #[test]
+    fn no_rebuild_while_a_rank_is_held() {
+        let a = scripted("held-a", vec![comm(9, 0, 2, &[])], "");
+        let b = scripted("held-b", vec![comm(9, 1, 2, &[])], "closed");
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        assert!(e.to_string().contains("does not run yet"), "{e}");
+        assert!(!a.verbs().contains(&"nccl-new-id".to_string()) && !a.verbs().contains(&"nccl-rebuild".to_string()));
     }
 
     #[test]
