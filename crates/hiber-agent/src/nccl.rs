@@ -292,18 +292,25 @@ struct State {
     held_at: BTreeMap<(usize, Lane), u64>,
 }
 
-static STATE: Mutex<State> = Mutex::new(State {
-    phase: Phase::Open,
-    comms: BTreeMap::new(),
-    next_handle: 1,
-    next_all_group: 0,
-    in_group: 0,
-    in_call: 0,
-    in_init: 0,
-    in_use: 0,
-    limits: BTreeMap::new(),
-    held_at: BTreeMap::new(),
-});
+impl State {
+    /// No communicator yet, nothing held.
+    const fn new() -> State {
+        State {
+            phase: Phase::Open,
+            comms: BTreeMap::new(),
+            next_handle: 1,
+            next_all_group: 0,
+            in_group: 0,
+            in_call: 0,
+            in_init: 0,
+            in_use: 0,
+            limits: BTreeMap::new(),
+            held_at: BTreeMap::new(),
+        }
+    }
+}
+
+static STATE: Mutex<State> = Mutex::new(State::new());
 static CHANGED: Condvar = Condvar::new();
 
 thread_local! {
@@ -1496,18 +1503,7 @@ mod tests {
 
     #[test]
     fn a_held_lane_admits_up_to_its_limit_and_a_torn_down_one_nothing() {
-        let mut s = State {
-            phase: Phase::Open,
-            comms: BTreeMap::new(),
-            next_handle: 1,
-            next_all_group: 0,
-            in_group: 0,
-            in_call: 0,
-            in_init: 0,
-            in_use: 0,
-            limits: BTreeMap::new(),
-            held_at: BTreeMap::new(),
-        };
+        let mut s = State::new();
         let h = s.register(0x1000 as Comm, 7, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
         assert!((1..=MAX_HANDLE).contains(&h), "the application gets a synthetic handle");
         s.comms.get_mut(&h).unwrap().lanes.insert(Lane::Coll, 3);
