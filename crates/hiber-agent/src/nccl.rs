@@ -394,11 +394,16 @@ impl State {
     }
 }
 
-/// A call holding a real communicator: [`down`] waits for it before tearing any down.
-struct InUse;
+/// A call holding a real communicator the agent made: [`down`] waits for it before tearing
+/// any down. Calls on communicators the agent did not make are not counted (nothing of
+/// theirs is torn down).
+struct InUse(bool);
 
 impl Drop for InUse {
     fn drop(&mut self) {
+        if !self.0 {
+            return;
+        }
         let mut s = lock();
         s.in_use -= 1;
         if s.phase != Phase::Open {
@@ -411,18 +416,17 @@ impl Drop for InUse {
 /// until the guard drops.
 fn real_of(c: Comm) -> Result<(Comm, InUse), NcclResult> {
     let h = c as usize;
-    let mut s = lock();
-    if h == 0 || h > MAX_HANDLE {
-        s.in_use += 1;
-        return Ok((c, InUse));
+    if !is_synthetic(c) {
+        return Ok((c, InUse(false)));
     }
+    let mut s = lock();
     loop {
         match s.comms.get(&h) {
             None => return Err(INVALID_ARGUMENT),
             Some(e) if e.real != 0 => {
                 let real = e.real as Comm;
                 s.in_use += 1;
-                return Ok((real, InUse));
+                return Ok((real, InUse(true)));
             }
             Some(_) if s.phase == Phase::Down => s = wait(s),
             Some(_) => return Err(INVALID_USAGE),
@@ -448,7 +452,7 @@ impl Drop for Submission {
 fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
     let h = c as usize;
     let mut s = lock();
-    if h == 0 || h > MAX_HANDLE {
+    if !is_synthetic(c) {
         s.in_call += 1;
         return Ok((c, Submission));
     }
@@ -505,7 +509,7 @@ macro_rules! collective {
             };
             // A graph replays the collective where no count sees it, on this communicator
             // even after it was rebuilt: such a communicator refuses the checkpoint.
-            if cuda::driver().is_some_and(|d| d.capturing($stream as usize)) {
+            if is_synthetic(synthetic) && cuda::driver().is_some_and(|d| d.capturing($stream as usize)) {
                 mark_unsafe(synthetic, "collectives captured into a CUDA graph");
             }
             let $comm = c;
@@ -578,6 +582,11 @@ translated! {
     ncclTeamRankToWorld(comm: Comm, team: Team, rank: c_int) -> c_int, on comm, -1, None;
     ncclTeamRankToLsa(comm: Comm, team: Team, rank: c_int) -> c_int, on comm, -1, None;
     ncclCommRevoke(comm: Comm, flags: c_int) -> NcclResult, on comm, INVALID_ARGUMENT, None;
+}
+
+/// One of the agent's handles (not a communicator NCCL made for another library).
+fn is_synthetic(c: Comm) -> bool {
+    (1..=MAX_HANDLE).contains(&(c as usize))
 }
 
 fn mark_unsafe(c: Comm, why: &'static str) {
@@ -751,7 +760,8 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Comm, ndev: c_int, devlist:
         // SAFETY: a non-null devlist holds `ndev` device ordinals (nccl.h).
         unsafe { std::slice::from_raw_parts(devlist, ndev as usize) }.to_vec()
     };
-    if r == SUCCESS {
+    // As in `adopt`: only the communicators of a loaded libnccl.so get the agent's handles.
+    if r == SUCCESS && libnccl().is_some() {
         let mut s = lock();
         let group = s.next_all_group;
         s.next_all_group += 1;
@@ -899,7 +909,7 @@ fn end(comm: Comm, name: &str) -> NcclResult {
     let h = comm as usize;
     let f = if name == "abort" { real!("ncclCommAbort" => FnComm) } else { real!("ncclCommDestroy" => FnComm) };
     let Some(f) = f else { return SYSTEM_ERROR };
-    if nested() || h == 0 || h > MAX_HANDLE {
+    if nested() || !is_synthetic(comm) {
         // SAFETY: a communicator the agent did not make, forwarded unchanged.
         return unsafe { f(comm) };
     }
@@ -964,7 +974,7 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: Comm) -> NcclResult {
 /// thread polling it (PyTorch's) does not stop.
 fn recorded(comm: Comm, pick: fn(&Entry) -> c_int) -> Option<Result<c_int, NcclResult>> {
     let h = comm as usize;
-    if nested() || h == 0 || h > MAX_HANDLE {
+    if nested() || !is_synthetic(comm) {
         return None;
     }
     let s = lock();
@@ -1224,6 +1234,11 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             if let Some(m) = s.overshoot() {
                 return Err(m);
             }
+            // A call in flight at the hold may have registered a buffer, made a window or
+            // captured a collective since: the hold checked before it.
+            if let Some(why) = s.comms.values().find_map(|e| e.unsafe_use) {
+                return Err(format!("an NCCL communicator used {why}, which hiber cannot rebuild yet"));
+            }
             (s.comms.values().map(|e| e.real as Comm).collect(), s.comms.values().map(|e| e.dev).filter(|d| *d >= 0).collect())
         }
         Err(s) => {
@@ -1268,16 +1283,16 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
     }
 }
 
-/// Undoes a hold (before any teardown).
+/// Lets the application's NCCL calls through again: undoes a hold (before any teardown),
+/// or ends a teardown once every communicator is rebuilt (hiber opens no rank before every
+/// rank's rebuild succeeded, so that none submits work a peer never joins).
 pub fn open() -> Result<(), String> {
     let mut s = lock();
-    match s.phase {
-        Phase::Down => Err("NCCL communicators are torn down; rebuild them".into()),
-        _ => {
-            reopen(&mut s);
-            Ok(())
-        }
+    if s.phase == Phase::Down && s.comms.values().any(|e| e.real == 0) {
+        return Err("NCCL communicators are torn down; rebuild them".into());
     }
+    reopen(&mut s);
+    Ok(())
 }
 
 /// Ends the session of a hiber that went away: a hold does not outlive it.
@@ -1290,11 +1305,13 @@ pub fn release_hold() {
 
 /// Tears every communicator down (after drain, on every rank): NCCL frees its memory, peer
 /// mappings, threads and sockets. Always ends torn down; the first error is reported.
+/// While torn down, it ends what a rebuild made (hiber undoing a rebuild that failed on
+/// another rank).
 pub fn down() -> Result<(), String> {
     refuse_closed_gate()?;
     let reals: Vec<(usize, usize)> = {
         let mut s = lock();
-        if s.phase != Phase::Held {
+        if s.phase == Phase::Open {
             return Err("teardown without hold".into());
         }
         s.phase = Phase::Down;
@@ -1347,7 +1364,8 @@ struct Plan {
     nranks: c_int,
     dev: c_int,
     id: UniqueId,
-    config: *mut c_void,
+    /// Its own copy of the recorded config: the creation thread may outlive the record.
+    config: Option<Config>,
 }
 
 /// One `ncclCommInitAll` call to make again: its members (handle, index), and the call's
@@ -1360,14 +1378,9 @@ struct Creation {
     plans: Vec<Plan>,
 }
 
-// SAFETY: a Creation moves to the thread that makes the communicators, and is only read
-// there. Its config pointers point into records that stay while communicators are torn
-// down (`end` waits for the rebuild); everything else in it is plain data.
-unsafe impl Send for Creation {}
-
 /// Makes the communicators of `c` (on a thread of its own: creation is collective and
 /// waits for every rank). Returns each one's handle and real communicator.
-fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
+fn create(mut c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
     let _inside = inside();
     let mut made: Vec<(usize, Comm)> = Vec::new();
     let mut first = None;
@@ -1378,7 +1391,19 @@ fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: F
         // SAFETY: `out` has room for `ndev` communicators and `list` is null or `ndev`
         // devices, as the application's call had them.
         match unsafe { init_all(out.as_mut_ptr(), *ndev, list) } {
-            SUCCESS => made.extend(members.iter().filter(|(_, i)| *i < out.len()).map(|(h, i)| (*h, out[*i]))),
+            SUCCESS => {
+                for (i, comm) in out.into_iter().enumerate() {
+                    match members.iter().find(|(_, m)| *m == i) {
+                        Some((h, _)) => made.push((*h, comm)),
+                        // A member the application ended before the checkpoint: not its
+                        // any more (nothing uses it, as before).
+                        None if !comm.is_null() => {
+                            let _ = real_abort(comm);
+                        }
+                        None => {}
+                    }
+                }
+            }
             r => {
                 first.get_or_insert(format!("ncclCommInitAll: error {r}"));
             }
@@ -1388,13 +1413,14 @@ fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: F
     let mut ranks_made = Vec::new();
     match real_group(false) {
         SUCCESS => {
-            for p in &c.plans {
+            for p in &mut c.plans {
                 let mut out: Comm = std::ptr::null_mut();
+                let config = p.config.as_mut().map_or(std::ptr::null_mut(), |c| c.as_ptr());
                 // NCCL takes the calling thread's current device.
                 let r = d.with_device(p.dev, || {
                     // SAFETY: a valid out-pointer, the recorded size and rank, a fresh id,
                     // and a config copy (or null) that outlives the call.
-                    unsafe { init(&mut out, p.nranks, p.id, p.rank, p.config) }
+                    unsafe { init(&mut out, p.nranks, p.id, p.rank, config) }
                 });
                 match r {
                     Ok(SUCCESS) | Ok(IN_PROGRESS) => ranks_made.push((p.handle, out)),
@@ -1444,17 +1470,25 @@ fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: F
     Ok(made.into_iter().map(|(h, comm)| (h, comm as usize)).collect())
 }
 
-/// Builds every communicator again (every rank at once: creation is collective), then lets
-/// the application's NCCL calls through. Bounded by `timeout`: a rank that never comes
-/// leaves the others torn down (their creation thread waits on in NCCL), not the control
-/// thread stuck.
+/// The outcome of a creation thread, or that nobody waits for it any more.
+#[derive(Default)]
+struct Outcome {
+    made: Option<Result<Vec<(usize, usize)>, String>>,
+    abandoned: bool,
+}
+
+/// Builds every communicator again (every rank at once: creation is collective); the
+/// application's NCCL calls still wait until hiber [`open`]s every rank. Bounded by
+/// `timeout`: a rank that never comes leaves the others torn down (their creation thread
+/// waits on in NCCL, and ends what it makes when it is done), not the control thread stuck.
+/// What an earlier rebuild made and nobody opened is ended first.
 pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     refuse_closed_gate()?;
     let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
     let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let creation = {
+    let (creation, stale) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
@@ -1464,36 +1498,69 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
         }
         let mut all: BTreeMap<u64, AllCall> = BTreeMap::new();
         let mut plans = Vec::new();
+        let mut stale = Vec::new();
         for (h, e) in s.comms.iter_mut() {
+            match std::mem::take(&mut e.real) {
+                0 => {}
+                r => stale.push(r),
+            }
             match &mut e.origin {
                 Origin::All { group, index, ndev, devs } => all.entry(*group).or_insert_with(|| (Vec::new(), *ndev, devs.clone())).0.push((*h, *index)),
                 Origin::Ranks { config } => {
                     let Some(id) = e.next_id.take() else { continue };
-                    let config = config.as_mut().map_or(std::ptr::null_mut(), |c| c.as_ptr());
-                    plans.push(Plan { handle: *h, rank: e.rank, nranks: e.nranks, dev: e.dev, id, config });
+                    plans.push(Plan { handle: *h, rank: e.rank, nranks: e.nranks, dev: e.dev, id, config: config.clone() });
                 }
             }
         }
-        Creation { all: all.into_values().collect(), plans }
+        (Creation { all: all.into_values().collect(), plans }, stale)
     };
-    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let _inside = inside();
+        for c in stale {
+            let _ = real_abort(c as Comm);
+        }
+    }
+    let outcome = std::sync::Arc::new((Mutex::new(Outcome::default()), Condvar::new()));
+    let theirs = outcome.clone();
     std::thread::Builder::new()
         .name("hiber-nccl-init".into())
         .spawn(move || {
-            let _ = tx.send(create(creation, d, init, init_all, deadline));
+            let made = create(creation, d, init, init_all, deadline);
+            let (slot, ready) = &*theirs;
+            let mut o = slot.lock().unwrap_or_else(|e| e.into_inner());
+            if o.abandoned {
+                // Made after the rebuild gave up: nobody will use them.
+                let _inside = inside();
+                for (_, c) in made.into_iter().flatten() {
+                    let _ = real_abort(c as Comm);
+                }
+                return;
+            }
+            o.made = Some(made);
+            ready.notify_all();
         })
         .map_err(|e| format!("cannot start a thread to make the communicators: {e}"))?;
-    let made = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(r) => r?,
-        Err(_) => return Err(format!("NCCL communicators not made within {} ms (a rank did not join)", timeout.as_millis())),
+    let made = {
+        let (slot, ready) = &*outcome;
+        let mut o = slot.lock().unwrap_or_else(|e| e.into_inner());
+        while o.made.is_none() && Instant::now() < deadline {
+            o = ready.wait_timeout(o, deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        match o.made.take() {
+            Some(r) => r?,
+            None => {
+                o.abandoned = true;
+                return Err(format!("NCCL communicators not made within {} ms (a rank did not join)", timeout.as_millis()));
+            }
+        }
     };
     let mut s = lock();
     for (h, c) in made {
-        if let Some(e) = s.comms.get_mut(&h) {
-            e.real = c;
+        match s.comms.get_mut(&h) {
+            Some(e) => e.real = c,
+            None => log("a rebuilt NCCL communicator has no handle any more"),
         }
     }
-    reopen(&mut s);
     Ok(())
 }
 

@@ -15,7 +15,9 @@
 //! as before). From step 4 on the communicators are gone until [`rebuild`], which the undo
 //! (and `--leave-running`, and a restore, and `hiber recover`) runs once every agent has its
 //! memory back and its gate open: rank 0 of each communicator makes a fresh unique id, and
-//! every rank builds its communicators at once (creation is collective).
+//! every rank builds its communicators at once (creation is collective). No rank's calls go
+//! through (`nccl-open`) before every rank's rebuild succeeded; when one fails, every rank
+//! is torn down again, to be rebuilt together by `hiber recover`.
 //!
 //! Every rank of a communicator must be in the job: one that spans hosts needs hibers on
 //! each of them, coordinated (`hiber coordinate`), which the cut does not drive yet.
@@ -244,10 +246,18 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL rebuild thread panicked", None)))).collect()
     });
-    results
-        .into_iter()
-        .collect::<Result<(), _>>()
-        .map_err(|e| fail(format!("building NCCL communicators again: {e}"), Some("the job's NCCL calls wait; `hiber recover` retries")))?;
+    if let Err(e) = results.into_iter().collect::<Result<(), _>>() {
+        // Ranks whose creation finished would submit work that a rank without communicators
+        // never joins: every rank goes back to torn down, to be rebuilt together.
+        for c in &conns {
+            let _ = c.call::<Reply>(&Request::NcclDown, None);
+        }
+        return Err(fail(format!("building NCCL communicators again: {e}"), Some("the job's NCCL calls wait; `hiber recover` retries")));
+    }
+    // Only now, with every rank's communicators made, may any rank submit work again.
+    for c in &conns {
+        c.call::<Reply>(&Request::NcclOpen, None).map_err(|e| fail(format!("letting NCCL calls through again: {e}"), Some("`hiber recover` retries")))?;
+    }
     tracing::info!(ranks = ranks.len(), communicators = keys.len(), seconds = started.elapsed().as_secs_f64(), "NCCL communicators rebuilt");
     Ok(())
 }
@@ -391,9 +401,22 @@ mod tests {
         let a = scripted("re-a", vec![comm(9, 1, 2, &[])], "");
         let b = scripted("re-b", vec![comm(9, 0, 2, &[])], "");
         rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
-        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild"], "rank 0 draws the id");
-        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild"]);
+        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"], "rank 0 draws the id");
+        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         assert_eq!(a.asked()[2], b.asked()[3], "the same id");
+    }
+
+    #[test]
+    fn a_rebuild_failed_on_one_rank_opens_none_and_tears_every_rank_down_again() {
+        let a = scripted("refail-a", vec![comm(9, 0, 2, &[])], "");
+        let b = scripted("refail-b", vec![comm(9, 1, 2, &[])], "nccl-rebuild");
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        assert!(e.to_string().contains("building NCCL communicators again"), "{e}");
+        for agent in [&a, &b] {
+            let verbs = agent.verbs();
+            assert!(!verbs.contains(&"nccl-open".to_string()), "no rank may submit work: {verbs:?}");
+            assert_eq!(verbs.last().unwrap(), "nccl-down", "{verbs:?}");
+        }
     }
 
     #[test]
