@@ -1,5 +1,9 @@
-//! Generates the CRIU RPC types from CRIU's own `images/rpc.proto` (MIT, vendored).
+//! Generates the CRIU RPC types from CRIU's own `images/rpc.proto` (MIT, vendored), and the
+//! dump statistics hiber reads (`proto/stats.proto`, CRIU's wire format).
 fn main() {
     println!("cargo:rerun-if-changed=proto/rpc.proto");
-    prost_build::Config::new().compile_protos(&["proto/rpc.proto"], &["proto/"]).expect("compile proto/rpc.proto (needs protoc: run scripts/setup.sh)");
+    println!("cargo:rerun-if-changed=proto/stats.proto");
+    prost_build::Config::new()
+        .compile_protos(&["proto/rpc.proto", "proto/stats.proto"], &["proto/"])
+        .expect("compile proto/*.proto (needs protoc: run scripts/setup.sh)");
 }

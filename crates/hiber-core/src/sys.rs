@@ -332,6 +332,13 @@ pub fn getpid() -> i32 {
     std::process::id() as i32
 }
 
+/// The size of a memory page.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions; _SC_PAGESIZE is always answered.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).unwrap_or(4096)
+}
+
 /// Bytes available to an unprivileged writer on the filesystem holding `path`.
 /// A new anonymous memory file of `size` bytes (close-on-exec).
 pub fn memfd(name: &std::ffi::CStr, size: u64) -> io::Result<OwnedFd> {

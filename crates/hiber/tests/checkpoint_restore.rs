@@ -97,8 +97,14 @@ fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
     let pid = h.start("leave", &["cpu", "--steps", "150", "--mem-mib", "32"]);
     h.wait_step("leave", 20);
     let image = h.images_dir().join("leave");
-    h.ok(&["checkpoint", "leave", "--leave-running", "--out", image.to_str().unwrap()]);
+    let report: serde_json::Value =
+        serde_json::from_str(&h.ok(&["checkpoint", "leave", "--leave-running", "--json", "--out", image.to_str().unwrap()])).unwrap();
     assert!(alive(pid), "the original still runs");
+    // CRIU's own figures: the workload's 32 MiB were written, and the application's pause
+    // (quiesce to resume, as hiber saw it) covers the time CRIU kept the tree frozen.
+    assert!(report["criu_memory_bytes"].as_u64().unwrap() >= 32 << 20, "{report}");
+    let (paused, frozen) = (report["paused_seconds"].as_f64().unwrap(), report["criu_frozen_seconds"].as_f64().unwrap());
+    assert!(frozen > 0.0 && paused >= frozen && paused <= report["total_seconds"].as_f64().unwrap(), "{report}");
     let at = h.last_step("leave").unwrap();
     h.wait_step("leave", at + 5);
     h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-copy"]);

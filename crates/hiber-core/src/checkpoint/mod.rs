@@ -121,6 +121,10 @@ pub struct CheckpointReport {
     pub image_bytes: u64,
     /// Of `image_bytes`, shared with the parent image rather than written.
     pub shared_bytes: u64,
+    /// With `--leave-running`: from the first process touched until every one ran again.
+    pub paused: Option<Duration>,
+    /// CRIU's own figures of the dump.
+    pub criu: Option<crate::criu::DumpStats>,
 }
 
 /// Refuses targets that cannot or must not be checkpointed, before anything is touched.

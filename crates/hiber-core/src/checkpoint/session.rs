@@ -32,6 +32,10 @@ pub struct Checkpoint<'a> {
     started: Instant,
     devices: Duration,
     dump_start: Option<Instant>,
+    /// When the first process was touched (quiesce), and how long until all ran again.
+    quiesce_start: Option<Instant>,
+    paused: Option<Duration>,
+    criu: Option<crate::criu::DumpStats>,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -107,6 +111,9 @@ impl<'a> Checkpoint<'a> {
             started,
             devices: Duration::ZERO,
             dump_start: None,
+            quiesce_start: None,
+            paused: None,
+            criu: None,
         })
     }
 
@@ -120,6 +127,7 @@ impl<'a> Checkpoint<'a> {
     /// Stops device work in every claimed process, engine after engine.
     pub fn quiesce(&mut self) -> Result<(), CheckpointError> {
         let start = Instant::now();
+        self.quiesce_start = Some(start);
         if !self.sessions.is_empty() {
             self.ctx.phase("quiescing GPU processes");
         }
@@ -245,6 +253,16 @@ impl<'a> Checkpoint<'a> {
             }
             return Err(e.into());
         }
+        self.criu = crate::criu::read_dump_stats(&work);
+        if let Some(st) = &self.criu {
+            tracing::info!(
+                frozen_s = st.frozen.as_secs_f64(),
+                memdump_s = st.memdump.as_secs_f64(),
+                memwrite_s = st.memwrite.as_secs_f64(),
+                written_mib = st.bytes_written >> 20,
+                "CRIU dump"
+            );
+        }
         let _ = std::fs::remove_dir_all(&work);
         if leave_running {
             manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
@@ -276,7 +294,10 @@ impl<'a> Checkpoint<'a> {
             }
         }
         match failed {
-            None => Ok(()),
+            None => {
+                self.paused = self.quiesce_start.map(|t| t.elapsed());
+                Ok(())
+            }
             Some(e) => {
                 // Device memory an engine could not hand back may be in the partial image.
                 self.sink.keep_partial();
@@ -329,6 +350,8 @@ impl<'a> Checkpoint<'a> {
             total: self.started.elapsed(),
             image_bytes,
             shared_bytes: self.sink.shared().1,
+            paused: self.paused,
+            criu: self.criu,
         }
     }
 }

@@ -99,6 +99,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
             "shared_bytes": report.shared_bytes,
             "parent": parent.filter(|_| report.shared_bytes > 0),
             "left_running": args.leave_running,
+            "paused_seconds": report.paused.map(|d| d.as_secs_f64()),
+            "criu_frozen_seconds": report.criu.map(|c| c.frozen.as_secs_f64()),
+            "criu_memdump_seconds": report.criu.map(|c| c.memdump.as_secs_f64()),
+            "criu_memwrite_seconds": report.criu.map(|c| c.memwrite.as_secs_f64()),
+            "criu_memory_bytes": report.criu.map(|c| c.bytes_written),
         });
         println!("{v}");
     } else {
@@ -114,7 +119,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
             secs(report.total),
             secs(report.devices),
             secs(report.dump),
-            if args.leave_running { "; the application keeps running" } else { "; the application was stopped" }
+            match (args.leave_running, report.paused) {
+                (true, Some(p)) => format!("; the application keeps running (paused {})", secs(p)),
+                (true, None) => "; the application keeps running".to_string(),
+                (false, _) => "; the application was stopped".to_string(),
+            }
         );
     }
     Ok(())
