@@ -31,6 +31,12 @@ whose STATIC GiB never change, the second incremental (bytes written and time un
 against the first's); with --periodic GIB:BATCH:EVERY:STEPS, PyTorch training's throughput
 with a --leave-running checkpoint every EVERY steps against none.
 
+With --ddp GIB (two GPUs), a two-rank DDP job launched by torchrun, each rank holding GIB
+GiB of ballast besides its model: hiber's figures include its own view of the pause and
+CRIU's (frozen, memory drained and written); the stock path locks and checkpoints every
+CUDA process of the tree, then dumps it. `--overhead-benchmarks ddp` times that job's
+steps with the agent (every NCCL call passing through it) against `--no-agent`.
+
     python3 bench/bench.py [--sizes 1,4,16,32] [--pytorch-gib 8] [--reps 3] [--tag NAME]
                            [--contenders hiber,stock] [--overhead-reps 0] [--overhead-pytorch-gib 8]
     python3 bench/bench.py --sizes '' --pytorch-gib 0 --overhead-reps 5 --tag overhead
@@ -94,11 +100,21 @@ def run(args):
     return p.stdout
 
 
-def run_rss(args):
-    """Runs a command; returns (stdout, peak RSS in bytes of it and the children it reaped)."""
+def run_rss(args, timeout=None):
+    """Runs a command; returns (stdout, peak RSS in bytes of it and the children it reaped).
+    Past `timeout` seconds it is killed and counts as failed."""
     p = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    timer = None
+    if timeout:
+        import threading
+        timer = threading.Timer(timeout, p.kill)
+        timer.start()
     _, status, ru = os.wait4(p.pid, 0)
+    if timer:
+        timer.cancel()
     out, err = p.stdout.read().decode(), p.stderr.read().decode()
+    if timeout and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        err = f"killed after {timeout}s (hung) " + err
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
         raise RuntimeError(f"{args[0]} {' '.join(map(str, args[1:3]))} failed ({p.returncode}): {err.strip()[-600:]}")
@@ -156,6 +172,18 @@ def pytorch(gib):
     return Workload(f"PyTorch {gib} GiB", ["python3", REPO / "bench/programs/train_big.py", "--gib", str(gib)], 5)
 
 
+def torchrun(script_args, nproc=2):
+    """A job of `nproc` ranks launched by torchrun as a user starts one (its launcher, its
+    TCPStore, one process per GPU)."""
+    return ["python3", "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", REPO / "gpu/programs/ddp.py"] + script_args
+
+
+def ddp(gib):
+    """Two-rank DDP training (gpu/programs/ddp.py) over NCCL, each rank also holding `gib`
+    GiB of ballast on its GPU: rank 0 prints the progress lines."""
+    return Workload(f"DDP 2 ranks, {gib} GiB per GPU", torchrun(["--mode", "ddp", "--mib", str(gib * 1024), "--steps", "1000000000"]), 20)
+
+
 def hiber_run(agent, job, argv):
     """`hiber run`, with the agent preloaded (hiber's default) or with `--no-agent`."""
     run([HIBER, "run"] + ([] if agent else ["--no-agent"]) + ["--name", job, "--"] + argv)
@@ -179,7 +207,12 @@ class Hiber:
             return ""
 
     def checkpoint(self, pid, img):
-        _, rss = run_rss([HIBER, "checkpoint", "bw"] + ([] if self.stopping else ["--leave-running"]) + (["--compress"] if self.compress else []) + ["--out", img])
+        out, rss = run_rss([HIBER, "checkpoint", "bw", "--json"] + ([] if self.stopping else ["--leave-running"]) + (["--compress"] if self.compress else []) + ["--out", img])
+        # hiber's own view of the pause, and CRIU's figures of its part of it.
+        r = json.loads(out)
+        self.figures = {k: r[k] for k in ("paused_seconds", "devices_seconds", "criu_frozen_seconds", "criu_memdump_seconds", "criu_memwrite_seconds") if r.get(k) is not None}
+        if r.get("criu_memory_bytes") is not None:
+            self.figures["criu_memory_gib"] = r["criu_memory_bytes"] / (1 << 30)
         return rss  # hiber returns once the image is fsync'd and renamed into place
 
     def kill(self, job="bw"):
@@ -190,8 +223,34 @@ class Hiber:
         return job
 
 
+def cuda_processes(root):
+    """`root` and its descendants that hold an NVIDIA device file (the ranks of a job)."""
+    kids = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    tree, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += kids.get(p, [])
+    def gpu(p):
+        try:
+            return any(os.readlink(f).startswith("/dev/nvidia") for f in Path(f"/proc/{p}/fd").iterdir())
+        except OSError:
+            return False
+    return sorted(p for p in tree if gpu(p))
+
+
 class Stock:
     name = "stock"
+    # How long one step of the stock path may take before it counts as hung (a driver lock
+    # waiting on a collective whose peer is already locked, say).
+    STEP_LIMIT_S = 120
 
     def start(self, w):
         self.logf = WORK / "stock.log"
@@ -206,15 +265,40 @@ class Stock:
         return self.logf.read_text() if self.logf.exists() else ""
 
     def checkpoint(self, pid, img):
+        """Every CUDA process of the tree locked and checkpointed by the driver, the tree
+        dumped, then every one restored and unlocked (also when a step failed, so that the
+        job is left as it was where the driver allows)."""
         img.mkdir(parents=True)
-        _, r1 = run_rss([BUILD / "cuda_ckpt", pid, "lock", "checkpoint"])
-        _, r2 = run_rss([CRIU, "dump", "-t", pid, "-D", img, "--leave-running", "-o", "dump.log"])
-        _, r3 = run_rss([BUILD / "cuda_ckpt", pid, "restore", "unlock"])
+        self.cuda_pids = cuda_processes(pid) or [pid]
+        rss, done = 0, []
+        try:
+            for p in self.cuda_pids:
+                _, r = run_rss([BUILD / "cuda_ckpt", p, "lock", "checkpoint"], timeout=self.STEP_LIMIT_S)
+                done.append(p)
+                rss = max(rss, r)
+            try:
+                _, r = run_rss([CRIU, "dump", "-t", pid, "-D", img, "--leave-running", "--tcp-established", "-o", "dump.log"], timeout=self.STEP_LIMIT_S)
+            except RuntimeError as e:
+                errors = [l for l in (img / "dump.log").read_text(errors="replace").splitlines() if "Error" in l] if (img / "dump.log").exists() else []
+                raise RuntimeError(f"{e}; {' | '.join(errors[-3:])}") from None
+            rss = max(rss, r)
+        finally:
+            for p in done:
+                try:
+                    _, r = run_rss([BUILD / "cuda_ckpt", p, "restore", "unlock"], timeout=self.STEP_LIMIT_S)
+                    rss = max(rss, r)
+                except RuntimeError as e:
+                    print(f"[stock] process {p} not resumed: {e}", flush=True)
         fsync_tree(img)
-        return max(r1, r2, r3)
+        return rss
 
     def kill(self, job=None):
-        os.kill(self.pid, signal.SIGKILL)
+        # The whole session: a launcher's ranks go with it (a restored tree keeps its
+        # session and group).
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait()
             self.proc = None
@@ -226,7 +310,7 @@ class Stock:
                 os.waitpid(self.pid, 0)
             except ChildProcessError:
                 pass
-        wait_for("the process to go", 60, lambda: not Path(f"/proc/{self.pid}").exists())
+        wait_for("the process to go", 60, lambda: not any(Path(f"/proc/{p}").exists() for p in [self.pid] + getattr(self, "cuda_pids", [])))
 
     def restore(self, img, job):
         try:
@@ -234,7 +318,8 @@ class Stock:
         except RuntimeError as e:
             errors = [l for l in (img / f"restore-{job}.log").read_text().splitlines() if "Error" in l]
             raise RuntimeError(f"{e}; {' | '.join(errors[-3:])}") from None
-        run([BUILD / "cuda_ckpt", self.pid, "restore", "unlock"])
+        for p in getattr(self, "cuda_pids", [self.pid]):
+            run([BUILD / "cuda_ckpt", p, "restore", "unlock"])
         return None
 
 
@@ -284,6 +369,7 @@ def one_sample(contender, w, rep, cold=True):
             "ckpt_maxrss_gib": rss / (1 << 30),
         }
         sample.update(agent_figures(img))
+        sample.update(getattr(contender, "figures", {}))
         if not stopping:
             contender.kill()
         for kind in ("warm", "cold") if cold else ("warm",):
@@ -436,23 +522,37 @@ class OverheadBenchmark:
 # the allocators' first growth) left out of its median.
 MICRO_BLOCKS, MICRO_WARMUP = 40, 5
 TORCH_STEPS, TORCH_WARMUP = 200, 20
+DDP_STEPS, DDP_WARMUP = 3000, 200
 
 
-def overhead_benchmarks(pytorch_gib):
-    micro = OverheadBenchmark(MICRO, "ms per block", [BUILD / "microbench", "--blocks", str(MICRO_BLOCKS)], "verify ok",
-                              lambda log: run_median(parse_timings(log, "block", "ms"), MICRO_WARMUP))
-    if not pytorch_gib:
-        return [micro]
-    steps = OverheadBenchmark(f"PyTorch {pytorch_gib} GiB step", "ms per step",
-                              ["python3", REPO / "bench/programs/train_big.py", "--gib", str(pytorch_gib), "--steps", str(TORCH_STEPS), "--interval-ms", "0"], "done",
-                              lambda log: run_median(parse_timings(log, "step", "step_ms"), TORCH_WARMUP))
-    return [micro, steps]
+def ddp_ms_per_step(log):
+    """Rank 0's mean time per step after warm-up, by its own clock (a step of the small
+    DDP model is about a millisecond: gaps in whole milliseconds would be too coarse)."""
+    t = throughput(parse_progress(log), DDP_WARMUP)
+    return 1000 / t if t else None
 
 
-def measure_overhead(reps, pytorch_gib, result, save):
+def overhead_benchmarks(pytorch_gib, which):
+    out = []
+    if "micro" in which:
+        out.append(OverheadBenchmark(MICRO, "ms per block", [BUILD / "microbench", "--blocks", str(MICRO_BLOCKS)], "verify ok",
+                                     lambda log: run_median(parse_timings(log, "block", "ms"), MICRO_WARMUP)))
+    if "pytorch" in which and pytorch_gib:
+        out.append(OverheadBenchmark(f"PyTorch {pytorch_gib} GiB step", "ms per step",
+                                     ["python3", REPO / "bench/programs/train_big.py", "--gib", str(pytorch_gib), "--steps", str(TORCH_STEPS), "--interval-ms", "0"], "done",
+                                     lambda log: run_median(parse_timings(log, "step", "step_ms"), TORCH_WARMUP)))
+    if "ddp" in which:
+        # Every NCCL call of the job passes through the agent: the small model makes the
+        # step short, so what the interception costs per call shows the most.
+        out.append(OverheadBenchmark("DDP 2 ranks step (torchrun)", "ms per step", torchrun(["--mode", "ddp", "--steps", str(DDP_STEPS), "--interval-ms", "0"]),
+                                     "verify ok ranks agree", ddp_ms_per_step))
+    return out
+
+
+def measure_overhead(reps, pytorch_gib, result, save, which=("micro", "pytorch")):
     """Each benchmark `reps` times with the agent and `reps` times without, interleaved
     (which side goes first alternates), into result["overhead"]."""
-    for b in overhead_benchmarks(pytorch_gib):
+    for b in overhead_benchmarks(pytorch_gib, which):
         entry = {"benchmark": b.name, "unit": b.unit, "samples": {"hiber": [], "hiber-no-agent": []}}
         result["overhead"].append(entry)
         for rep in range(reps):
@@ -609,6 +709,8 @@ def main():
     ap.add_argument("--contenders", default="hiber,stock", help=f"comma-separated, of: {', '.join(CONTENDERS)}")
     ap.add_argument("--overhead-reps", type=int, default=0, help="agent-overhead runs per side and benchmark; 0 to skip")
     ap.add_argument("--overhead-pytorch-gib", type=int, default=8, help="the PyTorch overhead benchmark's size; 0 to skip it")
+    ap.add_argument("--overhead-benchmarks", default="micro,pytorch", help="comma-separated, of: micro, pytorch, ddp (two GPUs)")
+    ap.add_argument("--ddp", type=int, default=0, help="GiB of ballast per GPU of a two-rank DDP job launched by torchrun (two GPUs); 0 to skip")
     ap.add_argument("--report", nargs="*")
     a = ap.parse_args()
     if a.report is not None:
@@ -637,7 +739,7 @@ def main():
         (out / f"bench-{a.tag}.json").write_text(json.dumps(result, indent=1))
 
     if a.overhead_reps:
-        measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save)
+        measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save, a.overhead_benchmarks.split(","))
     if a.incremental:
         static, data = map(int, a.incremental.split(":"))
         entry = {"workload": f"{static} GiB unchanged, {data} GiB changing", "samples": {}}
@@ -672,17 +774,24 @@ def main():
                 save()
     full = [tuple(map(int, f.split(":"))) for f in a.full.split(",") if f]
     workloads = [counter(int(s)) for s in a.sizes.split(",") if s] + [counter(d, r) for d, r in full] + ([pytorch(a.pytorch_gib)] if a.pytorch_gib else [])
+    workloads += [ddp(a.ddp)] if a.ddp else []
     for w in workloads:
         rows = {n: {"workload": w.name, "contender": n, "samples": {}} for n in names}
+        failed = set()
         for rep in range(a.reps):
             # Which contender goes first rotates with the repetition.
             first = rep % len(names)
             for c in [CONTENDERS[n]() for n in names[first:] + names[:first]]:
+                if c.name in failed:
+                    # It could not do this workload once: its error is recorded, and the
+                    # repetitions would only spend GPU time failing again.
+                    continue
                 try:
                     s = one_sample(c, w, rep, cold=not a.no_cold)
                 except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
                     result["errors"].append({"workload": w.name, "contender": c.name, "rep": rep, "error": str(e)[-800:]})
                     print(f"[error] {w.name} {c.name} rep {rep}: {e}", flush=True)
+                    failed.add(c.name)
                     continue
                 for k, v in s.items():
                     rows[c.name]["samples"].setdefault(k, []).append(round(v, 3))
