@@ -172,13 +172,13 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
     }
     let drained = started.elapsed();
     // Every rank is at the cut with its device idle: now the communicators go, on all of
-    // them even if one fails (an agent always ends torn down).
-    let mut first = None;
-    for c in &conns {
-        if let Err(e) = c.call::<Reply>(&Request::NcclDown, None) {
-            first.get_or_insert(e);
-        }
-    }
+    // them even if one fails (an agent always ends torn down), all ranks at once: two
+    // ranks' teardowns one after the other took 1.16 s of the job's pause on 2xH200.
+    let downs: Vec<Result<Reply, EngineError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = conns.iter().map(|c| s.spawn(move || c.call::<Reply>(&Request::NcclDown, None))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL teardown thread panicked", None)))).collect()
+    });
+    let first = downs.into_iter().find_map(Result::err);
     tracing::info!(
         ranks = ranks.len(),
         communicators = reports.iter().map(Vec::len).sum::<usize>(),
