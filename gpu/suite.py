@@ -769,8 +769,22 @@ def agent_jax_defaults(m):
 @scenario
 @exclusive
 def no_agent_jax_defaults(m):
-    """The same JAX job with the driver's checkpoint alone."""
-    identical_run(m, "jaxd", JAX, agent=False, limit=180, ref_timeout=300, env=JAX_ENV)
+    """The same JAX job with the driver's checkpoint alone. JAX's default client takes every
+    GPU it sees: where that makes it a process on several GPUs (a two-GPU machine), its
+    stopping checkpoint is refused (the driver would not restore it), and the job runs on."""
+    if len(gpus_here()) < 2:
+        identical_run(m, "jaxd", JAX, agent=False, limit=180, ref_timeout=300, env=JAX_ENV)
+        return
+    run_job("jaxd", "python3", JAX, "--steps", "400", agent=False, limit=180, env=JAX_ENV)
+    wait_step("jaxd", 30, 180)
+    several = {p: n for p, n in gpus_per_process("jaxd").items() if n > 1}
+    m["gpus_per_process"] = gpus_per_process("jaxd")
+    if several:
+        refused_on_several_gpus(m, "jaxd")
+    else:
+        # On one GPU after all: the round trip of a one-GPU machine.
+        hiber("rm", "-f", "jaxd")
+        identical_run(m, "jaxd1", JAX, agent=False, limit=180, ref_timeout=300, env=JAX_ENV)
 
 
 @scenario
@@ -900,28 +914,71 @@ def _swap(m, agent):
         assert_verified(j + "-r")
 
 
+def gpus_per_process(job):
+    """For each process of JOB's tree with CUDA contexts, on how many GPUs (nvidia-smi)."""
+    tree = set(tree_of(job_pid(job)))
+    out = sh("nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader").stdout
+    n = {}
+    for line in out.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) == 2 and f[0].isdigit() and int(f[0]) in tree:
+            n[int(f[0])] = n.get(int(f[0]), 0) + 1
+    return n
+
+
+def refused_on_several_gpus(m, job, limit=300):
+    """Checkpoints of JOB, run without the agent with a process on several GPUs, stopping
+    and --leave-running, are refused before anything is touched (the driver would restore
+    it neither into a new process nor into itself if it enabled peer access), and no image
+    is left; the job runs on to its own final check."""
+    m["gpus_per_process"] = gpus_per_process(job)
+    assert any(n > 1 for n in m["gpus_per_process"].values()), f"a process of {job} is on several GPUs: {m['gpus_per_process']}"
+    for extra in ((), ("--leave-running",)):
+        p = hiber("checkpoint", job, *extra, "--out", image_of(job), check=False)
+        m.setdefault("errors", []).append(p.stderr.strip()[:300])
+        assert p.returncode == 1 and "GPUs without the agent" in p.stderr and "keeps running" in p.stderr, f"{extra}: rc {p.returncode}: {p.stdout[-300:]} {p.stderr[-600:]}"
+        assert not Path(image_of(job)).exists(), "no image is left"
+    wait_step(job, progress(job)[-1][0] + 5, limit)
+    assert_verified(job, limit)
+
+
 @two_gpu("gpu_one_process_on_both_gpus")
 def _both(m, agent):
-    """One process holding memory and computing on both GPUs, restored with the GPUs
-    swapped: the trajectory is the uninterrupted one and both GPUs' memory is intact."""
-    identical_run(m, "both" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120, restore_args=("--gpu-map", "0=1,1=0"))
+    """One process holding memory and computing on both GPUs (peer access), restored with
+    the GPUs swapped: the trajectory is the uninterrupted one and both GPUs' memory is
+    intact. Without the agent the driver would not restore it (2xH200, driver 580): its
+    checkpoint is refused before anything is touched, and the job runs on."""
+    if agent:
+        identical_run(m, "botha", TWO_GPUS, ("--mib", "2048"), agent=True, limit=120, restore_args=("--gpu-map", "0=1,1=0"))
+        return
+    run_job("bothd", "python3", TWO_GPUS, "--steps", "300", "--mib", "2048", agent=False, limit=120)
+    wait_step("bothd", 30, 120)
+    refused_on_several_gpus(m, "bothd")
 
 
 @two_gpu("gpu_one_process_on_both_gpus_in_place")
 def _both_in_place(m, agent):
     """One process on both GPUs, restored onto the same GPUs: the trajectory is the
-    uninterrupted one (the swap above differs from this only in the map)."""
-    identical_run(m, "bothi" + ("a" if agent else "d"), TWO_GPUS, ("--mib", "2048"), agent=agent, limit=120)
+    uninterrupted one (the swap above differs from this only in the map). Without the agent
+    the driver refused even this restore (18cb543): refused before anything is touched."""
+    if agent:
+        identical_run(m, "bothia", TWO_GPUS, ("--mib", "2048"), agent=True, limit=120)
+        return
+    run_job("bothid", "python3", TWO_GPUS, "--steps", "300", "--mib", "2048", agent=False, limit=120)
+    wait_step("bothid", 30, 120)
+    refused_on_several_gpus(m, "bothid")
 
 
 @scenario
 @exclusive
 def gpu_two_gpus_without_peer_access_in_place_no_agent(m):
     """One process on both GPUs that never enables peer access (it copies through the
-    host), without the agent, restored onto its own GPUs: tells the driver's refusal of a
-    two-GPU process with peer access apart from one of every two-GPU process."""
+    host), without the agent: refused as one with peer access (from outside the process
+    the two cannot be told apart; the driver restored such a process in place, ee189ad)."""
     need_two_gpus()
-    identical_run(m, "nopeer", TWO_GPUS, ("--mib", "1024", "--via-host"), agent=False, limit=120)
+    run_job("nopeer", "python3", TWO_GPUS, "--steps", "300", "--mib", "1024", "--via-host", agent=False, limit=120)
+    wait_step("nopeer", 30, 120)
+    refused_on_several_gpus(m, "nopeer")
 
 
 @two_gpu("gpu_cuda_visible_devices_1")

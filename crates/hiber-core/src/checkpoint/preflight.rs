@@ -43,6 +43,12 @@ pub enum Undumpable {
     /// An NCCL communicator, known by the shared memory of its proxy (`/dev/shm/nccl-*`) or
     /// by the socket its proxy passes peer memory handles through (`@/tmp/nccl-socket-*`).
     Collective { path: String },
+    /// Device contexts on several GPUs, with the driver alone to restore them: the driver
+    /// (580) checkpoints such a process that enabled peer access between its GPUs, then
+    /// refuses its restore (CUDA_ERROR_INVALID_VALUE, in place or not; suite, 2×H200).
+    /// From outside the process peer access cannot be told apart, so every such process
+    /// counts; and resuming the original after `--leave-running` is a restore too.
+    SeveralGpus { gpus: usize },
 }
 
 /// The path of NCCL's shared memory (`/dev/shm/nccl-XXXXXX`, from `ncclShmOpen`) that
@@ -83,6 +89,19 @@ pub fn refuse_collectives(tree: &[ProcessInfo], cut: &[i32]) -> Result<(), Check
         }
     }
     Ok(())
+}
+
+/// Refuses a process on several GPUs (`several`: pid and GPU count) whose restore would
+/// rest on the driver alone (not one of `served`). Also with `--leave-running`: resuming
+/// the original is a driver restore too, so the job itself would be at stake.
+pub fn refuse_several_gpus(tree: &[ProcessInfo], several: &[(i32, usize)], served: &[i32]) -> Result<(), CheckpointError> {
+    match several.iter().find(|(p, _)| !served.contains(p)) {
+        Some(&(pid, gpus)) => {
+            let comm = tree.iter().find(|p| p.pid == pid).map(|p| p.comm.clone()).unwrap_or_default();
+            Err(CheckpointError::Undumpable { pid, comm, what: Undumpable::SeveralGpus { gpus } })
+        }
+        None => Ok(()),
+    }
 }
 
 /// The first thing of `p` that CRIU cannot dump; `device_of` gives a device file's
@@ -159,6 +178,10 @@ impl std::fmt::Display for Undumpable {
             Undumpable::Collective { path } => {
                 write!(f, "an NCCL communicator ({path}) that the agent did not make, whose peer memory and proxy connections neither CRIU nor the driver can take")
             }
+            Undumpable::SeveralGpus { gpus } => write!(
+                f,
+                "CUDA contexts on {gpus} GPUs without the agent: if it enabled peer access between them (JAX and multi-GPU PyTorch do), the driver checkpoints it but refuses to restore it, into a new process or into itself"
+            ),
         }
     }
 }
@@ -172,6 +195,7 @@ impl Undumpable {
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
             Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so give a job that does not run on NVIDIA's GPU its other vendors alone (OCL_ICD_FILENAMES=libpocl.so.2, or an OCL_ICD_VENDORS directory without NVIDIA's); one that runs on it cannot be checkpointed yet".into(),
             Undumpable::Collective { .. } => "start the job with `hiber run` and the agent (not --no-agent), which cuts NCCL jobs consistently and rebuilds their communicators; NCCL linked statically or loaded with dlsym bypasses the agent".into(),
+            Undumpable::SeveralGpus { .. } => "run the job with the agent (`hiber run` without --no-agent), whose processes restore with peer access; or keep each process of the job on one GPU (CUDA_VISIBLE_DEVICES)".into(),
         }
     }
 }
@@ -286,6 +310,20 @@ mod tests {
         refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).unwrap();
         p.fds.push(OpenFd { fd: 10, target: "anon_inode:[io_uring]".into(), size: None });
         assert!(refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).is_err(), "an engine does not take an io_uring away");
+    }
+
+    #[test]
+    fn a_process_on_several_gpus_is_refused_unless_the_agent_serves_it() {
+        let tree = [process(&[], &["/dev/nvidia0", "/dev/nvidia1"])];
+        let pid = tree[0].pid;
+        match refuse_several_gpus(&tree, &[(pid, 2)], &[]) {
+            Err(CheckpointError::Undumpable { pid: p, what: Undumpable::SeveralGpus { gpus: 2 }, .. }) => assert_eq!(p, pid),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        let e = refuse_several_gpus(&tree, &[(pid, 2)], &[]).unwrap_err();
+        assert!(e.to_string().contains("2 GPUs without the agent") && e.hint().unwrap().contains("agent"), "{e}");
+        assert!(refuse_several_gpus(&tree, &[(pid, 2)], &[pid]).is_ok(), "the agent's processes restore with peer access");
+        assert!(refuse_several_gpus(&tree, &[], &[]).is_ok());
     }
 
     #[test]

@@ -86,6 +86,13 @@ impl<'a> Checkpoint<'a> {
             journal.finish();
             return Err(e);
         }
+        // Processes on several GPUs that only the driver would restore.
+        let served: Vec<i32> = sessions.iter().filter(|(_, s)| s.restores_peer_access()).flat_map(|(_, s)| s.pids().to_vec()).collect();
+        let several: Vec<(i32, usize)> = sessions.iter().flat_map(|(_, s)| s.on_several_gpus()).collect();
+        if let Err(e) = super::preflight::refuse_several_gpus(&tree, &several, &served) {
+            journal.finish();
+            return Err(e);
+        }
         // What CRIU would refuse mid-dump, after the engines touched the GPU processes. A
         // process counts as claimed where an engine takes its device files away (the
         // driver's); a layer's engine (the agent's, OpenCL's) does not.

@@ -183,6 +183,20 @@ pub trait CheckpointSession: Send {
         Vec::new()
     }
 
+    /// The claimed processes with device contexts on several GPUs whose restore rests on
+    /// the driver's alone, and how many GPUs each uses: the driver (580) checkpoints such a
+    /// process that enabled peer access between its GPUs, but refuses to restore it.
+    fn on_several_gpus(&self) -> Vec<(i32, usize)> {
+        Vec::new()
+    }
+
+    /// Whether the processes it claims restore with peer access enabled (the agent's: their
+    /// device memory is out of the process when the driver checkpoints it; a PyTorch process
+    /// on both GPUs and JAX's default client round-trip so on 2×H200).
+    fn restores_peer_access(&self) -> bool {
+        false
+    }
+
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;

@@ -363,6 +363,10 @@ impl CheckpointSession for AgentCheckpoint {
         &self.pids
     }
 
+    fn restores_peer_access(&self) -> bool {
+        true
+    }
+
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         // hiber holds one descriptor per allocation (PyTorch's expandable segments make
         // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.

@@ -406,7 +406,15 @@ impl DeviceEngine for DriverEngine {
         if pids.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids })))
+        // NVML lists a process on every GPU it has a context on.
+        let mut gpus_of: BTreeMap<i32, usize> = BTreeMap::new();
+        for (_, procs) in self.api.gpus() {
+            for (pid, _) in procs.into_iter().filter(|(p, _)| pids.contains(p)) {
+                *gpus_of.entry(pid).or_default() += 1;
+            }
+        }
+        let several = gpus_of.into_iter().filter(|(_, n)| *n > 1).collect();
+        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several })))
     }
 
     fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
@@ -448,6 +456,8 @@ impl DeviceEngine for DriverEngine {
 struct DriverCheckpoint {
     engine: DriverEngine,
     pids: Vec<i32>,
+    /// Claimed processes on several GPUs, and on how many.
+    several: Vec<(i32, usize)>,
 }
 
 impl CheckpointSession for DriverCheckpoint {
@@ -457,6 +467,10 @@ impl CheckpointSession for DriverCheckpoint {
 
     fn releases_device_files(&self) -> bool {
         true
+    }
+
+    fn on_several_gpus(&self) -> Vec<(i32, usize)> {
+        self.several.clone()
     }
 
     /// Locks every process in parallel: ranks that wait on each other must all be locked

@@ -420,3 +420,15 @@ fn a_stopped_process_is_restored_with_its_restore_thread_alone() {
     assert_eq!(d.states.lock().unwrap()[&pid], ProcessState::Running);
     assert!(stopped, "still stopped, for the tree to be continued");
 }
+
+#[test]
+fn processes_on_several_gpus_are_named_with_their_count() {
+    // Process 10 has contexts on both GPUs, 11 on one; 12 is not claimed (no device files).
+    let mut d = FakeDriver::new(&[10, 11]);
+    d.gpus =
+        vec![(gpu(0, UUID_A, H100, 70), vec![(10, 1 << 30), (11, 1 << 30), (12, 1 << 30)]), (gpu(1, UUID_B, H100, 70), vec![(10, 1 << 30), (12, 1 << 30)])];
+    let d = Arc::new(d);
+    let s = session(&engine(&d), &[proc_info(10, 1, true), proc_info(11, 2, true), proc_info(12, 3, false)]);
+    assert_eq!(s.on_several_gpus(), vec![(10, 2)]);
+    assert!(!s.restores_peer_access(), "the driver alone does not restore peer access");
+}
