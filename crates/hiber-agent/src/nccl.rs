@@ -1587,6 +1587,26 @@ mod tests {
         assert!(!s.admits(h, Lane::Coll));
     }
 
+    /// The only test that touches the process's own state (the agent's `STATE`).
+    #[test]
+    fn calls_go_through_again_only_once_every_communicator_is_rebuilt() {
+        let h = {
+            let mut s = lock();
+            let h = s.register(0x1000 as Comm, 9, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
+            s.phase = Phase::Down;
+            s.comms.get_mut(&h).unwrap().real = 0;
+            h
+        };
+        assert!(open().is_err(), "torn down, not rebuilt: calls must keep waiting");
+        assert!(is_down());
+        lock().comms.get_mut(&h).unwrap().real = 0x2000;
+        assert!(is_down(), "rebuilt but not opened: calls still wait (hiber opens every rank together)");
+        open().unwrap();
+        assert!(!is_down());
+        lock().comms.remove(&h);
+        assert!(is_synthetic(h as Comm) && !is_synthetic(std::ptr::null_mut()) && !is_synthetic((MAX_HANDLE + 1) as Comm));
+    }
+
     #[test]
     fn keys_depend_on_every_part() {
         let a = name_of(&[b"init", &[1, 2, 3]]);
