@@ -1187,6 +1187,48 @@ def nccl_ddp_stop_and_restore(m):
     assert got[0][0] == before[-1][0] + 1, f"resumes at {got[0][0]}, after {before[-1][0]}"
 
 
+@scenario
+@exclusive
+def nccl_rank_killed_during_checkpoint_fails_the_other(m):
+    """The fault case: rank 1 of a two-rank DDP job is killed while hiber holds the job
+    after the NCCL cut (HIBER_PAUSE_AT=quiesced), then hiber itself, then `hiber recover`
+    runs. The surviving rank gets its memory back, and since its communicators cannot be
+    built again without its peer, its NCCL calls fail as after a peer's death in NCCL
+    instead of waiting for ever: PyTorch raises, the rank ends, and so does the job. The
+    ranks are started by a plain shell loop that waits for both (torchrun would stop the
+    survivor itself as soon as a worker dies, which hides what hiber does)."""
+    need_two_gpus()
+    job = "ncdie"
+    loop = ("for r in 0 1; do RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 "
+            f"python3 {DDP} --steps 100000 --interval-ms 10 & done; wait")
+    run_job(job, "sh", "-c", loop, agent=None)
+    wait_step(job, 30, 180)
+    ranks = {}
+    for pid in tree_of(job_pid(job)):
+        try:
+            for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if kv.startswith(b"LOCAL_RANK="):
+                    ranks[int(kv[len(b"LOCAL_RANK="):])] = pid
+        except OSError:
+            pass
+    assert set(ranks) == {0, 1}, f"two ranks: {ranks}"
+    p = subprocess.Popen([HIBER, "checkpoint", job, "--leave-running", "--out", image_of(job)], env=dict(ENV, HIBER_PAUSE_AT="quiesced"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait("hiber to hold the job after the cut", 120, lambda: any('"devices_quiesced"' in f.read_text(errors="replace") for f in (STATE / "journal").glob("*.json")))
+    os.kill(ranks[1], 9)
+    p.kill()
+    p.wait()
+    r = hiber("recover", check=False)
+    m["recover"] = (r.stdout + r.stderr).strip()[-500:]
+    assert "are gone" in r.stdout + r.stderr and "panicked" not in r.stderr, m["recover"]
+    t0 = time.time()
+    wait(f"{job} to end", 180, lambda: state_of(job) != "running")
+    m["ended_after_s"] = round(time.time() - t0, 1)
+    m["ended_as"] = state_of(job)
+    tail = (STATE / "jobs" / job / "stderr.log").read_text(errors="replace")[-2000:]
+    m["rank0_error"] = [line for line in tail.splitlines() if "NCCL" in line or "Error" in line][-3:]
+    assert not Path(image_of(job)).exists(), "no image of the interrupted checkpoint"
+
+
 # ---------------------------------------------------------------------------------------
 # OpenCL: the test programs of crates/hiber/tests/opencl/ (built on the build machine and
 # carried in .carry/opencl/ by scripts/gpu-carry.sh). On PoCL (the machine's one registered

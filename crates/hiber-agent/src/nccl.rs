@@ -40,6 +40,7 @@ pub const SUCCESS: NcclResult = 0;
 const SYSTEM_ERROR: NcclResult = 2;
 const INVALID_ARGUMENT: NcclResult = 4;
 const INVALID_USAGE: NcclResult = 5;
+const REMOTE_ERROR: NcclResult = 6;
 const IN_PROGRESS: NcclResult = 7;
 
 /// `ncclComm_t`: the real one (NCCL's pointer) or a synthetic one (the agent's handle).
@@ -264,6 +265,9 @@ struct Entry {
     unsafe_use: Option<&'static str>,
     /// The unique id of its next rebuild (from hiber).
     next_id: Option<UniqueId>,
+    /// Torn down for good (a rank's process is gone): its calls fail as after a peer's
+    /// death in NCCL, and no cut or rebuild counts it.
+    failed: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,7 +392,19 @@ impl State {
         }
         let h = self.next_handle;
         self.next_handle += 1;
-        let entry = Entry { real: real as usize, key, rank, nranks, dev: -1, origin, lanes: BTreeMap::new(), children: 0, unsafe_use: None, next_id: None };
+        let entry = Entry {
+            real: real as usize,
+            key,
+            rank,
+            nranks,
+            dev: -1,
+            origin,
+            lanes: BTreeMap::new(),
+            children: 0,
+            unsafe_use: None,
+            next_id: None,
+            failed: false,
+        };
         self.comms.insert(h, entry);
         Some(h as Comm)
     }
@@ -423,6 +439,7 @@ fn real_of(c: Comm) -> Result<(Comm, InUse), NcclResult> {
     loop {
         match s.comms.get(&h) {
             None => return Err(INVALID_ARGUMENT),
+            Some(e) if e.failed => return Err(REMOTE_ERROR),
             Some(e) if e.real != 0 => {
                 let real = e.real as Comm;
                 s.in_use += 1;
@@ -456,6 +473,9 @@ fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
         s.in_call += 1;
         return Ok((c, Submission));
     }
+    if s.comms.get(&h).is_some_and(|e| e.failed) {
+        return Err(REMOTE_ERROR);
+    }
     if DEPTH.get() == 0 {
         while s.comms.contains_key(&h) && !s.admits(h, lane) {
             s = wait(s);
@@ -463,7 +483,7 @@ fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
     }
     let e = s.comms.get_mut(&h).ok_or(INVALID_ARGUMENT)?;
     if e.real == 0 {
-        return Err(INVALID_USAGE);
+        return Err(if e.failed { REMOTE_ERROR } else { INVALID_USAGE });
     }
     *e.lanes.entry(lane).or_default() += 1;
     let real = e.real as Comm;
@@ -991,7 +1011,7 @@ fn recorded(comm: Comm, pick: fn(&Entry) -> c_int) -> Option<Result<c_int, NcclR
 #[allow(non_snake_case)]
 pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Comm, err: *mut NcclResult) -> NcclResult {
     let Some(f) = real!("ncclCommGetAsyncError" => FnAsyncError) else { return SYSTEM_ERROR };
-    match recorded(comm, |_| SUCCESS) {
+    match recorded(comm, |e| if e.failed { REMOTE_ERROR } else { SUCCESS }) {
         Some(Ok(v)) if !err.is_null() => {
             // SAFETY: the application's non-null out-pointer.
             unsafe { *err = v };
@@ -1076,7 +1096,7 @@ pub struct Report {
 
 /// Live communicators the agent made (status).
 pub fn count() -> u64 {
-    lock().comms.len() as u64
+    lock().comms.values().filter(|e| !e.failed).count() as u64
 }
 
 /// Whether hiber left the communicators torn down.
@@ -1087,6 +1107,7 @@ pub fn is_down() -> bool {
 fn reports(s: &State) -> Vec<Report> {
     s.comms
         .values()
+        .filter(|e| !e.failed)
         .map(|e| Report {
             key: e.key,
             rank: e.rank,
@@ -1125,7 +1146,7 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
     if s.phase != Phase::Open {
         return Err(format!("NCCL communicators are {:?} already", s.phase));
     }
-    if let Some(why) = s.comms.values().find_map(|e| e.unsafe_use) {
+    if let Some(why) = s.comms.values().filter(|e| !e.failed).find_map(|e| e.unsafe_use) {
         return Err(format!("an NCCL communicator used {why}, which hiber cannot rebuild yet"));
     }
     s.phase = Phase::Held;
@@ -1141,7 +1162,7 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
             return Err(format!("NCCL calls still running after {} ms (threads in groups, making communicators: {busy:?})", timeout.as_millis()));
         }
     };
-    let reals: Vec<(usize, Comm)> = s.comms.iter().map(|(h, e)| (*h, e.real as Comm)).collect();
+    let reals: Vec<(usize, Comm)> = s.comms.iter().filter(|(_, e)| !e.failed).map(|(h, e)| (*h, e.real as Comm)).collect();
     // NCCL is asked without the lock (it may call its own exported API, the agent's).
     drop(s);
     let _inside = inside();
@@ -1173,6 +1194,19 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
     }
     s.held_at = s.comms.iter().flat_map(|(h, e)| e.lanes.iter().map(move |(l, n)| ((*h, *l), *n))).collect();
     Ok(reports(&s))
+}
+
+/// Waits (bounded) for the calls that already hold a real communicator (a watchdog polling
+/// for errors) to end, once the reals were taken from the record: new calls no longer get
+/// them, and such calls return at once.
+fn quiet(s: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+    match wait_until(s, Instant::now() + DOWN_WAIT, |s| s.in_use == 0) {
+        Ok(s) => s,
+        Err(s) => {
+            log(&format!("{} NCCL calls still held a communicator at the teardown", s.in_use));
+            s
+        }
+    }
 }
 
 fn reopen(s: &mut State) {
@@ -1210,7 +1244,7 @@ pub fn limit(key: u64, lane: Lane, n: u64) -> Result<(), String> {
     if s.phase != Phase::Held {
         return Err("limit without hold".into());
     }
-    let h = s.comms.iter().find(|(_, e)| e.key == key).map(|(h, _)| *h).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
+    let h = s.comms.iter().find(|(_, e)| e.key == key && !e.failed).map(|(h, _)| *h).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
     if n < s.count(h, lane) {
         return Err(format!("communicator {key:016x} lane {lane} is past {n} already"));
     }
@@ -1236,10 +1270,11 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             }
             // A call in flight at the hold may have registered a buffer, made a window or
             // captured a collective since: the hold checked before it.
-            if let Some(why) = s.comms.values().find_map(|e| e.unsafe_use) {
+            let live = || s.comms.values().filter(|e| !e.failed);
+            if let Some(why) = live().find_map(|e| e.unsafe_use) {
                 return Err(format!("an NCCL communicator used {why}, which hiber cannot rebuild yet"));
             }
-            (s.comms.values().map(|e| e.real as Comm).collect(), s.comms.values().map(|e| e.dev).filter(|d| *d >= 0).collect())
+            (live().map(|e| e.real as Comm).collect(), live().map(|e| e.dev).filter(|d| *d >= 0).collect())
         }
         Err(s) => {
             let short: Vec<String> = s
@@ -1288,7 +1323,7 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
 /// rank's rebuild succeeded, so that none submits work a peer never joins).
 pub fn open() -> Result<(), String> {
     let mut s = lock();
-    if s.phase == Phase::Down && s.comms.values().any(|e| e.real == 0) {
+    if s.phase == Phase::Down && s.comms.values().any(|e| e.real == 0 && !e.failed) {
         return Err("NCCL communicators are torn down; rebuild them".into());
     }
     reopen(&mut s);
@@ -1321,10 +1356,7 @@ pub fn down() -> Result<(), String> {
         let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
-        let deadline = Instant::now() + DOWN_WAIT;
-        if let Err(s) = wait_until(s, deadline, |s| s.in_use == 0) {
-            log(&format!("{} NCCL calls still held a communicator at the teardown", s.in_use));
-        }
+        let _s = quiet(s);
         reals
     };
     let _inside = inside();
@@ -1336,6 +1368,32 @@ pub fn down() -> Result<(), String> {
         }
     }
     first.map_or(Ok(()), Err)
+}
+
+/// Ends the torn-down communicators for good (hiber found a rank's process gone, so they
+/// cannot be rebuilt): what a rebuild made is ended, and from now on their calls fail with
+/// `ncclRemoteError`, as after a peer's death in NCCL (PyTorch's watchdog then aborts the
+/// process group), instead of waiting for a rebuild that cannot come. New communicators
+/// work as before.
+pub fn fail() -> Result<(), String> {
+    let stale: Vec<usize> = {
+        let mut s = lock();
+        if s.phase != Phase::Down {
+            return Err("only torn-down communicators can be ended".into());
+        }
+        let stale = s.comms.values_mut().map(|e| std::mem::take(&mut e.real)).filter(|r| *r != 0).collect();
+        for e in s.comms.values_mut() {
+            e.failed = true;
+        }
+        let mut s = quiet(s);
+        reopen(&mut s);
+        stale
+    };
+    let _inside = inside();
+    for c in stale {
+        let _ = real_abort(c as Comm);
+    }
+    Ok(())
 }
 
 /// A fresh unique id (this process is rank 0 of the communicator that will use it).
@@ -1352,7 +1410,7 @@ pub fn unique_id() -> Result<UniqueId, String> {
 /// The unique id communicator `key` is rebuilt with.
 pub fn set_id(key: u64, id: UniqueId) -> Result<(), String> {
     let mut s = lock();
-    let e = s.comms.values_mut().find(|e| e.key == key).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
+    let e = s.comms.values_mut().find(|e| e.key == key && !e.failed).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
     e.next_id = Some(id);
     Ok(())
 }
@@ -1493,13 +1551,13 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
         }
-        if let Some(e) = s.comms.values().find(|e| matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
+        if let Some(e) = s.comms.values().find(|e| !e.failed && matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
             return Err(format!("no unique id for NCCL communicator {:016x}", e.key));
         }
         let mut all: BTreeMap<u64, AllCall> = BTreeMap::new();
         let mut plans = Vec::new();
         let mut stale = Vec::new();
-        for (h, e) in s.comms.iter_mut() {
+        for (h, e) in s.comms.iter_mut().filter(|(_, e)| !e.failed) {
             match std::mem::take(&mut e.real) {
                 0 => {}
                 r => stale.push(r),
@@ -1512,6 +1570,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
                 }
             }
         }
+        let _s = quiet(s);
         (Creation { all: all.into_values().collect(), plans }, stale)
     };
     {
@@ -1589,7 +1648,7 @@ mod tests {
 
     /// The only test that touches the process's own state (the agent's `STATE`).
     #[test]
-    fn calls_go_through_again_only_once_every_communicator_is_rebuilt() {
+    fn calls_go_through_again_only_once_every_communicator_is_rebuilt_or_fail_once_ended() {
         let h = {
             let mut s = lock();
             let h = s.register(0x1000 as Comm, 9, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
@@ -1603,6 +1662,17 @@ mod tests {
         assert!(is_down(), "rebuilt but not opened: calls still wait (hiber opens every rank together)");
         open().unwrap();
         assert!(!is_down());
+        assert!(fail().is_err(), "only torn-down communicators can be ended for good");
+        // Torn down again, and a rank is gone for good: calls fail as after a peer's death.
+        {
+            let mut s = lock();
+            s.phase = Phase::Down;
+            s.comms.get_mut(&h).unwrap().real = 0;
+        }
+        fail().unwrap();
+        assert!(!is_down() && count() == 0 && list().is_empty(), "no cut or rebuild counts it");
+        assert_eq!(submit(h as Comm, Lane::Coll).err(), Some(REMOTE_ERROR));
+        assert_eq!(real_of(h as Comm).err(), Some(REMOTE_ERROR));
         lock().comms.remove(&h);
         assert!(is_synthetic(h as Comm) && !is_synthetic(std::ptr::null_mut()) && !is_synthetic((MAX_HANDLE + 1) as Comm));
     }

@@ -523,9 +523,10 @@ impl CheckpointSession for AgentCheckpoint {
         // communicators can be built again, by all ranks at once.
         // (A rank whose memory is not back cannot take part: the others would wait for it,
         // so all stay torn down, for `hiber recover`.)
+        // A rank that died during the checkpoint is passed too: the rebuild sees it gone and
+        // has the others' calls fail rather than wait for it.
         if self.nccl_down && !self.nccl.iter().any(|r| not_back.contains(&r.pid)) {
-            let alive: Vec<nccl::Rank> = self.nccl.iter().filter(|r| crate::proctree::exists(r.pid)).cloned().collect();
-            match nccl::rebuild(&alive, self.timeout_ms) {
+            match nccl::rebuild(&self.nccl, self.timeout_ms) {
                 Ok(()) => self.nccl_down = false,
                 Err(e) => {
                     first.get_or_insert(e);

@@ -396,7 +396,11 @@ impl DeviceEngine for AgentEngine {
         let loaded = super::layer::each(pids, |pid| self.recover_one(pid, dirs));
         // Communicators torn down by the hiber that died are built again once every rank
         // has its memory back.
-        let rebuilt = nccl::rebuild(&nccl_down(pids), self.timeout_ms);
+        // Processes of the job that are gone go with them: if they were ranks, the others'
+        // communicators cannot be rebuilt, and their calls fail instead of waiting.
+        let mut ranks = nccl_down(pids);
+        ranks.extend(pids.iter().filter(|&&p| !crate::proctree::exists(p)).map(|&pid| nccl::Rank { pid, name: String::new() }));
+        let rebuilt = nccl::rebuild(&ranks, self.timeout_ms);
         loaded.and(rebuilt)
     }
 

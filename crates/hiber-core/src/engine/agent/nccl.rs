@@ -209,7 +209,18 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     }
     let timeout = Duration::from_millis(timeout_ms).max(REBUILD_MIN_TIMEOUT);
     let started = std::time::Instant::now();
-    let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
+    let mut conns: Vec<Conn> = Vec::new();
+    let mut gone = Vec::new();
+    for r in ranks {
+        match connect(r.pid, &r.name) {
+            Ok(c) => conns.push(c),
+            Err(_) if !crate::proctree::exists(r.pid) => gone.push(r.pid),
+            Err(e) => return Err(e),
+        }
+    }
+    if conns.is_empty() {
+        return Ok(());
+    }
     let mut reports = Vec::new();
     for c in &conns {
         // NCCL's creation makes gated driver calls: a rank whose memory is not back would
@@ -222,7 +233,25 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         c.send(&Request::NcclList, None)?;
         reports.push(read_reports(c)?);
     }
-    let keys = by_key(&reports).map_err(|m| fail(m, None))?;
+    let keys = match by_key(&reports) {
+        Ok(k) => k,
+        Err(m) if !gone.is_empty() => {
+            // A communicator lacks ranks whose processes are gone: nothing can bring them
+            // back, and waiting for a rebuild would hold the others for ever. Their calls
+            // fail instead, as after a peer's death in NCCL, and the job's own error handling
+            // (PyTorch's watchdog, the launcher) takes over.
+            for c in &conns {
+                if let Err(e) = c.call::<Reply>(&Request::NcclFail, None) {
+                    tracing::warn!(pid = c.pid, error = %e, "could not end the NCCL communicators of a surviving rank");
+                }
+            }
+            return Err(fail(
+                format!("{m}: process(es) {gone:?} of the job are gone, so its communicators cannot be built again; the other ranks' NCCL calls now fail, as after a peer's death in NCCL"),
+                Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
+            ));
+        }
+        Err(m) => return Err(fail(m, None)),
+    };
     for (key, members) in &keys {
         let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("by_key checked every rank is there");
         let id = match conns[*root].call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
@@ -417,6 +446,25 @@ mod tests {
             assert!(!verbs.contains(&"nccl-open".to_string()), "no rank may submit work: {verbs:?}");
             assert_eq!(verbs.last().unwrap(), "nccl-down", "{verbs:?}");
         }
+    }
+
+    #[test]
+    fn a_rank_that_is_gone_makes_the_others_fail_their_calls_instead_of_waiting() {
+        let a = scripted("gone-a", vec![comm(9, 0, 2, &[])], "");
+        // A process that has exited, and been reaped: its agent can never answer.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id() as i32;
+        child.wait().unwrap();
+        let gone = Rank { pid: dead, name: format!("hiber-test-nccl-{}-gone-b", std::process::id()) };
+        let e = rebuild(&[a.rank.clone(), gone.clone()], 1000).unwrap_err();
+        assert!(e.to_string().contains("are gone") && e.to_string().contains(&dead.to_string()), "{e}");
+        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-fail"], "the survivor's communicators end; nothing is rebuilt");
+        // A process of the job that is gone but was no rank of a communicator changes
+        // nothing: the others' communicators are whole, and built again.
+        let b = scripted("gone-c", vec![comm(5, 0, 2, &[])], "");
+        let c = scripted("gone-d", vec![comm(5, 1, 2, &[])], "");
+        rebuild(&[b.rank.clone(), c.rank.clone(), gone], 1000).unwrap();
+        assert_eq!(b.verbs().last().unwrap(), "nccl-open");
     }
 
     #[test]
