@@ -246,6 +246,21 @@ def cuda_processes(root):
     return sorted(p for p in tree if gpu(p))
 
 
+def gone(pid):
+    """Whether `pid` has exited. The ranks of a killed launcher become the bench's orphans
+    (it is their subreaper): they are reaped here, else they would stay as zombies."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class Stock:
     name = "stock"
     # How long one step of the stock path may take before it counts as hung (a driver lock
@@ -310,7 +325,7 @@ class Stock:
                 os.waitpid(self.pid, 0)
             except ChildProcessError:
                 pass
-        wait_for("the process to go", 60, lambda: not any(Path(f"/proc/{p}").exists() for p in [self.pid] + getattr(self, "cuda_pids", [])))
+        wait_for("the process to go", 60, lambda: all(gone(p) for p in [self.pid] + getattr(self, "cuda_pids", [])))
 
     def restore(self, img, job):
         try:
