@@ -103,16 +103,29 @@ def run(args):
 def run_rss(args, timeout=None):
     """Runs a command; returns (stdout, peak RSS in bytes of it and the children it reaped).
     Past `timeout` seconds it is killed and counts as failed."""
+    import threading
     p = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    # Both pipes are read while it runs: a chatty command must not block on a full pipe.
+    got = {}
+    readers = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read().decode(errors="replace"))) for k, f in (("out", p.stdout), ("err", p.stderr))]
+    for t in readers:
+        t.start()
     timer = None
     if timeout:
-        import threading
-        timer = threading.Timer(timeout, p.kill)
+        def hung():
+            # os.kill, not Popen.kill: Popen's poll() could reap the child before wait4.
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        timer = threading.Timer(timeout, hung)
         timer.start()
     _, status, ru = os.wait4(p.pid, 0)
     if timer:
         timer.cancel()
-    out, err = p.stdout.read().decode(), p.stderr.read().decode()
+    for t in readers:
+        t.join()
+    out, err = got.get("out", ""), got.get("err", "")
     if timeout and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
         err = f"killed after {timeout}s (hung) " + err
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -224,7 +237,9 @@ class Hiber:
 
 
 def cuda_processes(root):
-    """`root` and its descendants that hold an NVIDIA device file (the ranks of a job)."""
+    """`root` and its descendants with a CUDA context: those that map an NVIDIA device
+    (`/dev/nvidia0`, `/dev/nvidia-uvm`, ...). Holding only `/dev/nvidiactl` (NVML, as a
+    launcher that imports torch does) is no context for the driver to checkpoint."""
     kids = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -240,9 +255,10 @@ def cuda_processes(root):
         todo += kids.get(p, [])
     def gpu(p):
         try:
-            return any(os.readlink(f).startswith("/dev/nvidia") for f in Path(f"/proc/{p}/fd").iterdir())
+            maps = Path(f"/proc/{p}/maps").read_text()
         except OSError:
             return False
+        return any(l.split()[-1].startswith("/dev/nvidia") and not l.split()[-1].startswith("/dev/nvidiactl") for l in maps.splitlines() if len(l.split()) >= 6)
     return sorted(p for p in tree if gpu(p))
 
 

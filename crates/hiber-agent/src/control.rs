@@ -157,7 +157,7 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
             Request::NcclDrain { timeout_ms } => reply(conn, done(nccl::drain(Duration::from_millis(timeout_ms))))?,
             Request::NcclDown => reply(conn, done(nccl::down()))?,
             Request::NcclOpen => reply(conn, done(nccl::open()))?,
-            Request::NcclFail => reply(conn, done(nccl::fail()))?,
+            Request::NcclFail { key } => reply(conn, done(nccl::fail(key)))?,
             Request::NcclNewId { key } => {
                 let r = match nccl::unique_id() {
                     Ok(id) => Reply::NcclId { key, id: id.internal.iter().map(|b| format!("{b:02x}")).collect() },

@@ -477,7 +477,7 @@ fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
         return Err(REMOTE_ERROR);
     }
     if DEPTH.get() == 0 {
-        while s.comms.contains_key(&h) && !s.admits(h, lane) {
+        while s.comms.get(&h).is_some_and(|e| !e.failed) && !s.admits(h, lane) {
             s = wait(s);
         }
     }
@@ -1198,15 +1198,42 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
 
 /// Waits (bounded) for the calls that already hold a real communicator (a watchdog polling
 /// for errors) to end, once the reals were taken from the record: new calls no longer get
-/// them, and such calls return at once.
-fn quiet(s: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+/// them, and such calls return at once. `false` when some still held one after
+/// [`DOWN_WAIT`]: the reals taken must then be left as they are (leaked), since ending one
+/// would free what such a call is using.
+fn quiet(s: MutexGuard<'static, State>) -> (MutexGuard<'static, State>, bool) {
     match wait_until(s, Instant::now() + DOWN_WAIT, |s| s.in_use == 0) {
-        Ok(s) => s,
+        Ok(s) => (s, true),
         Err(s) => {
-            log(&format!("{} NCCL calls still held a communicator at the teardown", s.in_use));
-            s
+            log(&format!(
+                "{} NCCL calls still held a communicator after {} s: the communicators taken from them are left, not ended",
+                s.in_use,
+                DOWN_WAIT.as_secs()
+            ));
+            (s, false)
         }
     }
+}
+
+/// Ends the real communicators `reals` once nothing uses them (`calm`, from [`quiet`]);
+/// otherwise leaves them, and says so.
+fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
+    if !calm {
+        return Err(format!(
+            "{} NCCL communicators were still in use by the application's calls after {} s, and are left as they are",
+            reals.len(),
+            DOWN_WAIT.as_secs()
+        ));
+    }
+    let _inside = inside();
+    let mut first = None;
+    for (h, c) in reals {
+        let r = real_abort(c as Comm);
+        if r != SUCCESS {
+            first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 fn reopen(s: &mut State) {
@@ -1344,7 +1371,7 @@ pub fn release_hold() {
 /// another rank).
 pub fn down() -> Result<(), String> {
     refuse_closed_gate()?;
-    let reals: Vec<(usize, usize)> = {
+    let (reals, calm): (Vec<(usize, usize)>, bool) = {
         let mut s = lock();
         if s.phase == Phase::Open {
             return Err("teardown without hold".into());
@@ -1356,44 +1383,43 @@ pub fn down() -> Result<(), String> {
         let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
-        let _s = quiet(s);
-        reals
+        let (_s, calm) = quiet(s);
+        (reals, calm)
     };
-    let _inside = inside();
-    let mut first = None;
-    for (h, c) in reals {
-        let r = real_abort(c as Comm);
-        if r != SUCCESS {
-            first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
-        }
-    }
-    first.map_or(Ok(()), Err)
+    end_all(reals, calm)
 }
 
-/// Ends the torn-down communicators for good (hiber found a rank's process gone, so they
-/// cannot be rebuilt): what a rebuild made is ended, and from now on their calls fail with
+/// Ends torn-down communicator `key` for good (hiber found one of its ranks' processes
+/// gone, so it cannot be rebuilt): what a rebuild made is ended, and its calls fail with
 /// `ncclRemoteError`, as after a peer's death in NCCL (PyTorch's watchdog then aborts the
-/// process group), instead of waiting for a rebuild that cannot come. New communicators
-/// work as before.
-pub fn fail() -> Result<(), String> {
-    let stale: Vec<usize> = {
+/// process group), instead of waiting for a rebuild that cannot come. The agent's other
+/// communicators are rebuilt and opened as usual.
+pub fn fail(key: u64) -> Result<(), String> {
+    refuse_closed_gate()?;
+    let (stale, calm) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("only torn-down communicators can be ended".into());
         }
-        let stale = s.comms.values_mut().map(|e| std::mem::take(&mut e.real)).filter(|r| *r != 0).collect();
-        for e in s.comms.values_mut() {
+        let mut found = false;
+        let mut stale = Vec::new();
+        for (h, e) in s.comms.iter_mut().filter(|(_, e)| e.key == key && !e.failed) {
+            found = true;
             e.failed = true;
+            match std::mem::take(&mut e.real) {
+                0 => {}
+                r => stale.push((*h, r)),
+            }
         }
-        let mut s = quiet(s);
-        reopen(&mut s);
-        stale
+        if !found {
+            return Err(format!("no NCCL communicator {key:016x}"));
+        }
+        // Calls waiting on it see it failed.
+        CHANGED.notify_all();
+        let (_s, calm) = quiet(s);
+        (stale, calm)
     };
-    let _inside = inside();
-    for c in stale {
-        let _ = real_abort(c as Comm);
-    }
-    Ok(())
+    end_all(stale, calm)
 }
 
 /// A fresh unique id (this process is rank 0 of the communicator that will use it).
@@ -1546,7 +1572,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
     let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let (creation, stale) = {
+    let (creation, stale, calm) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
@@ -1570,14 +1596,13 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
                 }
             }
         }
-        let _s = quiet(s);
-        (Creation { all: all.into_values().collect(), plans }, stale)
+        let (_s, calm) = quiet(s);
+        (Creation { all: all.into_values().collect(), plans }, stale.into_iter().map(|r| (0, r)).collect::<Vec<_>>(), calm)
     };
-    {
-        let _inside = inside();
-        for c in stale {
-            let _ = real_abort(c as Comm);
-        }
+    // Made by an earlier rebuild nobody opened: ended before new ones are made (or left,
+    // when a call still holds one).
+    if let Err(m) = end_all(stale, calm) {
+        log(&m);
     }
     let outcome = std::sync::Arc::new((Mutex::new(Outcome::default()), Condvar::new()));
     let theirs = outcome.clone();
@@ -1662,17 +1687,29 @@ mod tests {
         assert!(is_down(), "rebuilt but not opened: calls still wait (hiber opens every rank together)");
         open().unwrap();
         assert!(!is_down());
-        assert!(fail().is_err(), "only torn-down communicators can be ended for good");
-        // Torn down again, and a rank is gone for good: calls fail as after a peer's death.
-        {
+        assert!(fail(9).is_err(), "only torn-down communicators can be ended for good");
+        // Torn down again, and a rank of communicator 9 is gone for good: its calls fail as
+        // after a peer's death; another communicator of the process waits for its rebuild.
+        let other = {
             let mut s = lock();
+            let other = s.register(0x3000 as Comm, 4, 1, 2, Origin::Ranks { config: None }).unwrap() as usize;
             s.phase = Phase::Down;
             s.comms.get_mut(&h).unwrap().real = 0;
-        }
-        fail().unwrap();
-        assert!(!is_down() && count() == 0 && list().is_empty(), "no cut or rebuild counts it");
+            s.comms.get_mut(&other).unwrap().real = 0;
+            other
+        };
+        assert!(fail(5).is_err(), "no such communicator");
+        fail(9).unwrap();
+        assert_eq!(count(), 1, "only the other communicator counts for a cut or a rebuild");
+        assert!(list().iter().all(|r| r.key == 4));
         assert_eq!(submit(h as Comm, Lane::Coll).err(), Some(REMOTE_ERROR));
         assert_eq!(real_of(h as Comm).err(), Some(REMOTE_ERROR));
+        assert!(open().is_err() && is_down(), "the other one is not rebuilt yet");
+        lock().comms.get_mut(&other).unwrap().real = 0x4000;
+        open().unwrap();
+        assert!(!is_down());
+        assert_eq!(submit(h as Comm, Lane::Coll).err(), Some(REMOTE_ERROR), "still failed once open");
+        lock().comms.remove(&other);
         lock().comms.remove(&h);
         assert!(is_synthetic(h as Comm) && !is_synthetic(std::ptr::null_mut()) && !is_synthetic((MAX_HANDLE + 1) as Comm));
     }

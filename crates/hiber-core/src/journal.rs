@@ -140,8 +140,8 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
     for claim in entry.claims.iter().rev() {
         match engines.iter().find(|e| e.name() == claim.engine) {
             Some(engine) => {
-                let alive: Vec<i32> = claim.pids.iter().copied().filter(|&p| proctree::exists(p)).collect();
-                if let Err(e) = engine.recover(&alive, &[&entry.tmp_dir, &entry.dest]) {
+                let (alive, gone): (Vec<i32>, Vec<i32>) = claim.pids.iter().partition(|&&p| proctree::alive(p));
+                if let Err(e) = engine.recover(&alive, &gone, &[&entry.tmp_dir, &entry.dest]) {
                     problems.push(e.to_string());
                 }
             }
@@ -151,10 +151,10 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
     if !problems.is_empty() {
         // Keep the partial image (device data may be in it) and the entry: a later
         // `hiber recover` tries again.
-        return Recovered { root_pid: entry.root_pid, root_running: proctree::exists(entry.root_pid), image_complete: None, problems };
+        return Recovered { root_pid: entry.root_pid, root_running: proctree::alive(entry.root_pid), image_complete: None, problems };
     }
     let _ = fs::remove_dir_all(&entry.tmp_dir);
-    let root_running = proctree::exists(entry.root_pid);
+    let root_running = proctree::alive(entry.root_pid);
     let mut image_complete = Image::open(&entry.dest).ok().map(|_| entry.dest.clone());
     if image_complete.is_some() && entry.coordinated && !entry.cut_passed {
         // Committed here, but hiber died before the coordinator said every participant
@@ -258,6 +258,95 @@ mod tests {
             assert_eq!(rec[0].image_complete.is_some(), passed, "kept only when the cut passed");
             assert_eq!(dest.exists(), passed);
         }
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// What recover was asked: (pids, gone), per call.
+    type Asked = std::sync::Arc<std::sync::Mutex<Vec<(Vec<i32>, Vec<i32>)>>>;
+    /// An engine that records what recover was asked.
+    struct Recording(Asked);
+    struct RecordingKind;
+    static RECORDING: RecordingKind = RecordingKind;
+
+    impl crate::engine::EngineKind for RecordingKind {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+        fn section_version(&self) -> u32 {
+            1
+        }
+        fn load(&self) -> Option<Box<dyn DeviceEngine>> {
+            None
+        }
+        fn describe(&self, _: &serde_json::Value) -> Vec<String> {
+            Vec::new()
+        }
+        fn unavailable_hint(&self) -> &'static str {
+            ""
+        }
+    }
+
+    impl DeviceEngine for Recording {
+        fn kind(&self) -> &'static dyn crate::engine::EngineKind {
+            &RECORDING
+        }
+        fn begin_checkpoint(
+            &self,
+            _: &[proctree::ProcessInfo],
+            _: crate::engine::CheckpointOptions,
+        ) -> Result<Option<Box<dyn crate::engine::CheckpointSession>>, crate::engine::EngineError> {
+            Ok(None)
+        }
+        fn recover(&self, pids: &[i32], gone: &[i32], _: &[&Path]) -> Result<(), crate::engine::EngineError> {
+            self.0.lock().unwrap().push((pids.to_vec(), gone.to_vec()));
+            Ok(())
+        }
+        fn begin_restore(
+            &self,
+            _: &serde_json::Value,
+            _: &crate::engine::DeviceRestoreOptions,
+        ) -> Result<Box<dyn crate::engine::RestoreSession>, crate::engine::EngineError> {
+            Err(crate::engine::EngineError::failed("recording", "no restore", None))
+        }
+    }
+
+    #[test]
+    fn recover_tells_the_engine_which_processes_are_gone_zombies_included() {
+        let root = std::env::temp_dir().join(format!("hiber-journal-gone-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let state = StateDir::at(&root);
+        let me = proctree::stat(std::process::id() as i32).unwrap();
+        // One that exited and was reaped, and one that exited and was not (a zombie).
+        let mut reaped = std::process::Command::new("true").spawn().unwrap();
+        reaped.wait().unwrap();
+        let mut zombie = std::process::Command::new("true").spawn().unwrap();
+        let z = zombie.id() as i32;
+        let start = Instant::now();
+        while proctree::stat(z).map(|s| s.state != 'Z').unwrap_or(true) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!proctree::alive(z) && proctree::alive(std::process::id() as i32));
+        let me_pid = std::process::id() as i32;
+        let entry = Entry {
+            hiber_pid: me_pid,
+            hiber_start_time: me.start_time + 1,
+            root_pid: me_pid,
+            tmp_dir: root.join(".gone"),
+            dest: root.join("img"),
+            leave_running: true,
+            claims: vec![Claim { engine: "recording".into(), pids: vec![me_pid, reaped.id() as i32, z] }],
+            phase: Phase::DevicesQuiesced,
+            coordinated: false,
+            cut_passed: false,
+        };
+        let _j = Journal::begin(&state, entry).unwrap();
+        let asked = Asked::default();
+        let engines: Vec<Box<dyn DeviceEngine>> = vec![Box::new(Recording(asked.clone()))];
+        let rec = recover(&state, &engines);
+        assert_eq!(rec.len(), 1);
+        assert!(rec[0].problems.is_empty(), "{:?}", rec[0].problems);
+        zombie.wait().unwrap();
+        assert_eq!(*asked.lock().unwrap(), vec![(vec![me_pid], vec![reaped.id() as i32, z])], "alive, then gone");
         fs::remove_dir_all(&root).unwrap();
     }
 }

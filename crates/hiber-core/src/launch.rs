@@ -235,7 +235,7 @@ fn watch_stopped_tree(root: i32, (hiber_pid, hiber_start): (i32, u64)) {
     // CRIU queued the SIGSTOP as it let the tree go: the root stops a moment later.
     let start = std::time::Instant::now();
     while !crate::proctree::is_stopped(root) {
-        if start.elapsed() > std::time::Duration::from_secs(10) || !crate::proctree::exists(root) {
+        if start.elapsed() > std::time::Duration::from_secs(10) || !crate::proctree::alive(root) {
             return;
         }
         std::thread::sleep(poll);

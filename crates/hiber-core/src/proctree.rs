@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fs;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -278,8 +278,10 @@ pub fn all_threads_stopped(pid: i32) -> bool {
         .all(|t| fs::read_to_string(t.path().join("stat")).ok().and_then(|text| parse_stat(&text)).is_none_or(|s| matches!(s.state, 'T' | 't')))
 }
 
-pub fn exists(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
+/// Whether `pid` runs: it exists and is no zombie (one that exited and that its parent has
+/// not reaped yet runs nothing and answers nobody, so it counts as gone).
+pub fn alive(pid: i32) -> bool {
+    matches!(stat(pid), Ok(s) if !matches!(s.state, 'Z' | 'X'))
 }
 
 /// The identity of `pid`'s namespace of `kind` ("net", "mnt", ...), as /proc names it

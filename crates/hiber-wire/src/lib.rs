@@ -45,9 +45,10 @@
 //!
 //! `nccl-open` undoes a hold, and after a rebuild lets calls through (hiber opens no rank
 //! before every rank's rebuild succeeded); a hold also ends with its connection.
-//! `nccl-list` reports the communicators without holding them. `nccl-fail` ends torn-down
-//! communicators that cannot be rebuilt (a rank's process is gone): their calls fail as
-//! they would after a peer's death in NCCL, instead of waiting for ever.
+//! `nccl-list` reports the communicators without holding them. `nccl-fail KEY` ends a
+//! torn-down communicator that cannot be rebuilt (one of its ranks' processes is gone): its
+//! calls fail as they would after a peer's death in NCCL, instead of waiting for ever; the
+//! agent's other communicators are rebuilt and opened as usual.
 
 pub mod gate;
 pub mod opencl;
@@ -104,7 +105,9 @@ pub enum Request {
     },
     NcclDown,
     NcclOpen,
-    NcclFail,
+    NcclFail {
+        key: u64,
+    },
     NcclList,
     NcclNewId {
         key: u64,
@@ -281,7 +284,7 @@ impl Request {
             Request::NcclLimit { key, lane, count } => format!("nccl-limit {key:016x} {lane} {count}"),
             Request::NcclDrain { timeout_ms } => format!("nccl-drain {timeout_ms}"),
             Request::NcclDown => "nccl-down".into(),
-            Request::NcclFail => "nccl-fail".into(),
+            Request::NcclFail { key } => format!("nccl-fail {key:016x}"),
             Request::NcclOpen => "nccl-open".into(),
             Request::NcclList => "nccl-list".into(),
             Request::NcclNewId { key } => format!("nccl-new-id {key:016x}"),
@@ -304,7 +307,7 @@ impl Request {
             Some("nccl-limit") => Request::NcclLimit { key: key(w.next(), line)?, lane: num(w.next(), line)?, count: num(w.next(), line)? },
             Some("nccl-drain") => Request::NcclDrain { timeout_ms: num(w.next(), line)? },
             Some("nccl-down") => Request::NcclDown,
-            Some("nccl-fail") => Request::NcclFail,
+            Some("nccl-fail") => Request::NcclFail { key: key(w.next(), line)? },
             Some("nccl-open") => Request::NcclOpen,
             Some("nccl-list") => Request::NcclList,
             Some("nccl-new-id") => Request::NcclNewId { key: key(w.next(), line)? },
@@ -427,7 +430,7 @@ mod tests {
             Request::NcclDrain { timeout_ms: 5 },
             Request::NcclDown,
             Request::NcclOpen,
-            Request::NcclFail,
+            Request::NcclFail { key: 7 },
             Request::NcclList,
             Request::NcclNewId { key: 1 },
             Request::NcclSetId { key: 0xabc, id: id.clone() },

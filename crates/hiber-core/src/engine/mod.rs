@@ -155,8 +155,9 @@ pub trait DeviceEngine: Send + Sync {
 
     /// `hiber recover` after a hiber that was checkpointing died: brings `pids` back to
     /// running, with the places (the partial image, the finished one) where that hiber may
-    /// have left device data the engine needs to bring back.
-    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError>;
+    /// have left device data the engine needs to bring back. `gone` are the processes of
+    /// that checkpoint that no longer run (what they shared with `pids` cannot come back).
+    fn recover(&self, pids: &[i32], gone: &[i32], dirs: &[&Path]) -> Result<(), EngineError>;
 
     /// Opens a restore of `section`, after checking that this machine can take its state
     /// (devices present, enough memory), so a restore never half-happens.

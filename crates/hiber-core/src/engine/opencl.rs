@@ -290,7 +290,7 @@ impl DeviceEngine for OpenClEngine {
         })))
     }
 
-    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
+    fn recover(&self, pids: &[i32], _gone: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
         super::layer::each(pids, |pid| self.recover_one(pid, dirs))
     }
 
@@ -419,7 +419,7 @@ impl CheckpointSession for OpenClCheckpoint {
     fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
         let mut first = None;
         for t in &self.targets {
-            if !self.released.contains(&t.pid) || !crate::proctree::exists(t.pid) {
+            if !self.released.contains(&t.pid) || !crate::proctree::alive(t.pid) {
                 // Never released (its layer reopened its gate when the connection ended),
                 // or gone: nothing to undo.
                 continue;

@@ -480,7 +480,7 @@ impl CheckpointSession for AgentCheckpoint {
         let mut first = None;
         let mut not_back = Vec::new();
         for t in &self.targets {
-            if !crate::proctree::exists(t.pid) {
+            if !crate::proctree::alive(t.pid) {
                 // It died during the checkpoint: nothing to hand back to, nothing to undo.
                 // Its copies are still written: the image holds the memory it had.
                 self.held.remove(&t.pid);

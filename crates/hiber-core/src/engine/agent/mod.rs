@@ -392,14 +392,14 @@ impl DeviceEngine for AgentEngine {
         Ok(Some(Box::new(checkpoint::AgentCheckpoint::new(self.gpus.clone(), self.timeout_ms, opts, targets))))
     }
 
-    fn recover(&self, pids: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
+    fn recover(&self, pids: &[i32], gone: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
         let loaded = super::layer::each(pids, |pid| self.recover_one(pid, dirs));
         // Communicators torn down by the hiber that died are built again once every rank
         // has its memory back.
-        // Processes of the job that are gone go with them: if they were ranks, the others'
-        // communicators cannot be rebuilt, and their calls fail instead of waiting.
+        // Processes of the job that are gone go with them: the communicators they were
+        // ranks of cannot be rebuilt, and their calls on the others fail instead of waiting.
         let mut ranks = nccl_down(pids);
-        ranks.extend(pids.iter().filter(|&&p| !crate::proctree::exists(p)).map(|&pid| nccl::Rank { pid, name: String::new() }));
+        ranks.extend(gone.iter().map(|&pid| nccl::Rank { pid, name: String::new() }));
         let rebuilt = nccl::rebuild(&ranks, self.timeout_ms);
         loaded.and(rebuilt)
     }

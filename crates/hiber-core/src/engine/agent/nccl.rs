@@ -69,28 +69,39 @@ fn read_reports(conn: &Conn) -> Result<Vec<CommReport>, EngineError> {
     }
 }
 
-/// The ranks of each communicator that spans processes, checked whole.
-fn by_key(ranks: &[Vec<CommReport>]) -> Result<Members<'_>, String> {
+/// The ranks of each communicator that spans processes, by key.
+fn members(ranks: &[Vec<CommReport>]) -> Members<'_> {
     let mut keys: Members = BTreeMap::new();
     for (i, comms) in ranks.iter().enumerate() {
         for c in comms.iter().filter(|c| !c.local) {
             keys.entry(c.key).or_default().push((i, c));
         }
     }
-    for (key, members) in &keys {
-        let nranks = members[0].1.nranks;
-        let mut seen: Vec<i32> = members.iter().map(|(_, c)| c.rank).collect();
-        seen.sort_unstable();
-        seen.dedup();
-        let whole = nranks > 0 && seen.len() == members.len() && seen.len() == nranks as usize && seen.iter().all(|r| (0..nranks).contains(r));
-        if !whole {
-            return Err(format!(
-                "NCCL communicator {key:016x} has {} of its {nranks} ranks in this job (a communicator that spans hosts needs a hiber on each, which the NCCL cut does not coordinate yet)",
-                members.len()
-            ));
-        }
+    keys
+}
+
+/// Why communicator `key` is not whole among `members` (a rank missing or twice).
+fn incomplete(key: u64, members: &[(usize, &CommReport)]) -> Option<String> {
+    let nranks = members[0].1.nranks;
+    let mut seen: Vec<i32> = members.iter().map(|(_, c)| c.rank).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    let whole = nranks > 0 && seen.len() == members.len() && seen.len() == nranks as usize && seen.iter().all(|r| (0..nranks).contains(r));
+    (!whole).then(|| {
+        format!(
+            "NCCL communicator {key:016x} has {} of its {nranks} ranks in this job (a communicator that spans hosts needs a hiber on each, which the NCCL cut does not coordinate yet)",
+            members.len()
+        )
+    })
+}
+
+/// The ranks of each communicator that spans processes, checked whole.
+fn by_key(ranks: &[Vec<CommReport>]) -> Result<Members<'_>, String> {
+    let keys = members(ranks);
+    match keys.iter().find_map(|(key, m)| incomplete(*key, m)) {
+        Some(why) => Err(why),
+        None => Ok(keys),
     }
-    Ok(keys)
 }
 
 /// For each process (as indexed in `ranks`), the lanes it must catch up on: (key, lane,
@@ -214,7 +225,7 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     for r in ranks {
         match connect(r.pid, &r.name) {
             Ok(c) => conns.push(c),
-            Err(_) if !crate::proctree::exists(r.pid) => gone.push(r.pid),
+            Err(_) if !crate::proctree::alive(r.pid) => gone.push(r.pid),
             Err(e) => return Err(e),
         }
     }
@@ -233,27 +244,35 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         c.send(&Request::NcclList, None)?;
         reports.push(read_reports(c)?);
     }
-    let keys = match by_key(&reports) {
-        Ok(k) => k,
-        Err(m) if !gone.is_empty() => {
-            // A communicator lacks ranks whose processes are gone: nothing can bring them
-            // back, and waiting for a rebuild would hold the others for ever. Their calls
-            // fail instead, as after a peer's death in NCCL, and the job's own error handling
-            // (PyTorch's watchdog, the launcher) takes over.
-            for c in &conns {
-                if let Err(e) = c.call::<Reply>(&Request::NcclFail, None) {
-                    tracing::warn!(pid = c.pid, error = %e, "could not end the NCCL communicators of a surviving rank");
+    let (keys, broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
+    let mut lost = None;
+    if let Some((key, m)) = broken.iter().next() {
+        let why = incomplete(*key, m).unwrap_or_default();
+        if gone.is_empty() {
+            return Err(fail(why, None));
+        }
+        // Communicators that lack ranks whose processes are gone: nothing can bring those
+        // back, and waiting for a rebuild would hold the others for ever. Their calls fail
+        // instead, as after a peer's death in NCCL, and the job's own error handling
+        // (PyTorch's watchdog, the launcher) takes over. The ranks' other communicators are
+        // built again as usual.
+        for (key, m) in &broken {
+            for (i, _) in m {
+                if let Err(e) = conns[*i].call::<Reply>(&Request::NcclFail { key: *key }, None) {
+                    tracing::warn!(pid = conns[*i].pid, key = format!("{key:016x}"), error = %e, "could not end an NCCL communicator of a surviving rank");
                 }
             }
-            return Err(fail(
-                format!("{m}: process(es) {gone:?} of the job are gone, so its communicators cannot be built again; the other ranks' NCCL calls now fail, as after a peer's death in NCCL"),
-                Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
-            ));
         }
-        Err(m) => return Err(fail(m, None)),
-    };
+        lost = Some(fail(
+            format!(
+                "{why}: process(es) {gone:?} of the job are gone, so {} of its communicators cannot be built again; their calls on the other ranks now fail, as after a peer's death in NCCL",
+                broken.len()
+            ),
+            Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
+        ));
+    }
     for (key, members) in &keys {
-        let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("by_key checked every rank is there");
+        let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("a whole communicator has its rank 0");
         let id = match conns[*root].call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
             Reply::NcclId { id, .. } => id,
             other => return Err(fail(format!("agent of process {}: unexpected {other:?}", conns[*root].pid), None)),
@@ -283,12 +302,21 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         }
         return Err(fail(format!("building NCCL communicators again: {e}"), Some("the job's NCCL calls wait; `hiber recover` retries")));
     }
-    // Only now, with every rank's communicators made, may any rank submit work again.
-    for c in &conns {
-        c.call::<Reply>(&Request::NcclOpen, None).map_err(|e| fail(format!("letting NCCL calls through again: {e}"), Some("`hiber recover` retries")))?;
+    // Only now, with every rank's communicators made, may any rank submit work again: every
+    // rank is opened even if one fails (a later `hiber recover` rebuilds and opens that one).
+    let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
+    let opened = opened.into_iter().find_map(Result::err);
+    if let Some(e) = opened {
+        return Err(fail(format!("letting NCCL calls through again: {e}"), Some("`hiber recover` retries")));
     }
-    tracing::info!(ranks = ranks.len(), communicators = keys.len(), seconds = started.elapsed().as_secs_f64(), "NCCL communicators rebuilt");
-    Ok(())
+    tracing::info!(
+        ranks = ranks.len(),
+        communicators = keys.len(),
+        failed = broken.len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "NCCL communicators rebuilt"
+    );
+    lost.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]
@@ -458,12 +486,33 @@ mod tests {
         let gone = Rank { pid: dead, name: format!("hiber-test-nccl-{}-gone-b", std::process::id()) };
         let e = rebuild(&[a.rank.clone(), gone.clone()], 1000).unwrap_err();
         assert!(e.to_string().contains("are gone") && e.to_string().contains(&dead.to_string()), "{e}");
-        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-fail"], "the survivor's communicators end; nothing is rebuilt");
-        // A process of the job that is gone but was no rank of a communicator changes
-        // nothing: the others' communicators are whole, and built again.
-        let b = scripted("gone-c", vec![comm(5, 0, 2, &[])], "");
+        assert_eq!(
+            a.verbs(),
+            ["status", "nccl-list", "nccl-fail", "nccl-rebuild", "nccl-open"],
+            "the survivor's communicator ends, and its calls go on (to fail)"
+        );
+        assert_eq!(a.asked()[2], "nccl-fail 0000000000000009");
+        // Only the communicators the gone process was a rank of end: the survivors' others
+        // are built again. A process of the job that is gone but was no rank changes nothing.
+        let b = scripted("gone-c", vec![comm(5, 0, 2, &[]), comm(6, 0, 2, &[])], "");
         let c = scripted("gone-d", vec![comm(5, 1, 2, &[])], "");
-        rebuild(&[b.rank.clone(), c.rank.clone(), gone], 1000).unwrap();
+        let e = rebuild(&[b.rank.clone(), c.rank.clone(), gone.clone()], 1000).unwrap_err();
+        assert!(e.to_string().contains("1 of its communicators"), "{e}");
+        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-fail", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
+        assert_eq!(b.asked()[2], "nccl-fail 0000000000000006", "not communicator 5");
+        assert_eq!(c.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
+        let d = scripted("gone-e", vec![comm(5, 0, 2, &[])], "");
+        let f = scripted("gone-f", vec![comm(5, 1, 2, &[])], "");
+        rebuild(&[d.rank.clone(), f.rank.clone(), gone], 1000).unwrap();
+        assert_eq!(d.verbs().last().unwrap(), "nccl-open");
+    }
+
+    #[test]
+    fn every_rank_is_opened_even_when_one_fails_to() {
+        let a = scripted("open-a", vec![comm(9, 0, 2, &[])], "nccl-open");
+        let b = scripted("open-b", vec![comm(9, 1, 2, &[])], "");
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        assert!(e.to_string().contains("letting NCCL calls through again"), "{e}");
         assert_eq!(b.verbs().last().unwrap(), "nccl-open");
     }
 

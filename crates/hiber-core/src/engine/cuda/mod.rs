@@ -87,7 +87,7 @@ pub trait CheckpointApi: Send + Sync {
     }
     /// Whether the process still exists (one that died mid-checkpoint needs no undo).
     fn alive(&self, pid: i32) -> bool {
-        crate::proctree::exists(pid)
+        crate::proctree::alive(pid)
     }
 }
 
@@ -417,7 +417,7 @@ impl DeviceEngine for DriverEngine {
         Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several })))
     }
 
-    fn recover(&self, pids: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
+    fn recover(&self, pids: &[i32], _gone: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
         self.parallel(pids, |pid| self.resume_one(pid, &[]))
     }
 
