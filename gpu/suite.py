@@ -32,6 +32,18 @@ if not __debug__:
     sys.exit("gpu/suite.py checks with assert: run it without -O or PYTHONOPTIMIZE")
 
 CARRY = REPO / ".carry"
+
+
+def carried_commit():
+    """The commit the carried hiber was built from (scripts/gpu-carry.sh records it)."""
+    if os.environ.get("HIBER_COMMIT"):
+        return os.environ["HIBER_COMMIT"]
+    try:
+        return (CARRY / "COMMIT").read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
 # A worker of a parallel run (SUITE_JOBS) gets a state directory of its own.
@@ -1424,7 +1436,7 @@ def machine():
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "gpus": q.splitlines(),
         "kernel": os.uname().release,
-        "commit": os.environ.get("HIBER_COMMIT", "unknown"),
+        "commit": carried_commit(),
         "criu": sh(CARRY / "bin/criu", "--version", check=False).stdout.split("\n")[0],
         "nvcc": (sh("nvcc", "--version", check=False).stdout.strip().splitlines() or ["?"])[-1],
     }

@@ -35,4 +35,9 @@ here=$(dirname "$(readlink -f "$0")")
 PATH="$here:$PATH" LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/criu.real" "$@"
 WRAP
 chmod 0755 "$carry/bin/criu"
+# The commit the binaries were built from, for the records the suite and the bench write
+# (the GPU machine gets a copy of the working tree without .git).
+commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+git -C "$repo" diff --quiet HEAD -- crates 2>/dev/null || commit="$commit+uncommitted"
+echo "$commit" >"$carry/COMMIT"
 du -sh "$carry"
