@@ -1315,7 +1315,8 @@ pub unsafe extern "C" fn clReleaseKernel(k: H) -> cl_int {
 pub unsafe extern "C" fn clSetKernelArg(k: H, index: cl_uint, size: usize, value: *const c_void) -> cl_int {
     let _pass = gate::enter();
     let f = real_fn!(clSetKernelArg, cl::CL_INVALID_KERNEL);
-    let kernel = tri!(obj(k, Kind::Kernel));
+    // SAFETY: the kernel is used only within this call.
+    let kernel = tri!(unsafe { o::borrow(k, Kind::Kernel) });
     // A memory object or sampler is passed as a pointer to its handle: one of ours (the
     // platform gets the real one). Anything else is plain bytes, or local memory.
     let mut object = None;

@@ -474,6 +474,30 @@ pub fn real_of(h: H, kind: Kind) -> Result<H, cl_int> {
     Ok(r)
 }
 
+/// The live object of `kind` behind handle `h`, borrowed for the call that passed it (the
+/// application holds the handle meanwhile, as for [`real_of`]): no reference is taken, for
+/// the calls on every launch's path.
+///
+/// # Safety
+/// The reference must not outlive the application's call.
+pub unsafe fn borrow<'a>(h: H, kind: Kind) -> Result<&'a Obj, cl_int> {
+    if h.is_null() {
+        return Err(kind.invalid());
+    }
+    let p = h as *const Obj;
+    // SAFETY: as in `get`: eight bytes are readable behind any handle the application passes.
+    if unsafe { std::ptr::read(p as *const u64) } != MAGIC {
+        return Err(kind.invalid());
+    }
+    // SAFETY: the magic says `p` is an `Obj`, alive while the application holds its handle,
+    // as it does for the call; the caller keeps the reference within it.
+    let o = unsafe { &*p };
+    if o.kind != kind || o.real().is_null() {
+        return Err(kind.invalid());
+    }
+    Ok(o)
+}
+
 /// Real handles for a list of `n` virtual ones (a wait list, a device list).
 ///
 /// # Safety

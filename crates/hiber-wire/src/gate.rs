@@ -1,29 +1,142 @@
 //! The gate every intercepted call of a preloaded layer (the CUDA agent, the OpenCL
 //! layer) passes: open while the application runs, closed while hiber checkpoints it.
 //!
-//! A call counts itself in before it checks the gate, so once [`close`] has seen the count
-//! at zero no application thread is inside the driver through an intercepted entry point,
-//! and none can enter until [`open`]. Threads that arrive while it is closed wait.
+//! A call counts itself in before it checks the gate, so once [`close`] has seen every
+//! count at zero no application thread is inside the driver through an intercepted entry
+//! point, and none can enter until [`open`]. Threads that arrive while it is closed wait.
+//!
+//! The call path is on every intercepted call (a launch-heavy OpenCL program makes millions),
+//! so it has no locked instruction: each thread counts itself in a slot of its own, with
+//! plain stores, and checks the gate after a compiler fence only. The rare [`close`] pays
+//! instead: after it marks the gate closed it has the kernel run a memory barrier on every
+//! CPU (`membarrier(MEMBARRIER_CMD_GLOBAL)`, an RCU grace period, milliseconds), so that
+//! either a thread's count is visible to it or that thread sees the gate closed (the two
+//! stores and two loads of Dekker's algorithm, with the fences made asymmetric). Where the
+//! kernel refuses membarrier (a seccomp filter, `nohz_full`), every call fences instead.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{compiler_fence, fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 static CLOSED: AtomicBool = AtomicBool::new(false);
-static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 static LOCK: Mutex<()> = Mutex::new(());
 static CHANGED: Condvar = Condvar::new();
+
+/// Calls in flight of one thread (only that thread writes it), or of the threads that reach
+/// the gate while their thread-locals are being destroyed ([`SHARED`], atomically).
+struct Slot {
+    inside: AtomicUsize,
+    /// A living thread owns it; a thread that ended leaves it to the next new one.
+    taken: AtomicBool,
+}
+
+/// Every slot ever made (they are few: one per thread alive at once, reused after).
+static SLOTS: Mutex<Vec<&'static Slot>> = Mutex::new(Vec::new());
+static SHARED: Slot = Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true) };
+
+/// A thread's hold on its slot, given back when the thread ends.
+struct Owner(&'static Slot);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.taken.store(false, Ordering::Release);
+    }
+}
+
+thread_local! {
+    static MINE: Cell<Option<&'static Slot>> = const { Cell::new(None) };
+    static OWNER: Cell<Option<Owner>> = const { Cell::new(None) };
+}
 
 fn lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+fn slots() -> MutexGuard<'static, Vec<&'static Slot>> {
+    SLOTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This thread's slot: a free one, or a new one (leaked: the list only grows to the most
+/// threads alive at once).
+fn take_slot() -> &'static Slot {
+    let mut all = slots();
+    let slot = match all.iter().find(|s| s.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()) {
+        Some(s) => *s,
+        None => {
+            let s: &'static Slot = Box::leak(Box::new(Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true) }));
+            all.push(s);
+            s
+        }
+    };
+    drop(all);
+    // Registered for the thread's end; a thread already past its thread-locals uses SHARED.
+    if OWNER.try_with(|o| o.set(Some(Owner(slot)))).is_err() {
+        slot.taken.store(false, Ordering::Release);
+        return &SHARED;
+    }
+    let _ = MINE.try_with(|m| m.set(Some(slot)));
+    slot
+}
+
+fn my_slot() -> &'static Slot {
+    match MINE.try_with(Cell::get) {
+        Ok(Some(s)) => s,
+        Ok(None) => take_slot(),
+        Err(_) => &SHARED,
+    }
+}
+
+const MEMBARRIER_CMD_QUERY: libc::c_int = 0;
+const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+/// 0: not known yet; 1: `close` runs membarrier, calls need a compiler fence only; 2: calls
+/// fence themselves.
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+fn membarrier(cmd: libc::c_int) -> libc::c_long {
+    // SAFETY: membarrier(2) takes a command and flags and touches no memory of ours.
+    unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0 as libc::c_uint) }
+}
+
+fn asymmetric() -> bool {
+    match MODE.load(Ordering::Acquire) {
+        1 => true,
+        2 => false,
+        _ => {
+            let q = membarrier(MEMBARRIER_CMD_QUERY);
+            let mode = if q >= 0 && q & MEMBARRIER_CMD_GLOBAL as libc::c_long != 0 { 1 } else { 2 };
+            // Every thread computes the same answer; the first store wins, the rest agree.
+            let _ = MODE.compare_exchange(0, mode, Ordering::AcqRel, Ordering::Acquire);
+            MODE.load(Ordering::Acquire) == 1
+        }
+    }
+}
+
 /// An application thread inside the driver.
-pub struct Pass(());
+pub struct Pass(&'static Slot);
+
+fn count_in(s: &'static Slot) {
+    if std::ptr::eq(s, &SHARED) {
+        s.inside.fetch_add(1, Ordering::SeqCst);
+    } else {
+        // Only this thread writes its slot: no read-modify-write needed.
+        s.inside.store(s.inside.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+}
+
+fn count_out(s: &'static Slot) {
+    if std::ptr::eq(s, &SHARED) {
+        s.inside.fetch_sub(1, Ordering::SeqCst);
+    } else {
+        s.inside.store(s.inside.load(Ordering::Relaxed) - 1, Ordering::Release);
+    }
+}
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        if IN_FLIGHT.fetch_sub(1, Ordering::SeqCst) == 1 && CLOSED.load(Ordering::SeqCst) {
+        count_out(self.0);
+        if CLOSED.load(Ordering::Relaxed) {
+            // The closer also looks again every few milliseconds.
             let _g = lock();
             CHANGED.notify_all();
         }
@@ -32,17 +145,31 @@ impl Drop for Pass {
 
 /// Waits while the gate is closed, then counts the caller in until the `Pass` drops.
 pub fn enter() -> Pass {
+    let slot = my_slot();
+    let light = asymmetric();
     loop {
-        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        if !CLOSED.load(Ordering::SeqCst) {
-            return Pass(());
+        count_in(slot);
+        // Between the count and the check: the closer's membarrier stands for the fence.
+        if light {
+            compiler_fence(Ordering::SeqCst);
+        } else {
+            fence(Ordering::SeqCst);
         }
-        drop(Pass(()));
+        if !CLOSED.load(Ordering::Relaxed) {
+            return Pass(slot);
+        }
+        drop(Pass(slot));
         let mut g = lock();
         while CLOSED.load(Ordering::SeqCst) {
             g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
+}
+
+/// The calls in flight, counted once the gate is marked closed and every CPU fenced.
+fn in_flight() -> usize {
+    fence(Ordering::SeqCst);
+    SHARED.inside.load(Ordering::SeqCst) + slots().iter().map(|s| s.inside.load(Ordering::Acquire)).sum::<usize>()
 }
 
 /// Closes the gate and waits until no call is in flight. On timeout the gate opens again
@@ -51,8 +178,15 @@ pub fn close(timeout: Duration) -> Result<(), usize> {
     let deadline = Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
     let mut g = lock();
     CLOSED.store(true, Ordering::SeqCst);
+    // After this, every thread either made its count visible or will see the gate closed.
+    if asymmetric() && membarrier(MEMBARRIER_CMD_GLOBAL) != 0 {
+        // Refused now though it was offered: make every call fence from here on, and wait
+        // out the calls that checked the gate without one (they were already inside).
+        MODE.store(2, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(50));
+    }
     loop {
-        let n = IN_FLIGHT.load(Ordering::SeqCst);
+        let n = in_flight();
         if n == 0 {
             return Ok(());
         }
@@ -62,7 +196,7 @@ pub fn close(timeout: Duration) -> Result<(), usize> {
             CHANGED.notify_all();
             return Err(n);
         }
-        // Short waits: a thread that leaves between the load and the wait is seen next time.
+        // Short waits: a thread that leaves between the count and the wait is seen next time.
         g = CHANGED.wait_timeout(g, left.min(Duration::from_millis(5))).unwrap_or_else(|e| e.into_inner()).0;
     }
 }
@@ -106,5 +240,44 @@ mod tests {
         open();
         caller.join().unwrap();
         assert_eq!(done.load(Ordering::SeqCst), 1);
+
+        // Many threads calling all the time, the gate closed and opened under them: while
+        // it is closed, none is inside (each says so in a counter of its own making).
+        let inside_now = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let callers: Vec<_> = (0..4)
+            .map(|_| {
+                let (inside_now, stop) = (inside_now.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut calls = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let p = enter();
+                        inside_now.fetch_add(1, Ordering::SeqCst);
+                        std::hint::spin_loop();
+                        inside_now.fetch_sub(1, Ordering::SeqCst);
+                        drop(p);
+                        calls += 1;
+                    }
+                    calls
+                })
+            })
+            .collect();
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(2));
+            assert_eq!(close(Duration::from_secs(5)), Ok(()));
+            for _ in 0..200 {
+                assert_eq!(inside_now.load(Ordering::SeqCst), 0, "a call got past the closed gate");
+            }
+            open();
+        }
+        stop.store(true, Ordering::Relaxed);
+        let calls: u64 = callers.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(calls > 0);
+        // Threads that ended leave their slots to new ones.
+        let before = slots().len();
+        for _ in 0..20 {
+            std::thread::spawn(|| drop(enter())).join().unwrap();
+        }
+        assert!(slots().len() <= before + 1, "slots reused: {} after {before}", slots().len());
     }
 }
