@@ -935,9 +935,10 @@ fn end(comm: Comm, name: &str) -> NcclResult {
     }
     let real_comm = {
         // Not while hiber holds or rebuilds the communicators: every rank's must be there
-        // for the rebuild, and this one is ended once it is rebuilt.
+        // for the rebuild, and this one is ended once it is rebuilt. One ended for good
+        // (`fail`) goes at once: the others may wait long for their rebuild.
         let mut s = lock();
-        while s.phase != Phase::Open && s.comms.contains_key(&h) {
+        while s.phase != Phase::Open && s.comms.get(&h).is_some_and(|e| !e.failed) {
             s = wait(s);
         }
         match s.comms.remove(&h) {

@@ -279,9 +279,18 @@ pub fn all_threads_stopped(pid: i32) -> bool {
 }
 
 /// Whether `pid` runs: it exists and is no zombie (one that exited and that its parent has
-/// not reaped yet runs nothing and answers nobody, so it counts as gone).
+/// not reaped yet runs nothing and answers nobody, so it counts as gone). A process whose
+/// main thread ended (`pthread_exit`) shows as a zombie while its other threads run: it is
+/// alive as long as one of them is.
 pub fn alive(pid: i32) -> bool {
-    matches!(stat(pid), Ok(s) if !matches!(s.state, 'Z' | 'X'))
+    let running = |s: &Stat| !matches!(s.state, 'Z' | 'X');
+    match stat(pid) {
+        Ok(s) if running(&s) => true,
+        Ok(_) => fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| d.filter_map(Result::ok).any(|t| fs::read_to_string(t.path().join("stat")).ok().and_then(|x| parse_stat(&x)).is_some_and(|s| running(&s))))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
 }
 
 /// The identity of `pid`'s namespace of `kind` ("net", "mnt", ...), as /proc names it

@@ -1335,26 +1335,26 @@ pub unsafe extern "C" fn clSetKernelArg(k: H, index: cl_uint, size: usize, value
         None => unsafe { f(kernel.real(), index, size, value) },
     };
     if r == cl::CL_SUCCESS {
-        if let Record::Kernel { args, .. } = &mut *kernel.rec() {
+        // The argument replaced ends only after the record's lock and this call's use of the
+        // kernel: the last reference to a memory object may run the application's destructor
+        // callback, which may release the kernel.
+        let _replaced = {
+            let mut rec = kernel.rec();
+            let Record::Kernel { args, .. } = &mut *rec else { return r };
             match (object, args.get_mut(&index)) {
-                (Some(x), _) => {
-                    args.insert(index, Arg::Object(x));
-                }
-                (None, _) if value.is_null() => {
-                    args.insert(index, Arg::Local(size));
-                }
+                (Some(x), _) => args.insert(index, Arg::Object(x)),
+                (None, _) if value.is_null() => args.insert(index, Arg::Local(size)),
                 // The same argument set again (a loop counter, say): its bytes in place, no
                 // allocation on the application's launch path.
                 (None, Some(Arg::Bytes(old))) if old.len() == size => {
                     // SAFETY: `value` points to `size` bytes.
                     old.copy_from_slice(unsafe { std::slice::from_raw_parts(value as *const u8, size) });
+                    None
                 }
-                (None, _) => {
-                    // SAFETY: `value` points to `size` bytes.
-                    args.insert(index, Arg::Bytes(unsafe { std::slice::from_raw_parts(value as *const u8, size) }.to_vec()));
-                }
+                // SAFETY: `value` points to `size` bytes.
+                (None, _) => args.insert(index, Arg::Bytes(unsafe { std::slice::from_raw_parts(value as *const u8, size) }.to_vec())),
             }
-        }
+        };
     }
     r
 }

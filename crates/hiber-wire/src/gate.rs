@@ -15,7 +15,7 @@
 //! kernel refuses membarrier (a seccomp filter, `nohz_full`), every call fences instead.
 
 use std::cell::Cell;
-use std::sync::atomic::{compiler_fence, fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{compiler_fence, fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -29,17 +29,34 @@ struct Slot {
     inside: AtomicUsize,
     /// A living thread owns it; a thread that ended leaves it to the next new one.
     taken: AtomicBool,
+    next: AtomicPtr<Slot>,
 }
 
-/// Every slot ever made (they are few: one per thread alive at once, reused after).
-static SLOTS: Mutex<Vec<&'static Slot>> = Mutex::new(Vec::new());
-static SHARED: Slot = Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true) };
+/// Every slot ever made, as a list that only grows (to the most threads alive at once:
+/// slots are reused) and takes no lock, so that a child forked while another thread was
+/// adding to it is not stuck on a lock that thread held.
+static SLOTS: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
+static SHARED: Slot = Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) };
+
+fn slots() -> impl Iterator<Item = &'static Slot> {
+    let mut p = SLOTS.load(Ordering::Acquire);
+    std::iter::from_fn(move || {
+        // SAFETY: the list holds only leaked slots, never freed.
+        let s: &'static Slot = unsafe { p.as_ref()? };
+        p = s.next.load(Ordering::Acquire);
+        Some(s)
+    })
+}
 
 /// A thread's hold on its slot, given back when the thread ends.
 struct Owner(&'static Slot);
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        // Calls made later in the thread's exit (other thread-locals' destructors, pthread
+        // keys' ones) must not count in a slot that a new thread may take: they find no slot
+        // of their own, and [`take_slot`] gives them the shared one.
+        let _ = MINE.try_with(|m| m.set(None));
         self.0.taken.store(false, Ordering::Release);
     }
 }
@@ -53,30 +70,54 @@ fn lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn slots() -> MutexGuard<'static, Vec<&'static Slot>> {
-    SLOTS.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// This thread's slot: a free one, or a new one (leaked: the list only grows to the most
-/// threads alive at once).
+/// This thread's slot: a free one, or a new one (leaked, and added to the list).
 fn take_slot() -> &'static Slot {
-    let mut all = slots();
-    let slot = match all.iter().find(|s| s.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()) {
-        Some(s) => *s,
+    let slot = match slots().find(|s| s.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()) {
+        Some(s) => s,
         None => {
-            let s: &'static Slot = Box::leak(Box::new(Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true) }));
-            all.push(s);
-            s
+            let s: &'static Slot =
+                Box::leak(Box::new(Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) }));
+            let mut head = SLOTS.load(Ordering::Acquire);
+            loop {
+                s.next.store(head, Ordering::Relaxed);
+                match SLOTS.compare_exchange_weak(head, s as *const Slot as *mut Slot, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => break s,
+                    Err(now) => head = now,
+                }
+            }
         }
     };
-    drop(all);
-    // Registered for the thread's end; a thread already past its thread-locals uses SHARED.
+    // Registered for the thread's end; a thread whose thread-locals are being destroyed
+    // uses SHARED.
     if OWNER.try_with(|o| o.set(Some(Owner(slot)))).is_err() {
         slot.taken.store(false, Ordering::Release);
         return &SHARED;
     }
     let _ = MINE.try_with(|m| m.set(Some(slot)));
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a handler that only stores to atomics and thread-locals of
+        // this module, which is async-signal-safe and cannot unwind.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    });
     slot
+}
+
+static AT_FORK: std::sync::Once = std::sync::Once::new();
+
+/// In the child of a fork only the forking thread lives on: the other threads' calls in
+/// flight are not the child's, nor is a gate that hiber closed on the parent (the child has
+/// no hiber connection of its own yet), so both are forgotten.
+extern "C" fn after_fork_in_child() {
+    let mine = MINE.try_with(Cell::get).ok().flatten();
+    for s in slots() {
+        if mine.is_some_and(|m| std::ptr::eq(m, s)) {
+            continue;
+        }
+        s.inside.store(0, Ordering::Relaxed);
+        s.taken.store(false, Ordering::Relaxed);
+    }
+    SHARED.inside.store(0, Ordering::Relaxed);
+    CLOSED.store(false, Ordering::SeqCst);
 }
 
 fn my_slot() -> &'static Slot {
@@ -112,8 +153,8 @@ fn asymmetric() -> bool {
     }
 }
 
-/// An application thread inside the driver.
-pub struct Pass(&'static Slot);
+/// An application thread inside the driver (ends on the thread that entered).
+pub struct Pass(&'static Slot, std::marker::PhantomData<*const ()>);
 
 fn count_in(s: &'static Slot) {
     if std::ptr::eq(s, &SHARED) {
@@ -146,6 +187,13 @@ impl Drop for Pass {
 /// Waits while the gate is closed, then counts the caller in until the `Pass` drops.
 pub fn enter() -> Pass {
     let slot = my_slot();
+    // A call made inside another (an application callback the driver runs): the outer one
+    // is counted already, so the gate cannot close under it; waiting would only keep it
+    // from closing.
+    if !std::ptr::eq(slot, &SHARED) && slot.inside.load(Ordering::Relaxed) > 0 {
+        count_in(slot);
+        return Pass(slot, std::marker::PhantomData);
+    }
     let light = asymmetric();
     loop {
         count_in(slot);
@@ -156,9 +204,9 @@ pub fn enter() -> Pass {
             fence(Ordering::SeqCst);
         }
         if !CLOSED.load(Ordering::Relaxed) {
-            return Pass(slot);
+            return Pass(slot, std::marker::PhantomData);
         }
-        drop(Pass(slot));
+        drop(Pass(slot, std::marker::PhantomData));
         let mut g = lock();
         while CLOSED.load(Ordering::SeqCst) {
             g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
@@ -169,7 +217,7 @@ pub fn enter() -> Pass {
 /// The calls in flight, counted once the gate is marked closed and every CPU fenced.
 fn in_flight() -> usize {
     fence(Ordering::SeqCst);
-    SHARED.inside.load(Ordering::SeqCst) + slots().iter().map(|s| s.inside.load(Ordering::Acquire)).sum::<usize>()
+    SHARED.inside.load(Ordering::SeqCst) + slots().map(|s| s.inside.load(Ordering::Acquire)).sum::<usize>()
 }
 
 /// Closes the gate and waits until no call is in flight. On timeout the gate opens again
@@ -273,11 +321,54 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         let calls: u64 = callers.into_iter().map(|t| t.join().unwrap()).sum();
         assert!(calls > 0);
+        // A call made inside another while the gate closes goes through (the outer one
+        // holds the close back anyway), and the close succeeds once both end.
+        let outer = enter();
+        let closer = std::thread::spawn(|| close(Duration::from_secs(5)));
+        while !is_closed() {
+            std::thread::yield_now();
+        }
+        let inner = enter();
+        drop(inner);
+        drop(outer);
+        assert_eq!(closer.join().unwrap(), Ok(()));
+        open();
+
+        // A child forked while another thread is inside a call has none in flight itself,
+        // and can close its own gate.
+        let held = Arc::new(AtomicBool::new(true));
+        let entered = Arc::new(AtomicBool::new(false));
+        let (h, e) = (held.clone(), entered.clone());
+        let holder = std::thread::spawn(move || {
+            let _p = enter();
+            e.store(true, Ordering::SeqCst);
+            while h.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        while !entered.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        // SAFETY: the child only closes the gate and exits, without unwinding.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = if close(Duration::from_millis(200)).is_ok() { 0 } else { 1 };
+            // SAFETY: ends the child at once, as a forked test child must.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child's gate closed: status {status}");
+        assert_eq!(close(Duration::from_millis(50)), Err(1), "the parent's call is still in flight");
+        held.store(false, Ordering::SeqCst);
+        holder.join().unwrap();
+
         // Threads that ended leave their slots to new ones.
-        let before = slots().len();
+        let before = slots().count();
         for _ in 0..20 {
             std::thread::spawn(|| drop(enter())).join().unwrap();
         }
-        assert!(slots().len() <= before + 1, "slots reused: {} after {before}", slots().len());
+        assert!(slots().count() <= before + 1, "slots reused: {} after {before}", slots().count());
     }
 }

@@ -245,28 +245,38 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         reports.push(read_reports(c)?);
     }
     let (keys, broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
-    let mut lost = None;
-    if let Some((key, m)) = broken.iter().next() {
+    // A communicator can lack ranks because their processes are gone (as many missing as
+    // gone, at most), or because those ranks were rebuilt with it and opened by an earlier
+    // rebuild whose open failed on this one: then its communicators are built, and opening
+    // them is all that is left.
+    let (lost_keys, unexplained): (Members, Members) = broken.into_iter().partition(|(_, m)| (m[0].1.nranks as usize).saturating_sub(m.len()) <= gone.len());
+    if let Some((key, m)) = unexplained.iter().next() {
         let why = incomplete(*key, m).unwrap_or_default();
-        if gone.is_empty() {
-            return Err(fail(why, None));
+        let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
+        if opened.iter().all(Result::is_ok) {
+            tracing::info!(ranks = conns.len(), "NCCL communicators built by an earlier rebuild opened");
+            return Ok(());
         }
+        return Err(fail(why, None));
+    }
+    let mut lost = None;
+    if let Some((key, m)) = lost_keys.iter().next() {
+        let why = incomplete(*key, m).unwrap_or_default();
         // Communicators that lack ranks whose processes are gone: nothing can bring those
         // back, and waiting for a rebuild would hold the others for ever. Their calls fail
         // instead, as after a peer's death in NCCL, and the job's own error handling
         // (PyTorch's watchdog, the launcher) takes over. The ranks' other communicators are
         // built again as usual.
-        for (key, m) in &broken {
-            for (i, _) in m {
-                if let Err(e) = conns[*i].call::<Reply>(&Request::NcclFail { key: *key }, None) {
-                    tracing::warn!(pid = conns[*i].pid, key = format!("{key:016x}"), error = %e, "could not end an NCCL communicator of a surviving rank");
-                }
+        let ends: std::collections::BTreeSet<(usize, u64)> = lost_keys.iter().flat_map(|(key, m)| m.iter().map(move |(i, _)| (*i, *key))).collect();
+        for (i, key) in ends {
+            if let Err(e) = conns[i].call::<Reply>(&Request::NcclFail { key }, None) {
+                tracing::warn!(pid = conns[i].pid, key = format!("{key:016x}"), error = %e, "could not end an NCCL communicator of a surviving rank");
             }
         }
         lost = Some(fail(
             format!(
                 "{why}: process(es) {gone:?} of the job are gone, so {} of its communicators cannot be built again; their calls on the other ranks now fail, as after a peer's death in NCCL",
-                broken.len()
+                lost_keys.len()
             ),
             Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
         ));
@@ -312,7 +322,7 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     tracing::info!(
         ranks = ranks.len(),
         communicators = keys.len(),
-        failed = broken.len(),
+        failed = lost_keys.len(),
         seconds = started.elapsed().as_secs_f64(),
         "NCCL communicators rebuilt"
     );
@@ -505,6 +515,18 @@ mod tests {
         let f = scripted("gone-f", vec![comm(5, 1, 2, &[])], "");
         rebuild(&[d.rank.clone(), f.rank.clone(), gone], 1000).unwrap();
         assert_eq!(d.verbs().last().unwrap(), "nccl-open");
+    }
+
+    #[test]
+    fn a_rank_left_unopened_by_an_earlier_rebuild_is_opened_alone() {
+        // Its peer opened; only it is torn down, with its communicators built.
+        let a = scripted("late-a", vec![comm(9, 1, 2, &[])], "");
+        rebuild(std::slice::from_ref(&a.rank), 1000).unwrap();
+        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-open"], "nothing rebuilt");
+        // Not built (the agent refuses to open): the communicator's missing rank is the error.
+        let b = scripted("late-b", vec![comm(9, 1, 2, &[])], "nccl-open");
+        let e = rebuild(std::slice::from_ref(&b.rank), 1000).unwrap_err();
+        assert!(e.to_string().contains("1 of its 2 ranks"), "{e}");
     }
 
     #[test]
