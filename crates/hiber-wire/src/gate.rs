@@ -13,15 +13,23 @@
 //! either a thread's count is visible to it or that thread sees the gate closed (the two
 //! stores and two loads of Dekker's algorithm, with the fences made asymmetric). Where the
 //! kernel refuses membarrier (a seccomp filter, `nohz_full`), every call fences instead.
+//!
+//! Nothing here takes a lock: threads held at a closed gate, and the closer, poll (a gate
+//! is closed for the seconds of a checkpoint), so that a child forked at any moment, with
+//! only the forking thread, finds no lock held by a thread it does not have. A fork handler
+//! makes the child forget the parent's other threads' calls and a gate closed on the parent.
 
 use std::cell::Cell;
 use std::sync::atomic::{compiler_fence, fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 static CLOSED: AtomicBool = AtomicBool::new(false);
-static LOCK: Mutex<()> = Mutex::new(());
-static CHANGED: Condvar = Condvar::new();
+/// Held by the one [`close`] or [`open`] under way (a flag, not a lock: see above).
+static CLOSING: AtomicBool = AtomicBool::new(false);
+/// How often a closer waiting for calls looks again (and a held thread, at first).
+const POLL: Duration = Duration::from_micros(200);
+/// The longest a thread held at a closed gate sleeps between looks.
+const HELD_POLL_MAX: Duration = Duration::from_millis(2);
 
 /// Calls in flight of one thread (only that thread writes it), or of the threads that reach
 /// the gate while their thread-locals are being destroyed ([`SHARED`], atomically).
@@ -33,8 +41,7 @@ struct Slot {
 }
 
 /// Every slot ever made, as a list that only grows (to the most threads alive at once:
-/// slots are reused) and takes no lock, so that a child forked while another thread was
-/// adding to it is not stuck on a lock that thread held.
+/// slots are reused).
 static SLOTS: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
 static SHARED: Slot = Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) };
 
@@ -64,14 +71,13 @@ impl Drop for Owner {
 thread_local! {
     static MINE: Cell<Option<&'static Slot>> = const { Cell::new(None) };
     static OWNER: Cell<Option<Owner>> = const { Cell::new(None) };
-}
-
-fn lock() -> MutexGuard<'static, ()> {
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    /// Calls of this thread that passed the gate and have not ended.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
 /// This thread's slot: a free one, or a new one (leaked, and added to the list).
 fn take_slot() -> &'static Slot {
+    register_at_fork();
     let slot = match slots().find(|s| s.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()) {
         Some(s) => s,
         None => {
@@ -94,19 +100,33 @@ fn take_slot() -> &'static Slot {
         return &SHARED;
     }
     let _ = MINE.try_with(|m| m.set(Some(slot)));
-    AT_FORK.call_once(|| {
-        // SAFETY: registers a handler that only stores to atomics and thread-locals of
-        // this module, which is async-signal-safe and cannot unwind.
-        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-    });
     slot
 }
 
-static AT_FORK: std::sync::Once = std::sync::Once::new();
+fn my_slot() -> &'static Slot {
+    match MINE.try_with(Cell::get) {
+        Ok(Some(s)) => s,
+        Ok(None) => take_slot(),
+        Err(_) => &SHARED,
+    }
+}
+
+static AT_FORK: AtomicBool = AtomicBool::new(false);
+
+/// Registers [`after_fork_in_child`] once, before any thread counts in and before any gate
+/// closes, so that every child forked while a call was in flight or the gate was closed
+/// runs it.
+fn register_at_fork() {
+    if !AT_FORK.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a handler that only stores to atomics and reads a thread-local
+        // of this module, which is async-signal-safe and cannot unwind.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    }
+}
 
 /// In the child of a fork only the forking thread lives on: the other threads' calls in
 /// flight are not the child's, nor is a gate that hiber closed on the parent (the child has
-/// no hiber connection of its own yet), so both are forgotten.
+/// no hiber connection of its own yet), nor a close under way.
 extern "C" fn after_fork_in_child() {
     let mine = MINE.try_with(Cell::get).ok().flatten();
     for s in slots() {
@@ -116,16 +136,11 @@ extern "C" fn after_fork_in_child() {
         s.inside.store(0, Ordering::Relaxed);
         s.taken.store(false, Ordering::Relaxed);
     }
-    SHARED.inside.store(0, Ordering::Relaxed);
-    CLOSED.store(false, Ordering::SeqCst);
-}
-
-fn my_slot() -> &'static Slot {
-    match MINE.try_with(Cell::get) {
-        Ok(Some(s)) => s,
-        Ok(None) => take_slot(),
-        Err(_) => &SHARED,
+    if mine.is_some() {
+        SHARED.inside.store(0, Ordering::Relaxed);
     }
+    CLOSED.store(false, Ordering::SeqCst);
+    CLOSING.store(false, Ordering::SeqCst);
 }
 
 const MEMBARRIER_CMD_QUERY: libc::c_int = 0;
@@ -169,30 +184,31 @@ fn count_out(s: &'static Slot) {
     if std::ptr::eq(s, &SHARED) {
         s.inside.fetch_sub(1, Ordering::SeqCst);
     } else {
-        s.inside.store(s.inside.load(Ordering::Relaxed) - 1, Ordering::Release);
+        s.inside.store(s.inside.load(Ordering::Relaxed).saturating_sub(1), Ordering::Release);
     }
 }
 
 impl Drop for Pass {
     fn drop(&mut self) {
+        let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
         count_out(self.0);
-        if CLOSED.load(Ordering::Relaxed) {
-            // The closer also looks again every few milliseconds.
-            let _g = lock();
-            CHANGED.notify_all();
-        }
     }
+}
+
+fn passed(slot: &'static Slot) -> Pass {
+    let _ = DEPTH.try_with(|d| d.set(d.get() + 1));
+    Pass(slot, std::marker::PhantomData)
 }
 
 /// Waits while the gate is closed, then counts the caller in until the `Pass` drops.
 pub fn enter() -> Pass {
     let slot = my_slot();
-    // A call made inside another (an application callback the driver runs): the outer one
-    // is counted already, so the gate cannot close under it; waiting would only keep it
-    // from closing.
-    if !std::ptr::eq(slot, &SHARED) && slot.inside.load(Ordering::Relaxed) > 0 {
+    // A call made inside another that passed the gate (an application callback the driver
+    // runs): the outer one is counted, so the gate cannot close under it, and waiting would
+    // only keep it from closing.
+    if DEPTH.try_with(Cell::get).unwrap_or(0) > 0 {
         count_in(slot);
-        return Pass(slot, std::marker::PhantomData);
+        return passed(slot);
     }
     let light = asymmetric();
     loop {
@@ -204,12 +220,15 @@ pub fn enter() -> Pass {
             fence(Ordering::SeqCst);
         }
         if !CLOSED.load(Ordering::Relaxed) {
-            return Pass(slot, std::marker::PhantomData);
+            return passed(slot);
         }
-        drop(Pass(slot, std::marker::PhantomData));
-        let mut g = lock();
+        count_out(slot);
+        // Many threads may wait here for the seconds of a checkpoint: each backs off to
+        // HELD_POLL_MAX, so they cost little, and resume within that once the gate opens.
+        let mut pause = POLL;
         while CLOSED.load(Ordering::SeqCst) {
-            g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(HELD_POLL_MAX);
         }
     }
 }
@@ -220,11 +239,30 @@ fn in_flight() -> usize {
     SHARED.inside.load(Ordering::SeqCst) + slots().map(|s| s.inside.load(Ordering::Acquire)).sum::<usize>()
 }
 
+/// Holds [`CLOSING`] until dropped.
+struct Closing;
+
+impl Closing {
+    fn take() -> Closing {
+        while CLOSING.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            std::thread::sleep(POLL);
+        }
+        Closing
+    }
+}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        CLOSING.store(false, Ordering::Release);
+    }
+}
+
 /// Closes the gate and waits until no call is in flight. On timeout the gate opens again
 /// and the number of calls still inside is returned.
 pub fn close(timeout: Duration) -> Result<(), usize> {
+    register_at_fork();
     let deadline = Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
-    let mut g = lock();
+    let _closing = Closing::take();
     CLOSED.store(true, Ordering::SeqCst);
     // After this, every thread either made its count visible or will see the gate closed.
     if asymmetric() && membarrier(MEMBARRIER_CMD_GLOBAL) != 0 {
@@ -238,21 +276,17 @@ pub fn close(timeout: Duration) -> Result<(), usize> {
         if n == 0 {
             return Ok(());
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if Instant::now() >= deadline {
             CLOSED.store(false, Ordering::SeqCst);
-            CHANGED.notify_all();
             return Err(n);
         }
-        // Short waits: a thread that leaves between the count and the wait is seen next time.
-        g = CHANGED.wait_timeout(g, left.min(Duration::from_millis(5))).unwrap_or_else(|e| e.into_inner()).0;
+        std::thread::sleep(POLL);
     }
 }
 
 pub fn open() {
-    let _g = lock();
+    let _closing = Closing::take();
     CLOSED.store(false, Ordering::SeqCst);
-    CHANGED.notify_all();
 }
 
 pub fn is_closed() -> bool {
@@ -363,6 +397,26 @@ mod tests {
         assert_eq!(close(Duration::from_millis(50)), Err(1), "the parent's call is still in flight");
         held.store(false, Ordering::SeqCst);
         holder.join().unwrap();
+
+        // A child forked while the gate is closed (hiber checkpointing the parent) runs.
+        assert_eq!(close(Duration::from_secs(1)), Ok(()));
+        // SAFETY: the child only passes the gate and exits, without unwinding.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = if is_closed() {
+                1
+            } else {
+                drop(enter());
+                0
+            };
+            // SAFETY: ends the child at once, as a forked test child must.
+            unsafe { libc::_exit(code) };
+        }
+        // SAFETY: waits for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child's gate is open: status {status}");
+        assert!(is_closed(), "the parent's stays closed");
+        open();
 
         // Threads that ended leave their slots to new ones.
         let before = slots().count();

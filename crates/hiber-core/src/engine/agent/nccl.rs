@@ -245,20 +245,23 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         reports.push(read_reports(c)?);
     }
     let (keys, broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
-    // A communicator can lack ranks because their processes are gone (as many missing as
-    // gone, at most), or because those ranks were rebuilt with it and opened by an earlier
-    // rebuild whose open failed on this one: then its communicators are built, and opening
-    // them is all that is left.
-    let (lost_keys, unexplained): (Members, Members) = broken.into_iter().partition(|(_, m)| (m[0].1.nranks as usize).saturating_sub(m.len()) <= gone.len());
-    if let Some((key, m)) = unexplained.iter().next() {
-        let why = incomplete(*key, m).unwrap_or_default();
-        let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
-        if opened.iter().all(Result::is_ok) {
-            tracing::info!(ranks = conns.len(), "NCCL communicators built by an earlier rebuild opened");
-            return Ok(());
+    // With no process gone, a communicator lacks ranks here only when an earlier rebuild
+    // built every rank's and opened the others but not these: opening them is all that is
+    // left (an agent refuses to open a communicator that is not built).
+    if gone.is_empty() {
+        if let Some((key, m)) = broken.iter().next() {
+            let why = incomplete(*key, m).unwrap_or_default();
+            let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
+            if opened.iter().all(Result::is_ok) {
+                tracing::info!(ranks = conns.len(), "NCCL communicators built by an earlier rebuild opened");
+                return Ok(());
+            }
+            return Err(fail(why, None));
         }
-        return Err(fail(why, None));
     }
+    // With processes gone, every communicator that lacks ranks is taken to have lost them
+    // with those processes (the cut records no rank's process, so it cannot tell them apart).
+    let lost_keys = broken;
     let mut lost = None;
     if let Some((key, m)) = lost_keys.iter().next() {
         let why = incomplete(*key, m).unwrap_or_default();
