@@ -111,16 +111,25 @@ fn my_slot() -> &'static Slot {
     }
 }
 
-static AT_FORK: AtomicBool = AtomicBool::new(false);
+/// 0: the fork handler is not registered; 1: being registered; 2: registered.
+static AT_FORK: AtomicU8 = AtomicU8::new(0);
 
-/// Registers [`after_fork_in_child`] once, before any thread counts in and before any gate
-/// closes, so that every child forked while a call was in flight or the gate was closed
-/// runs it.
+/// Registers [`after_fork_in_child`] once, and returns only once it is registered: before
+/// any thread counts in and before any gate closes, so that every child forked while a call
+/// was in flight or the gate was closed runs it.
 fn register_at_fork() {
-    if !AT_FORK.swap(true, Ordering::AcqRel) {
-        // SAFETY: registers a handler that only stores to atomics and reads a thread-local
-        // of this module, which is async-signal-safe and cannot unwind.
-        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    match AT_FORK.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => {
+            // SAFETY: registers a handler that only stores to atomics and reads a
+            // thread-local of this module, which is async-signal-safe and cannot unwind.
+            unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+            AT_FORK.store(2, Ordering::Release);
+        }
+        Err(_) => {
+            while AT_FORK.load(Ordering::Acquire) != 2 {
+                std::hint::spin_loop();
+            }
+        }
     }
 }
 
@@ -136,9 +145,9 @@ extern "C" fn after_fork_in_child() {
         s.inside.store(0, Ordering::Relaxed);
         s.taken.store(false, Ordering::Relaxed);
     }
-    if mine.is_some() {
-        SHARED.inside.store(0, Ordering::Relaxed);
-    }
+    // The shared slot's calls are the other threads' (a forking thread in its exit that
+    // counts there is not inside a call: fork is no intercepted call).
+    SHARED.inside.store(0, Ordering::Relaxed);
     CLOSED.store(false, Ordering::SeqCst);
     CLOSING.store(false, Ordering::SeqCst);
 }
@@ -182,7 +191,8 @@ fn count_in(s: &'static Slot) {
 
 fn count_out(s: &'static Slot) {
     if std::ptr::eq(s, &SHARED) {
-        s.inside.fetch_sub(1, Ordering::SeqCst);
+        // Saturating: a fork handler may have zeroed it under a pass.
+        let _ = s.inside.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(n.saturating_sub(1)));
     } else {
         s.inside.store(s.inside.load(Ordering::Relaxed).saturating_sub(1), Ordering::Release);
     }
@@ -210,11 +220,11 @@ pub fn enter() -> Pass {
         count_in(slot);
         return passed(slot);
     }
-    let light = asymmetric();
     loop {
         count_in(slot);
         // Between the count and the check: the closer's membarrier stands for the fence.
-        if light {
+        // Asked each time: a close that found membarrier refused makes every call fence.
+        if asymmetric() {
             compiler_fence(Ordering::SeqCst);
         } else {
             fence(Ordering::SeqCst);

@@ -244,22 +244,39 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         c.send(&Request::NcclList, None)?;
         reports.push(read_reports(c)?);
     }
-    let (keys, broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
-    // With no process gone, a communicator lacks ranks here only when an earlier rebuild
-    // built every rank's and opened the others but not these: opening them is all that is
-    // left (an agent refuses to open a communicator that is not built).
-    if gone.is_empty() {
-        if let Some((key, m)) = broken.iter().next() {
-            let why = incomplete(*key, m).unwrap_or_default();
-            let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
-            if opened.iter().all(Result::is_ok) {
-                tracing::info!(ranks = conns.len(), "NCCL communicators built by an earlier rebuild opened");
-                return Ok(());
+    let (mut keys, mut broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
+    // A communicator lacks ranks here when an earlier rebuild built every rank's and opened
+    // the others but not these (their peers are not torn down, so not among `ranks`), or
+    // when ranks' processes are gone. The first kind only needs opening: an agent opens
+    // only when every communicator of its is built, so a rank whose open succeeds is done,
+    // with every communicator it is a rank of.
+    let mut done = vec![false; conns.len()];
+    let mut open_error = None;
+    let waiting: std::collections::BTreeSet<usize> = broken.values().flat_map(|m| m.iter().map(|(i, _)| *i)).collect();
+    for i in waiting {
+        match conns[i].call::<Reply>(&Request::NcclOpen, None) {
+            Ok(_) => done[i] = true,
+            Err(e) => {
+                open_error.get_or_insert(e);
             }
-            return Err(fail(why, None));
         }
     }
-    // With processes gone, every communicator that lacks ranks is taken to have lost them
+    let open_ranks = |m: &Vec<(usize, &CommReport)>| m.iter().any(|(i, _)| done[*i]);
+    broken.retain(|_, m| !open_ranks(m));
+    keys.retain(|_, m| !open_ranks(m));
+    if done.iter().any(|d| *d) {
+        tracing::info!(ranks = done.iter().filter(|d| **d).count(), "NCCL communicators built by an earlier rebuild opened");
+    }
+    if let Some((key, m)) = broken.iter().next() {
+        if gone.is_empty() {
+            let why = incomplete(*key, m).unwrap_or_default();
+            return Err(match open_error {
+                Some(e) => fail(format!("{why}; opening it: {e}"), Some("`hiber recover` retries")),
+                None => fail(why, None),
+            });
+        }
+    }
+    // With processes gone, every communicator still lacking ranks is taken to have lost them
     // with those processes (the cut records no rank's process, so it cannot tell them apart).
     let lost_keys = broken;
     let mut lost = None;
@@ -272,9 +289,11 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
         // built again as usual.
         let ends: std::collections::BTreeSet<(usize, u64)> = lost_keys.iter().flat_map(|(key, m)| m.iter().map(move |(i, _)| (*i, *key))).collect();
         for (i, key) in ends {
-            if let Err(e) = conns[i].call::<Reply>(&Request::NcclFail { key }, None) {
-                tracing::warn!(pid = conns[i].pid, key = format!("{key:016x}"), error = %e, "could not end an NCCL communicator of a surviving rank");
-            }
+            // A rank that could not end one would fail its rebuild (no id for it): stop
+            // here, with every rank still torn down, for `hiber recover`.
+            conns[i]
+                .call::<Reply>(&Request::NcclFail { key }, None)
+                .map_err(|e| fail(format!("ending NCCL communicator {key:016x} of process {}: {e}", conns[i].pid), Some("`hiber recover` retries")))?;
         }
         lost = Some(fail(
             format!(
@@ -284,21 +303,26 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
             Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
         ));
     }
+    // The ranks opened above are done; the others are built again and opened together.
+    let conns: Vec<&Conn> = conns.iter().zip(&done).filter(|(_, d)| !**d).map(|(c, _)| c).collect();
+    let index: Vec<usize> = done.iter().enumerate().filter(|(_, d)| !**d).map(|(i, _)| i).collect();
+    let at = |i: usize| index.iter().position(|&j| j == i).expect("a rank of a communicator to build is not done");
     for (key, members) in &keys {
         let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("a whole communicator has its rank 0");
-        let id = match conns[*root].call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
+        let root = conns[at(*root)];
+        let id = match root.call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
             Reply::NcclId { id, .. } => id,
-            other => return Err(fail(format!("agent of process {}: unexpected {other:?}", conns[*root].pid), None)),
+            other => return Err(fail(format!("agent of process {}: unexpected {other:?}", root.pid), None)),
         };
         for (i, _) in members {
-            conns[*i].call::<Reply>(&Request::NcclSetId { key: *key, id: id.clone() }, None)?;
+            conns[at(*i)].call::<Reply>(&Request::NcclSetId { key: *key, id: id.clone() }, None)?;
         }
     }
     let timeout_ms = timeout.as_millis() as u64;
     let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
         let handles: Vec<_> = conns
             .iter()
-            .map(|c| {
+            .map(|&c| {
                 s.spawn(move || {
                     let _ = socket::set_recv_timeout(&c.sock, Some(timeout + Duration::from_secs(2)));
                     c.call::<Reply>(&Request::NcclRebuild { timeout_ms }, None).map(|_| ())
@@ -393,6 +417,10 @@ mod tests {
         let listener = socket::listen(&name).unwrap();
         let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let log = asked.clone();
+        // As a real agent: torn down until a rebuild ("built": already rebuilt, not opened),
+        // and it opens only when every communicator not ended for good is built.
+        let mut built = fail == "built";
+        let mut live: Vec<u64> = comms.iter().map(|c| c.key).collect();
         std::thread::spawn(move || loop {
             let Ok(conn) = socket::accept(&listener) else { return };
             while let Ok(Some((msg, _))) = socket::recv(&conn) {
@@ -410,6 +438,15 @@ mod tests {
                         send(Reply::Done { count: comms.len() as u64 });
                     }
                     Request::NcclNewId { key } => send(Reply::NcclId { key, id: format!("{key:02x}").repeat(128)[..256].to_string() }),
+                    Request::NcclRebuild { .. } => {
+                        built = true;
+                        send(Reply::Ok)
+                    }
+                    Request::NcclFail { key } => {
+                        live.retain(|k| *k != key);
+                        send(Reply::Ok)
+                    }
+                    Request::NcclOpen if !built && !live.is_empty() => send(Reply::Err("NCCL communicators are torn down; rebuild them".into())),
                     Request::Status => {
                         send(Reply::Status(hiber_wire::Status { gate_closed: fail == "closed", nccl: comms.len() as u64, ..Default::default() }))
                     }
@@ -501,18 +538,18 @@ mod tests {
         assert!(e.to_string().contains("are gone") && e.to_string().contains(&dead.to_string()), "{e}");
         assert_eq!(
             a.verbs(),
-            ["status", "nccl-list", "nccl-fail", "nccl-rebuild", "nccl-open"],
-            "the survivor's communicator ends, and its calls go on (to fail)"
+            ["status", "nccl-list", "nccl-open", "nccl-fail", "nccl-rebuild", "nccl-open"],
+            "not built (its open is refused): the survivor's communicator ends, and its calls go on (to fail)"
         );
-        assert_eq!(a.asked()[2], "nccl-fail 0000000000000009");
+        assert_eq!(a.asked()[3], "nccl-fail 0000000000000009");
         // Only the communicators the gone process was a rank of end: the survivors' others
         // are built again. A process of the job that is gone but was no rank changes nothing.
         let b = scripted("gone-c", vec![comm(5, 0, 2, &[]), comm(6, 0, 2, &[])], "");
         let c = scripted("gone-d", vec![comm(5, 1, 2, &[])], "");
         let e = rebuild(&[b.rank.clone(), c.rank.clone(), gone.clone()], 1000).unwrap_err();
         assert!(e.to_string().contains("1 of its communicators"), "{e}");
-        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-fail", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
-        assert_eq!(b.asked()[2], "nccl-fail 0000000000000006", "not communicator 5");
+        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-open", "nccl-fail", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
+        assert_eq!(b.asked()[3], "nccl-fail 0000000000000006", "not communicator 5");
         assert_eq!(c.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         let d = scripted("gone-e", vec![comm(5, 0, 2, &[])], "");
         let f = scripted("gone-f", vec![comm(5, 1, 2, &[])], "");
@@ -523,13 +560,26 @@ mod tests {
     #[test]
     fn a_rank_left_unopened_by_an_earlier_rebuild_is_opened_alone() {
         // Its peer opened; only it is torn down, with its communicators built.
-        let a = scripted("late-a", vec![comm(9, 1, 2, &[])], "");
+        let a = scripted("late-a", vec![comm(9, 1, 2, &[])], "built");
         rebuild(std::slice::from_ref(&a.rank), 1000).unwrap();
         assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-open"], "nothing rebuilt");
         // Not built (the agent refuses to open): the communicator's missing rank is the error.
         let b = scripted("late-b", vec![comm(9, 1, 2, &[])], "nccl-open");
         let e = rebuild(std::slice::from_ref(&b.rank), 1000).unwrap_err();
         assert!(e.to_string().contains("1 of its 2 ranks"), "{e}");
+    }
+
+    #[test]
+    fn a_rank_opened_alone_leaves_the_others_to_be_rebuilt() {
+        // Process a: rebuilt and left unopened earlier (its peer runs); b and c: a second
+        // communicator of the job, torn down, built again as usual.
+        let a = scripted("mix-a", vec![comm(9, 1, 2, &[])], "built");
+        let b = scripted("mix-b", vec![comm(4, 0, 2, &[])], "");
+        let c = scripted("mix-c", vec![comm(4, 1, 2, &[])], "");
+        rebuild(&[a.rank.clone(), b.rank.clone(), c.rank.clone()], 1000).unwrap();
+        assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-open"], "opened, not rebuilt");
+        assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
+        assert_eq!(c.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
     }
 
     #[test]
