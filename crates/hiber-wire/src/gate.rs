@@ -126,8 +126,13 @@ fn register_at_fork() {
             AT_FORK.store(2, Ordering::Release);
         }
         Err(_) => {
-            while AT_FORK.load(Ordering::Acquire) != 2 {
-                std::hint::spin_loop();
+            // Registration takes microseconds. Bounded all the same: in a child forked
+            // while another thread registered, that thread is gone and never finishes.
+            for _ in 0..10_000 {
+                if AT_FORK.load(Ordering::Acquire) == 2 {
+                    break;
+                }
+                std::thread::yield_now();
             }
         }
     }
