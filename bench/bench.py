@@ -56,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     MICRO,
+    carried_commit,
     downtime_ms,
     durable_rates,
     evaluate_targets,
@@ -80,16 +81,6 @@ from benchlib import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry"
-
-
-def carried_commit():
-    """The commit the carried hiber was built from (scripts/gpu-carry.sh records it)."""
-    if os.environ.get("HIBER_COMMIT"):
-        return os.environ["HIBER_COMMIT"]
-    try:
-        return (CARRY / "COMMIT").read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 HIBER = str(CARRY / "bin" / "hiber")
@@ -645,7 +636,7 @@ print(json.dumps({"pinned_h2d_GBps": bw(d, h), "pinned_d2h_GBps": bw(h, d)}))
 def machine():
     q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     df = subprocess.run(["df", "-h", str(WORK)], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": carried_commit(), "disk": df, "cpus": os.cpu_count()}
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": q, "kernel": os.uname().release, "commit": carried_commit(CARRY), "disk": df, "cpus": os.cpu_count()}
 
 
 def merge_entries(runs, key):

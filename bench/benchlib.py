@@ -1,8 +1,10 @@
 """The benchmark's logic that needs no GPU: reading a workload's progress, measuring gaps
 in it, statistics, the agent's overhead, the issue's targets, and the report. Unit-tested
 in CI (test_benchlib.py)."""
+import os
 import re
 import statistics
+from pathlib import Path
 from typing import NamedTuple
 
 
@@ -340,3 +342,14 @@ def periodic_targets(entries):
         out.append(_verdict(f"{e['workload']}: throughput falls ≤ 2% with a checkpoint every {e['every']} steps", fall, lambda v: v <= 0.02,
                             lambda: f"{fall * 100:+.2f}% ({ck['median']:.3f} against {base['median']:.3f} steps/s)"))
     return out
+
+
+def carried_commit(carry):
+    """The commit the hiber carried in `carry` was built from (scripts/gpu-carry.sh records
+    it in COMMIT; $HIBER_COMMIT overrides)."""
+    if os.environ.get("HIBER_COMMIT"):
+        return os.environ["HIBER_COMMIT"]
+    try:
+        return (Path(carry) / "COMMIT").read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"

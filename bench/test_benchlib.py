@@ -5,6 +5,7 @@ from pathlib import Path
 
 import bench
 from benchlib import (
+    carried_commit,
     durable_rates,
     downtime_ms,
     evaluate_targets,
@@ -268,6 +269,24 @@ class Targets(unittest.TestCase):
         self.assertEqual(got["32 GiB: hiber downtime ≤ 2 s"], "met")
         self.assertEqual(got["32 GiB: stock downtime / hiber downtime ≥ 10x"], "met")
         self.assertIn("| PyTorch 4 GiB step |", bench.report([str(p) for p in after]))
+
+
+class CarriedCommit(unittest.TestCase):
+    def test_the_carry_names_its_build_and_the_environment_overrides(self):
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            saved = os.environ.pop("HIBER_COMMIT", None)
+            try:
+                self.assertEqual(carried_commit(d), "unknown", "no COMMIT file")
+                (Path(d) / "COMMIT").write_text("abc1234\n")
+                self.assertEqual(carried_commit(d), "abc1234")
+                os.environ["HIBER_COMMIT"] = "feed000"
+                self.assertEqual(carried_commit(d), "feed000")
+            finally:
+                os.environ.pop("HIBER_COMMIT", None)
+                if saved is not None:
+                    os.environ["HIBER_COMMIT"] = saved
 
 
 if __name__ == "__main__":

@@ -25,23 +25,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from benchlib import parse_progress  # noqa: E402 - the one parser of the workloads' progress line
+from benchlib import carried_commit, parse_progress  # noqa: E402 - shared with the bench
 
 if not __debug__:
     # Every check below is an assert; under -O they would all be gone and every scenario pass.
     sys.exit("gpu/suite.py checks with assert: run it without -O or PYTHONOPTIMIZE")
 
 CARRY = REPO / ".carry"
-
-
-def carried_commit():
-    """The commit the carried hiber was built from (scripts/gpu-carry.sh records it)."""
-    if os.environ.get("HIBER_COMMIT"):
-        return os.environ["HIBER_COMMIT"]
-    try:
-        return (CARRY / "COMMIT").read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 HIBER = str(CARRY / "bin" / "hiber")
@@ -1436,7 +1426,7 @@ def machine():
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "gpus": q.splitlines(),
         "kernel": os.uname().release,
-        "commit": carried_commit(),
+        "commit": carried_commit(CARRY),
         "criu": sh(CARRY / "bin/criu", "--version", check=False).stdout.split("\n")[0],
         "nvcc": (sh("nvcc", "--version", check=False).stdout.strip().splitlines() or ["?"])[-1],
     }

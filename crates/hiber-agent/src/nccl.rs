@@ -1587,7 +1587,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
         for (h, e) in s.comms.iter_mut().filter(|(_, e)| !e.failed) {
             match std::mem::take(&mut e.real) {
                 0 => {}
-                r => stale.push(r),
+                r => stale.push((*h, r)),
             }
             match &mut e.origin {
                 Origin::All { group, index, ndev, devs } => all.entry(*group).or_insert_with(|| (Vec::new(), *ndev, devs.clone())).0.push((*h, *index)),
@@ -1598,7 +1598,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
             }
         }
         let (_s, calm) = quiet(s);
-        (Creation { all: all.into_values().collect(), plans }, stale.into_iter().map(|r| (0, r)).collect::<Vec<_>>(), calm)
+        (Creation { all: all.into_values().collect(), plans }, stale, calm)
     };
     // Made by an earlier rebuild nobody opened: ended before new ones are made (or left,
     // when a call still holds one).
