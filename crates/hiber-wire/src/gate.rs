@@ -71,8 +71,6 @@ impl Drop for Owner {
 thread_local! {
     static MINE: Cell<Option<&'static Slot>> = const { Cell::new(None) };
     static OWNER: Cell<Option<Owner>> = const { Cell::new(None) };
-    /// Calls of this thread that passed the gate and have not ended.
-    static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
 /// This thread's slot: a free one, or a new one (leaked, and added to the list).
@@ -205,13 +203,11 @@ fn count_out(s: &'static Slot) {
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
         count_out(self.0);
     }
 }
 
 fn passed(slot: &'static Slot) -> Pass {
-    let _ = DEPTH.try_with(|d| d.set(d.get() + 1));
     Pass(slot, std::marker::PhantomData)
 }
 
@@ -220,8 +216,13 @@ pub fn enter() -> Pass {
     let slot = my_slot();
     // A call made inside another that passed the gate (an application callback the driver
     // runs): the outer one is counted, so the gate cannot close under it, and waiting would
-    // only keep it from closing.
-    if DEPTH.try_with(Cell::get).unwrap_or(0) > 0 {
+    // only keep it from closing. A thread's own slot counts exactly its calls that passed
+    // (one held at the gate counted itself out before waiting), so it tells without a
+    // thread-local of its own: one thread-local access per call, not three. The shared
+    // slot counts other threads too, so there every call waits (a callback in a thread's
+    // exit, with the gate closed, makes that close time out: the checkpoint fails, and
+    // the application runs on).
+    if !std::ptr::eq(slot, &SHARED) && slot.inside.load(Ordering::Relaxed) > 0 {
         count_in(slot);
         return passed(slot);
     }
