@@ -811,6 +811,9 @@ def main():
     workloads += [ddp(a.ddp)] if a.ddp else []
     for w in workloads:
         rows = {n: {"workload": w.name, "contender": n, "samples": {}} for n in names}
+        # In the result from the start and saved after every sample, so that a call cut off by
+        # the GPU machine's time limit still brings back the samples it took.
+        result["rows"] += [rows[n] for n in names]
         failed = set()
         for rep in range(a.reps):
             # Which contender goes first rotates with the repetition.
@@ -830,8 +833,7 @@ def main():
                 for k, v in s.items():
                     rows[c.name]["samples"].setdefault(k, []).append(round(v, 3))
                 print(f"{w.name:>16} {c.name:>14} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
-        result["rows"] += [rows[n] for n in names]
-        save()
+                save()
     save()
     print()
     print(table(result["rows"]))

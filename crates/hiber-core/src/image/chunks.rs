@@ -81,6 +81,11 @@ pub fn read(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<String,
     read_timed(dir, rel, buf, sums, &mut ReadTimes::default())
 }
 
+/// How much of a chunk [`read_timed`] reads before it hashes it: small enough to be still
+/// in the core's cache (L2 is 1-2 MiB on the CPUs of GPU machines), large enough for
+/// blake3's SIMD lanes and few system calls.
+const VERIFY_PIECE: usize = 512 << 10;
+
 /// Where the time of [`read_timed`] went: reading the file, and checking its hash (with
 /// decompressing, for a compressed chunk).
 #[derive(Debug, Default, Clone, Copy)]
@@ -106,12 +111,30 @@ pub fn read_timed(dir: &Path, rel: &str, buf: &mut [u8], sums: Option<&HashMap<S
         Ok(())
     };
     if len == buf.len() as u64 {
-        f.read_exact(buf).map_err(io)?;
-        let t1 = std::time::Instant::now();
-        times.read += t1 - t0;
-        let r = check(buf);
-        times.verify += t1.elapsed();
-        return r;
+        let Some(sums) = sums else {
+            f.read_exact(buf).map_err(io)?;
+            times.read += t0.elapsed();
+            return Ok(());
+        };
+        let want = sums.get(rel).ok_or_else(|| format!("{rel} is not in the manifest"))?;
+        // Read and hashed a piece at a time, each hashed while it is still in the CPU's
+        // cache: a whole chunk read first and hashed after comes back from DRAM for the hash,
+        // and the restore's threads share DRAM's bandwidth (measured on an H100 machine, 47
+        // GiB from page cache on 16 threads: 16-18 thread-seconds reading, as many hashing).
+        let mut h = blake3::Hasher::new();
+        let mut verify = std::time::Duration::ZERO;
+        for piece in buf.chunks_mut(VERIFY_PIECE) {
+            f.read_exact(piece).map_err(io)?;
+            let t = std::time::Instant::now();
+            h.update(piece);
+            verify += t.elapsed();
+        }
+        times.read += t0.elapsed().saturating_sub(verify);
+        times.verify += verify;
+        if h.finalize().to_hex().as_str() != want {
+            return Err(format!("{} does not match its checksum", path.display()));
+        }
+        return Ok(());
     }
     if len > buf.len() as u64 {
         return Err(format!("{} has {len} bytes, expected {} at most", path.display(), buf.len()));

@@ -373,3 +373,30 @@ fn uncompressed_images_stay_format_1_1() {
     let (img, _) = write_chunked(&t.0.join("img"), &[("agent/1/1.00000", vec![9u8; 5000])], None);
     assert_eq!(Image::open(&img).unwrap().manifest.format, FORMAT);
 }
+
+#[test]
+fn a_chunk_read_in_pieces_is_checked_whole() {
+    let t = TempDir::new("pieces");
+    // Longer than a few of the pieces read_timed hashes as it reads, and not a multiple.
+    let mut data = vec![0u8; (3 << 20) + 12345];
+    blake3::Hasher::new().finalize_xof().fill(&mut data);
+    let (img, _) = write_chunked(&t.0.join("img"), &[("agent/1/1.00000", data.clone())], None);
+    let image = Image::open(&img).unwrap();
+    let sums: std::collections::HashMap<String, String> = image.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect();
+    let mut buf = vec![0u8; data.len()];
+    chunks::read(&img, "agent/1/1.00000", &mut buf, Some(&sums)).unwrap();
+    assert_eq!(buf, data);
+    // One byte changed in any piece, the first or the last, fails the whole chunk.
+    for at in [0, data.len() - 1] {
+        let path = img.join("agent/1/1.00000");
+        let mut bytes = data.clone();
+        bytes[at] ^= 1;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        fs::write(&path, &bytes).unwrap();
+        let err = chunks::read(&img, "agent/1/1.00000", &mut buf, Some(&sums)).unwrap_err();
+        assert!(err.contains("checksum"), "byte {at}: {err}");
+    }
+    // A chunk the manifest does not name is refused, not read unchecked.
+    let none = std::collections::HashMap::new();
+    assert!(chunks::read(&img, "agent/1/1.00000", &mut buf, Some(&none)).unwrap_err().contains("not in the manifest"));
+}
