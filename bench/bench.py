@@ -597,6 +597,7 @@ def measure_overhead(reps, pytorch_gib, result, save, which=("micro", "pytorch")
                 except Exception as e:  # noqa: BLE001 - a failed run is recorded, not fatal
                     result["errors"].append({"workload": b.name, "contender": side, "rep": rep, "error": str(e)[-800:]})
                     print(f"[error] {b.name} {side} rep {rep}: {e}", flush=True)
+                    save()
                     continue
                 entry["samples"][side].append(round(v, 4))
                 print(f"{b.name:>24} {side:>14} rep {rep}: {v:.3f} {b.unit}", flush=True)
@@ -784,6 +785,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
                 result["errors"].append({"workload": entry["workload"], "contender": "hiber", "rep": rep, "error": str(e)[-800:]})
                 print(f"[error] {entry['workload']} rep {rep}: {e}", flush=True)
+                save()
                 continue
             for k, v in s.items():
                 entry["samples"].setdefault(k, []).append(round(v, 3))
@@ -801,6 +803,7 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
                     result["errors"].append({"workload": entry["workload"], "contender": side, "rep": rep, "error": str(e)[-800:]})
                     print(f"[error] {entry['workload']} {side} rep {rep}: {e}", flush=True)
+                    save()
                     continue
                 entry["samples"][side].append(round(s["steps_per_s"], 4))
                 entry["details"].append(dict(s, side=side, rep=rep))
@@ -829,6 +832,7 @@ def main():
                     result["errors"].append({"workload": w.name, "contender": c.name, "rep": rep, "error": str(e)[-800:]})
                     print(f"[error] {w.name} {c.name} rep {rep}: {e}", flush=True)
                     failed.add(c.name)
+                    save()
                     continue
                 for k, v in s.items():
                     rows[c.name]["samples"].setdefault(k, []).append(round(v, 3))

@@ -34,7 +34,11 @@ const HELD_POLL_MAX: Duration = Duration::from_millis(2);
 /// Calls in flight of one thread (only that thread writes it), or of the threads that reach
 /// the gate while their thread-locals are being destroyed ([`SHARED`], atomically).
 struct Slot {
+    /// Calls counted in: those that passed, and one checking the gate. The closer reads it.
     inside: AtomicUsize,
+    /// Calls that passed the gate and have not ended; read only by the thread itself, to
+    /// tell a call made inside another (unused on [`SHARED`]).
+    passed: AtomicUsize,
     /// A living thread owns it; a thread that ended leaves it to the next new one.
     taken: AtomicBool,
     next: AtomicPtr<Slot>,
@@ -43,7 +47,8 @@ struct Slot {
 /// Every slot ever made, as a list that only grows (to the most threads alive at once:
 /// slots are reused).
 static SLOTS: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
-static SHARED: Slot = Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) };
+static SHARED: Slot =
+    Slot { inside: AtomicUsize::new(0), passed: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) };
 
 fn slots() -> impl Iterator<Item = &'static Slot> {
     let mut p = SLOTS.load(Ordering::Acquire);
@@ -79,8 +84,12 @@ fn take_slot() -> &'static Slot {
     let slot = match slots().find(|s| s.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()) {
         Some(s) => s,
         None => {
-            let s: &'static Slot =
-                Box::leak(Box::new(Slot { inside: AtomicUsize::new(0), taken: AtomicBool::new(true), next: AtomicPtr::new(std::ptr::null_mut()) }));
+            let s: &'static Slot = Box::leak(Box::new(Slot {
+                inside: AtomicUsize::new(0),
+                passed: AtomicUsize::new(0),
+                taken: AtomicBool::new(true),
+                next: AtomicPtr::new(std::ptr::null_mut()),
+            }));
             let mut head = SLOTS.load(Ordering::Acquire);
             loop {
                 s.next.store(head, Ordering::Relaxed);
@@ -146,6 +155,7 @@ extern "C" fn after_fork_in_child() {
             continue;
         }
         s.inside.store(0, Ordering::Relaxed);
+        s.passed.store(0, Ordering::Relaxed);
         s.taken.store(false, Ordering::Relaxed);
     }
     // The shared slot's calls are the other threads' (a forking thread in its exit that
@@ -203,11 +213,21 @@ fn count_out(s: &'static Slot) {
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        count_out(self.0);
+        let s = self.0;
+        // Not passed first, then counted out: a signal handler's call in between waits,
+        // where the other order would let it pass uncounted.
+        if !std::ptr::eq(s, &SHARED) {
+            s.passed.store(s.passed.load(Ordering::Relaxed).saturating_sub(1), Ordering::Relaxed);
+        }
+        count_out(s);
     }
 }
 
+/// The call counted in `slot` has passed the gate.
 fn passed(slot: &'static Slot) -> Pass {
+    if !std::ptr::eq(slot, &SHARED) {
+        slot.passed.store(slot.passed.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
     Pass(slot, std::marker::PhantomData)
 }
 
@@ -216,13 +236,14 @@ pub fn enter() -> Pass {
     let slot = my_slot();
     // A call made inside another that passed the gate (an application callback the driver
     // runs): the outer one is counted, so the gate cannot close under it, and waiting would
-    // only keep it from closing. A thread's own slot counts exactly its calls that passed
-    // (one held at the gate counted itself out before waiting), so it tells without a
-    // thread-local of its own: one thread-local access per call, not three. The shared
-    // slot counts other threads too, so there every call waits (a callback in a thread's
-    // exit, with the gate closed, makes that close time out: the checkpoint fails, and
-    // the application runs on).
-    if !std::ptr::eq(slot, &SHARED) && slot.inside.load(Ordering::Relaxed) > 0 {
+    // only keep it from closing. The thread's own slot counts its calls that passed, apart
+    // from the count the closer reads: that one also holds a call still checking the gate,
+    // and a signal handler's call made while its thread checks must wait like any other
+    // (the checking call may be about to see the gate closed). One thread-local access per
+    // call. The shared slot counts other threads too, so there every call waits (a callback
+    // in a thread's exit, with the gate closed, makes that close time out: the checkpoint
+    // fails, and the application runs on).
+    if !std::ptr::eq(slot, &SHARED) && slot.passed.load(Ordering::Relaxed) > 0 {
         count_in(slot);
         return passed(slot);
     }
@@ -382,6 +403,35 @@ mod tests {
         drop(inner);
         drop(outer);
         assert_eq!(closer.join().unwrap(), Ok(()));
+        open();
+
+        // A call made while its thread is still checking the gate (a signal handler's, run
+        // between the thread's count and its check) is no call inside another: with the
+        // gate closed it waits, and the close times out on the checking call's count.
+        let checked = Arc::new(AtomicBool::new(false));
+        let (closing, c) = (Arc::new(AtomicBool::new(false)), checked.clone());
+        let cl = closing.clone();
+        let checker = std::thread::spawn(move || {
+            let slot = my_slot();
+            count_in(slot); // where a signal finds the thread
+            cl.store(true, Ordering::SeqCst);
+            while !is_closed() {
+                std::thread::yield_now();
+            }
+            let p = enter();
+            let passed_closed = is_closed();
+            drop(p);
+            count_out(slot);
+            c.store(true, Ordering::SeqCst);
+            passed_closed
+        });
+        while !closing.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        assert_eq!(close(Duration::from_millis(300)), Err(1), "the checking call's count holds the close");
+        assert!(!checker.join().unwrap(), "a call made while its thread checked passed a closed gate");
+        assert!(checked.load(Ordering::SeqCst));
+        assert_eq!(close(Duration::from_secs(1)), Ok(()));
         open();
 
         // A child forked while another thread is inside a call has none in flight itself,
