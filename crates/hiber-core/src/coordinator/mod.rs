@@ -41,6 +41,14 @@ pub trait Coordinator: Sync {
     /// Returns once every participant has reached `phase`; an error aborts the operation.
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError>;
 
+    /// A barrier that also gathers: returns once every participant has reached `phase`, with
+    /// every participant's `data` in the order of their indices (the same list for all). One
+    /// participant alone gets its own.
+    fn exchange(&self, phase: Phase, data: serde_json::Value) -> Result<Vec<serde_json::Value>, BarrierError> {
+        self.barrier(phase)?;
+        Ok(vec![data])
+    }
+
     /// Whether other participants take part (an image then counts only once all committed).
     fn is_shared(&self) -> bool {
         false

@@ -1,16 +1,27 @@
 //! A coordinator across processes and hosts: one `hiber coordinate` server, and each
 //! participating hiber (`checkpoint` or `restore` with `--coordinator`) as its client.
 //!
-//! The protocol (version 1) is one JSON object per line over TCP:
+//! The protocol (version 2) is one JSON object per line over TCP:
 //!
 //! ```text
-//! participant → coordinator   {"v": 1, "hello": {"session": TOKEN, "name": NAME}}
+//! participant → coordinator   {"v": 2, "hello": {"session": TOKEN, "name": NAME}}
 //! coordinator → participant   {"welcome": {"index": I, "participants": N, "timeout_s": T}}
 //!                                                                   (once all N joined)
 //! participant → coordinator   {"reached": PHASE}                                (after each phase)
+//!                             {"reached": PHASE, "data": D}    (the same, with data to exchange)
 //! coordinator → participant   {"go": PHASE}   once every participant reached PHASE
+//!                             {"gathered": {"phase": PHASE, "data": [D0, D1, ...]}}
+//!                                             the same, when any of them sent data: every
+//!                                             participant's, by index (null: sent none)
 //!                             {"abort": REASON}  when one failed, left, or reached another phase
 //! ```
+//!
+//! The exchange (version 2) is an all-gather at a barrier: every participant hears the same
+//! list, so each can compute the same answer from it without a second round. It is what a
+//! cut of NCCL communicators that span hosts needs (see `engine/agent/nccl.rs`): each host's
+//! ranks' collective counts gathered, from which every host derives the same limits; and at
+//! the rebuild, the fresh unique id from the host of each communicator's rank 0. One
+//! participant's data is at most [`MAX_DATA`] bytes of JSON.
 //!
 //! PHASE is a [`Phase`] in snake case (`prepared`, `quiesced`, `captured`, `dumped`,
 //! `committed`; `restore_prepared`, `processes_restored`, `devices_restored`). A participant
@@ -39,9 +50,13 @@ use serde::{Deserialize, Serialize};
 
 use super::{BarrierError, Coordinator, Local, Phase};
 
-pub const PROTOCOL_VERSION: u32 = 1;
-/// The longest line either side reads: a message is far shorter.
-const MAX_LINE: u64 = 64 << 10;
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The most one participant sends in one exchange, as JSON.
+pub const MAX_DATA: usize = 256 << 10;
+/// The longest line the coordinator reads: a participant's message with its data.
+const MAX_UP_LINE: u64 = MAX_DATA as u64 + (4 << 10);
+/// The longest line a participant reads: every participant's data at once.
+const MAX_DOWN_LINE: u64 = 64 << 20;
 /// How long past the coordinator's deadline a participant waits before it gives up.
 const PARTICIPANT_MARGIN: Duration = Duration::from_secs(60);
 /// A token shorter than this (in characters) is refused.
@@ -65,7 +80,7 @@ pub struct Hello {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Up {
     Hello { v: u32, hello: Hello },
-    Reached { reached: Phase },
+    Reached { reached: Phase, data: Option<serde_json::Value> },
 }
 
 /// What the coordinator sends.
@@ -74,6 +89,7 @@ pub enum Up {
 pub enum Down {
     Welcome { index: usize, participants: usize, timeout_s: u64 },
     Go(Phase),
+    Gathered { phase: Phase, data: Vec<serde_json::Value> },
     Abort(String),
 }
 
@@ -83,10 +99,10 @@ fn send<T: Serialize>(mut w: &TcpStream, msg: &T) -> std::io::Result<()> {
     w.write_all(&line)
 }
 
-/// Reads one message (at most [`MAX_LINE`] bytes); `None` at the end of the stream.
-fn recv<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<T>> {
+/// Reads one message (at most `max` bytes); `None` at the end of the stream.
+fn recv<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>, max: u64) -> std::io::Result<Option<T>> {
     let mut line = String::new();
-    if std::io::Read::take(&mut *r, MAX_LINE).read_line(&mut line)? == 0 {
+    if std::io::Read::take(&mut *r, max).read_line(&mut line)? == 0 {
         return Ok(None);
     }
     if !line.ends_with('\n') {
@@ -95,14 +111,15 @@ fn recv<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> std::io::
     serde_json::from_str(&line).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
 
-// The wire shapes: `{"v":1,"hello":{...}}`, `{"reached":"quiesced"}`, `{"welcome":{...}}`,
-// `{"go":"quiesced"}`, `{"abort":"..."}`. Untagged on the way up (two distinct shapes),
-// externally tagged on the way down.
+// The wire shapes: `{"v":2,"hello":{...}}`, `{"reached":"quiesced"}` (and `"data"` beside
+// it), `{"welcome":{...}}`, `{"go":"quiesced"}`, `{"gathered":{...}}`, `{"abort":"..."}`.
+// Untagged on the way up (two distinct shapes), externally tagged on the way down.
 impl Up {
     fn to_value(&self) -> serde_json::Value {
         match self {
             Up::Hello { v, hello } => serde_json::json!({"v": v, "hello": hello}),
-            Up::Reached { reached } => serde_json::json!({"reached": reached}),
+            Up::Reached { reached, data: None } => serde_json::json!({"reached": reached}),
+            Up::Reached { reached, data: Some(d) } => serde_json::json!({"reached": reached, "data": d}),
         }
     }
 
@@ -110,7 +127,7 @@ impl Up {
         if let Some(h) = v.get("hello") {
             return Some(Up::Hello { v: u32::try_from(v.get("v")?.as_u64()?).ok()?, hello: serde_json::from_value(h.clone()).ok()? });
         }
-        Some(Up::Reached { reached: serde_json::from_value(v.get("reached")?.clone()).ok()? })
+        Some(Up::Reached { reached: serde_json::from_value(v.get("reached")?.clone()).ok()?, data: v.get("data").cloned() })
     }
 }
 
@@ -119,7 +136,7 @@ fn send_up(w: &TcpStream, msg: &Up) -> std::io::Result<()> {
 }
 
 fn recv_up(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<Up>> {
-    match recv::<serde_json::Value>(r)? {
+    match recv::<serde_json::Value>(r, MAX_UP_LINE)? {
         None => Ok(None),
         Some(v) => Up::from_value(&v).map(Some).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not a participant's message")),
     }
@@ -130,6 +147,8 @@ fn recv_up(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<Up>> {
 /// reported, as a real failure would.
 pub struct Remote {
     local: Local,
+    /// This participant's place in every gathered list.
+    index: usize,
     conn: Mutex<(TcpStream, BufReader<TcpStream>)>,
     timeout: Duration,
 }
@@ -160,20 +179,45 @@ impl Remote {
         let mut reader = BufReader::new(stream.try_clone().map_err(|e| err("socket", &e))?);
         send_up(&stream, &Up::Hello { v: PROTOCOL_VERSION, hello: Hello { session: session.into(), name: name.into() } })
             .map_err(|e| err("cannot talk to the coordinator at", &e))?;
-        let timeout = match recv::<Down>(&mut reader) {
+        let (index, timeout) = match recv::<Down>(&mut reader, MAX_DOWN_LINE) {
             Ok(Some(Down::Welcome { index, participants, timeout_s })) => {
                 tracing::debug!(index, participants, "joined the coordinator's session");
                 // Past the coordinator's own deadline: it aborts everyone before this one
                 // would give up alone.
                 let t = Duration::from_secs(timeout_s) + PARTICIPANT_MARGIN;
                 stream.set_read_timeout(Some(t)).map_err(|e| err("socket", &e))?;
-                t
+                (index, t)
             }
             Ok(Some(Down::Abort(why))) => return Err(BarrierError(format!("the coordinator refused: {why}"))),
             Ok(other) => return Err(BarrierError(format!("the coordinator at {addr} answered {other:?}"))),
             Err(e) => return Err(err("no welcome from the coordinator at", &e)),
         };
-        Ok(Remote { local, conn: Mutex::new((stream, reader)), timeout })
+        Ok(Remote { local, index, conn: Mutex::new((stream, reader)), timeout })
+    }
+
+    /// This participant's index: its place in every list an exchange returns.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Reports `phase` (with `data`, if any) and waits for the coordinator's answer: every
+    /// participant's data by index, or nothing when none sent any.
+    fn report(&self, phase: Phase, data: Option<serde_json::Value>) -> Result<Option<Vec<serde_json::Value>>, BarrierError> {
+        self.local.barrier(phase)?;
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let (stream, reader) = &mut *conn;
+        send_up(stream, &Up::Reached { reached: phase, data }).map_err(|e| BarrierError(format!("lost the coordinator at {phase:?}: {e}")))?;
+        match recv::<Down>(reader, MAX_DOWN_LINE) {
+            Ok(Some(Down::Go(p))) if p == phase => Ok(None),
+            Ok(Some(Down::Gathered { phase: p, data })) if p == phase => Ok(Some(data)),
+            Ok(Some(Down::Abort(why))) => Err(BarrierError(format!("another participant failed, so this one aborts too: {why}"))),
+            Ok(Some(other)) => Err(BarrierError(format!("the coordinator answered {other:?} at {phase:?}"))),
+            Ok(None) => Err(BarrierError(format!("the coordinator went away at {phase:?}"))),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(BarrierError(format!("no answer from the coordinator within {} s at {phase:?}", self.timeout.as_secs())))
+            }
+            Err(e) => Err(BarrierError(format!("lost the coordinator at {phase:?}: {e}"))),
+        }
     }
 }
 
@@ -183,19 +227,21 @@ impl Coordinator for Remote {
     }
 
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
-        self.local.barrier(phase)?;
-        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let (stream, reader) = &mut *conn;
-        send_up(stream, &Up::Reached { reached: phase }).map_err(|e| BarrierError(format!("lost the coordinator at {phase:?}: {e}")))?;
-        match recv::<Down>(reader) {
-            Ok(Some(Down::Go(p))) if p == phase => Ok(()),
-            Ok(Some(Down::Abort(why))) => Err(BarrierError(format!("another participant failed, so this one aborts too: {why}"))),
-            Ok(Some(other)) => Err(BarrierError(format!("the coordinator answered {other:?} at {phase:?}"))),
-            Ok(None) => Err(BarrierError(format!("the coordinator went away at {phase:?}"))),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                Err(BarrierError(format!("no answer from the coordinator within {} s at {phase:?}", self.timeout.as_secs())))
-            }
-            Err(e) => Err(BarrierError(format!("lost the coordinator at {phase:?}: {e}"))),
+        // Another participant's data at this phase is not this one's concern.
+        self.report(phase, None).map(drop)
+    }
+
+    fn exchange(&self, phase: Phase, data: serde_json::Value) -> Result<Vec<serde_json::Value>, BarrierError> {
+        let size = serde_json::to_vec(&data).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > MAX_DATA {
+            // Refused before it is reported: the others hear this one fail, and abort.
+            return Err(BarrierError(format!("{size} bytes to exchange at {phase:?}, more than the protocol's {MAX_DATA}")));
+        }
+        let index = self.index;
+        match self.report(phase, Some(data))? {
+            Some(all) if index < all.len() => Ok(all),
+            Some(all) => Err(BarrierError(format!("the coordinator gathered {} participants' data at {phase:?}, without this one's ({index})", all.len()))),
+            None => Err(BarrierError(format!("the coordinator gathered no data at {phase:?}"))),
         }
     }
 }
@@ -213,7 +259,7 @@ pub enum Outcome {
 enum Heard {
     /// Participant I joined, by this name: its connection, for answers.
     Joined(usize, String, TcpStream),
-    Reached(usize, Phase),
+    Reached(usize, Phase, Option<serde_json::Value>),
     /// A participant left, failed, or sent what it should not.
     Lost(usize, String),
 }
@@ -276,6 +322,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         let deadline = std::time::Instant::now() + timeout;
         let mut phase: Option<Phase> = None;
         let mut reached = vec![false; participants];
+        let mut data: Vec<Option<serde_json::Value>> = vec![None; participants];
         while reached.iter().any(|r| !r) {
             let heard = match pending.next() {
                 Some(h) => h,
@@ -288,7 +335,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
                 },
             };
             match heard {
-                Heard::Reached(i, got) => {
+                Heard::Reached(i, got, d) => {
                     let name = &conns[i].0;
                     match phase {
                         None => phase = Some(got),
@@ -298,6 +345,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
                     if std::mem::replace(&mut reached[i], true) {
                         return abort(&conns, format!("participant '{name}' reported {got:?} twice"));
                     }
+                    data[i] = d;
                 }
                 Heard::Lost(i, why) => return abort(&conns, format!("participant '{}' {why} before {}", conns[i].0, next_name(phase))),
                 Heard::Joined(..) => {}
@@ -307,8 +355,13 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         // Every participant is waiting for this answer; one that cannot be told makes the
         // rest abort (those told to go already have: a connection lost in these
         // microseconds is the one case the protocol cannot make whole).
+        let answer = if data.iter().any(Option::is_some) {
+            Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() }
+        } else {
+            Down::Go(p)
+        };
         for (k, (name, s)) in conns.iter().enumerate() {
-            if let Err(e) = send(s, &Down::Go(p)) {
+            if let Err(e) = send(s, &answer) {
                 return abort(&conns[k + 1..], format!("participant '{name}' could not be told to go on past {p:?}: {e}"));
             }
         }
@@ -359,7 +412,7 @@ fn handshake_then_read(
     }
     loop {
         let heard = match recv_up(&mut reader) {
-            Ok(Some(Up::Reached { reached })) => Heard::Reached(index, reached),
+            Ok(Some(Up::Reached { reached, data })) => Heard::Reached(index, reached, data),
             Ok(None) => Heard::Lost(index, "failed or left".into()),
             Ok(Some(other)) => Heard::Lost(index, format!("sent {other:?}")),
             Err(e) => Heard::Lost(index, format!("broke the protocol ({e})")),
@@ -448,6 +501,61 @@ mod tests {
     }
 
     #[test]
+    fn an_exchange_gives_every_participant_everyones_data_by_index() {
+        let (addr, server) = coordinator(3);
+        let parts: Vec<_> = (0..3)
+            .map(|i| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", &format!("host{i}"), Duration::from_secs(20), Local::default()).unwrap();
+                    r.barrier(Phase::Prepared).unwrap();
+                    // What a host of an NCCL job would send: its ranks' counts (here, made
+                    // up from its name, which the others cannot know).
+                    let mine = serde_json::json!({"host": format!("host{i}"), "counts": [i, 10 * i]});
+                    let all = r.exchange(Phase::Quiesced, mine.clone()).unwrap();
+                    // A phase where only some have something to say: the rest are null.
+                    let ids = r.exchange(Phase::Captured, if i == 1 { serde_json::json!("id-from-rank-0") } else { serde_json::Value::Null }).unwrap();
+                    for p in [Phase::Dumped, Phase::Committed] {
+                        r.barrier(p).unwrap();
+                    }
+                    (r.index(), mine, all, ids)
+                })
+            })
+            .collect();
+        let got: Vec<_> = parts.into_iter().map(|p| p.join().unwrap()).collect();
+        assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
+        for (index, mine, all, ids) in &got {
+            assert_eq!(all.len(), 3);
+            assert_eq!(&all[*index], mine, "a participant's own data is at its index");
+            assert_eq!(all, &got[0].2, "every participant gathered the same list");
+            assert_eq!(ids.iter().filter(|v| **v == serde_json::json!("id-from-rank-0")).count(), 1);
+            assert_eq!(ids, &got[0].3);
+        }
+        let mut hosts: Vec<_> = got[0].2.iter().map(|v| v["host"].as_str().unwrap().to_string()).collect();
+        hosts.sort();
+        assert_eq!(hosts, ["host0", "host1", "host2"]);
+    }
+
+    #[test]
+    fn too_much_to_exchange_fails_that_participant_and_aborts_the_others() {
+        let (addr, server) = coordinator(2);
+        let a = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let r = Remote::join(&addr, "secret", "a", Duration::from_secs(20), Local::default()).unwrap();
+                r.exchange(Phase::Prepared, serde_json::json!(1))
+            })
+        };
+        let b = Remote::join(&addr, "secret", "b", Duration::from_secs(20), Local::default()).unwrap();
+        let e = b.exchange(Phase::Prepared, serde_json::json!("x".repeat(MAX_DATA))).unwrap_err();
+        assert!(e.0.contains("more than the protocol's"), "{}", e.0);
+        drop(b);
+        let e = a.join().unwrap().unwrap_err();
+        assert!(e.0.contains("another participant failed") && e.0.contains("'b'"), "{}", e.0);
+        assert!(matches!(server.join().unwrap(), Outcome::Aborted(_)));
+    }
+
+    #[test]
     fn strangers_and_other_versions_are_turned_away() {
         let (addr, server) = coordinator(1);
         let e = Remote::join(&addr, "wrong", "x", Duration::from_secs(5), Local::default()).err().unwrap();
@@ -480,7 +588,7 @@ mod tests {
         // One connects and says nothing; another sends a line that never ends.
         let _silent = TcpStream::connect(&addr).unwrap();
         let mut endless = TcpStream::connect(&addr).unwrap();
-        let _ = endless.write_all(&vec![b'a'; 200 << 10]);
+        let _ = endless.write_all(&vec![b'a'; MAX_UP_LINE as usize + (64 << 10)]);
         all_pass_every_checkpoint_phase(&addr, 2);
         assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
     }
@@ -509,10 +617,16 @@ mod tests {
 
     #[test]
     fn wire_format_is_the_documented_one() {
-        assert_eq!(Up::Reached { reached: Phase::Quiesced }.to_value(), serde_json::json!({"reached": "quiesced"}));
+        assert_eq!(Up::Reached { reached: Phase::Quiesced, data: None }.to_value(), serde_json::json!({"reached": "quiesced"}));
+        let d = serde_json::json!({"ranks": [0, 1]});
+        assert_eq!(Up::Reached { reached: Phase::Quiesced, data: Some(d.clone()) }.to_value(), serde_json::json!({"reached": "quiesced", "data": d}));
         assert_eq!(
-            Up::Hello { v: 1, hello: Hello { session: "s".into(), name: "n".into() } }.to_value(),
-            serde_json::json!({"v": 1, "hello": {"session": "s", "name": "n"}})
+            serde_json::to_value(Down::Gathered { phase: Phase::Prepared, data: vec![d.clone(), serde_json::Value::Null] }).unwrap(),
+            serde_json::json!({"gathered": {"phase": "prepared", "data": [d, null]}})
+        );
+        assert_eq!(
+            Up::Hello { v: 2, hello: Hello { session: "s".into(), name: "n".into() } }.to_value(),
+            serde_json::json!({"v": 2, "hello": {"session": "s", "name": "n"}})
         );
         assert_eq!(serde_json::to_value(Down::Go(Phase::DevicesRestored)).unwrap(), serde_json::json!({"go": "devices_restored"}));
         assert_eq!(

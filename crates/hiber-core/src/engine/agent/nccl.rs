@@ -20,7 +20,11 @@
 //! is torn down again, to be rebuilt together by `hiber recover`.
 //!
 //! Every rank of a communicator must be in the job: one that spans hosts needs hibers on
-//! each of them, coordinated (`hiber coordinate`), which the cut does not drive yet.
+//! each of them, coordinated (`hiber coordinate`), which the cut does not drive yet. The
+//! coordinator's exchange (an all-gather at a barrier) carries what it will need: step 1's
+//! reports from every host, from which each computes the same [`limits`] and raises its
+//! own ranks' lanes; a barrier after step 3; and at the rebuild, each communicator's fresh
+//! unique id from the host of its rank 0.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
