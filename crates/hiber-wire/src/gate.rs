@@ -410,12 +410,14 @@ mod tests {
         // gate closed it waits, and the close times out on the checking call's count.
         let checked = Arc::new(AtomicBool::new(false));
         let (closing, c) = (Arc::new(AtomicBool::new(false)), checked.clone());
-        let cl = closing.clone();
+        let closed_and_back = Arc::new(AtomicBool::new(false));
+        let (cl, back) = (closing.clone(), closed_and_back.clone());
         let checker = std::thread::spawn(move || {
             let slot = my_slot();
             count_in(slot); // where a signal finds the thread
             cl.store(true, Ordering::SeqCst);
-            while !is_closed() {
+            // Not for ever: a thread not scheduled while the gate was closed goes on.
+            while !is_closed() && !back.load(Ordering::SeqCst) {
                 std::thread::yield_now();
             }
             let p = enter();
@@ -428,7 +430,9 @@ mod tests {
         while !closing.load(Ordering::SeqCst) {
             std::thread::yield_now();
         }
-        assert_eq!(close(Duration::from_millis(300)), Err(1), "the checking call's count holds the close");
+        let closed = close(Duration::from_millis(300));
+        closed_and_back.store(true, Ordering::SeqCst);
+        assert_eq!(closed, Err(1), "the checking call's count holds the close");
         assert!(!checker.join().unwrap(), "a call made while its thread checked passed a closed gate");
         assert!(checked.load(Ordering::SeqCst));
         assert_eq!(close(Duration::from_secs(1)), Ok(()));

@@ -45,6 +45,10 @@ pub trait Coordinator: Sync {
     /// every participant's `data` in the order of their indices (the same list for all). One
     /// participant alone gets its own.
     fn exchange(&self, phase: Phase, data: serde_json::Value) -> Result<Vec<serde_json::Value>, BarrierError> {
+        if self.is_shared() {
+            // A coordinator of several that gathered nothing would hand back one part as all.
+            return Err(BarrierError(format!("this coordinator cannot exchange data (at {phase:?})")));
+        }
         self.barrier(phase)?;
         Ok(vec![data])
     }

@@ -21,7 +21,9 @@
 //! cut of NCCL communicators that span hosts needs (see `engine/agent/nccl.rs`): each host's
 //! ranks' collective counts gathered, from which every host derives the same limits; and at
 //! the rebuild, the fresh unique id from the host of each communicator's rank 0. One
-//! participant's data is at most [`MAX_DATA`] bytes of JSON.
+//! participant's data is at most [`MAX_DATA`] bytes of JSON. At one phase either every
+//! participant sends data or none does (the coordinator aborts a mix). An index is the
+//! order in which participants joined, nothing more: a rank's host says who it is in its data.
 //!
 //! PHASE is a [`Phase`] in snake case (`prepared`, `quiesced`, `captured`, `dumped`,
 //! `committed`; `restore_prepared`, `processes_restored`, `devices_restored`). A participant
@@ -57,6 +59,8 @@ pub const MAX_DATA: usize = 256 << 10;
 const MAX_UP_LINE: u64 = MAX_DATA as u64 + (4 << 10);
 /// The longest line a participant reads: every participant's data at once.
 const MAX_DOWN_LINE: u64 = 64 << 20;
+/// The longest the coordinator waits to hand one participant its answer.
+const ANSWER_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long past the coordinator's deadline a participant waits before it gives up.
 const PARTICIPANT_MARGIN: Duration = Duration::from_secs(60);
 /// A token shorter than this (in characters) is refused.
@@ -232,9 +236,12 @@ impl Coordinator for Remote {
     }
 
     fn exchange(&self, phase: Phase, data: serde_json::Value) -> Result<Vec<serde_json::Value>, BarrierError> {
-        let size = serde_json::to_vec(&data).map(|v| v.len()).unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(&data).map_err(|e| BarrierError(format!("cannot encode the data of {phase:?}: {e}")))?.len();
         if size > MAX_DATA {
-            // Refused before it is reported: the others hear this one fail, and abort.
+            // Refused before it is reported, and the connection ended: the others hear at
+            // once that this one failed, and abort.
+            let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = conn.0.shutdown(std::net::Shutdown::Both);
             return Err(BarrierError(format!("{size} bytes to exchange at {phase:?}, more than the protocol's {MAX_DATA}")));
         }
         let index = self.index;
@@ -355,13 +362,21 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         // Every participant is waiting for this answer; one that cannot be told makes the
         // rest abort (those told to go already have: a connection lost in these
         // microseconds is the one case the protocol cannot make whole).
-        let answer = if data.iter().any(Option::is_some) {
-            Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() }
-        } else {
-            Down::Go(p)
-        };
+        let sent = data.iter().filter(|d| d.is_some()).count();
+        if sent > 0 && sent < participants {
+            // A host that skipped an exchange the others made would go on without its part.
+            let silent: Vec<&str> = conns.iter().zip(&data).filter(|(_, d)| d.is_none()).map(|((n, _), _)| n.as_str()).collect();
+            return abort(&conns, format!("{} passed {p:?} without the data the others exchanged there", silent.join(", ")));
+        }
+        let answer = if sent > 0 { Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() } } else { Down::Go(p) };
+        // Encoded once for all (it may be megabytes), and within what a participant reads.
+        let mut line = serde_json::to_vec(&answer).expect("messages serialize");
+        line.push(b'\n');
+        if line.len() as u64 > MAX_DOWN_LINE {
+            return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()));
+        }
         for (k, (name, s)) in conns.iter().enumerate() {
-            if let Err(e) = send(s, &answer) {
+            if let Err(e) = (&*s).write_all(&line) {
                 return abort(&conns[k + 1..], format!("participant '{name}' could not be told to go on past {p:?}: {e}"));
             }
         }
@@ -406,6 +421,8 @@ fn handshake_then_read(
     }
     tracing::info!(%name, %peer, "participant joined");
     let _ = stream.set_read_timeout(None);
+    // A participant that stops reading must not hold the others' answers for ever.
+    let _ = stream.set_write_timeout(Some(ANSWER_WRITE_TIMEOUT));
     let Ok(answer) = stream.try_clone() else { return };
     if tx.send(Heard::Joined(index, name, answer)).is_err() {
         return;
@@ -553,6 +570,20 @@ mod tests {
         let e = a.join().unwrap().unwrap_err();
         assert!(e.0.contains("another participant failed") && e.0.contains("'b'"), "{}", e.0);
         assert!(matches!(server.join().unwrap(), Outcome::Aborted(_)));
+    }
+
+    #[test]
+    fn a_participant_that_skips_an_exchange_aborts_every_one() {
+        let (addr, server) = coordinator(2);
+        let a = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                Remote::join(&addr, "secret", "a", Duration::from_secs(20), Local::default()).unwrap().exchange(Phase::Prepared, serde_json::json!(1))
+            })
+        };
+        let b = Remote::join(&addr, "secret", "b", Duration::from_secs(20), Local::default()).unwrap().barrier(Phase::Prepared);
+        assert!(b.is_err() && a.join().unwrap().is_err());
+        assert!(matches!(server.join().unwrap(), Outcome::Aborted(why) if why.contains("b passed Prepared without the data")));
     }
 
     #[test]
