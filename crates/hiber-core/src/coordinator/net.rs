@@ -11,8 +11,8 @@
 //!                             {"reached": PHASE, "data": D}    (the same, with data to exchange)
 //! coordinator → participant   {"go": PHASE}   once every participant reached PHASE
 //!                             {"gathered": {"phase": PHASE, "data": [D0, D1, ...]}}
-//!                                             the same, when any of them sent data: every
-//!                                             participant's, by index (null: sent none)
+//!                                             the same, when they sent data: every
+//!                                             participant's, by index
 //!                             {"abort": REASON}  when one failed, left, or reached another phase
 //! ```
 //!
@@ -97,10 +97,15 @@ pub enum Down {
     Abort(String),
 }
 
-fn send<T: Serialize>(mut w: &TcpStream, msg: &T) -> std::io::Result<()> {
+/// A message as the line that carries it.
+fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     let mut line = serde_json::to_vec(msg).expect("messages serialize");
     line.push(b'\n');
-    w.write_all(&line)
+    line
+}
+
+fn send<T: Serialize>(mut w: &TcpStream, msg: &T) -> std::io::Result<()> {
+    w.write_all(&encode(msg))
 }
 
 /// Reads one message (at most `max` bytes); `None` at the end of the stream.
@@ -231,7 +236,7 @@ impl Coordinator for Remote {
     }
 
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
-        // Another participant's data at this phase is not this one's concern.
+        // Where the others exchange data, the coordinator aborts: no list comes back here.
         self.report(phase, None).map(drop)
     }
 
@@ -368,10 +373,9 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
             let silent: Vec<&str> = conns.iter().zip(&data).filter(|(_, d)| d.is_none()).map(|((n, _), _)| n.as_str()).collect();
             return abort(&conns, format!("{} passed {p:?} without the data the others exchanged there", silent.join(", ")));
         }
-        let answer = if sent > 0 { Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() } } else { Down::Go(p) };
+        let answer = if sent > 0 { Down::Gathered { phase: p, data: data.into_iter().flatten().collect() } } else { Down::Go(p) };
         // Encoded once for all (it may be megabytes), and within what a participant reads.
-        let mut line = serde_json::to_vec(&answer).expect("messages serialize");
-        line.push(b'\n');
+        let line = encode(&answer);
         if line.len() as u64 > MAX_DOWN_LINE {
             return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()));
         }
