@@ -26,9 +26,11 @@ a job N times with the agent and N times with `--no-agent`, interleaved. What is
 is each program's own timing (the median block or step time of a run, after warm-up).
 
 With --full DATA:RESERVE, counters that fill the GPU (DATA GiB changing, RESERVE GiB of
-zeroed pool); with --incremental STATIC:DATA, two --leave-running checkpoints of a job
-whose STATIC GiB never change, the second incremental (bytes written and time until durable
-against the first's); with --periodic GIB:BATCH:EVERY:STEPS, PyTorch training's throughput
+zeroed pool); with --incremental STATIC:DATA[:RESERVE], two --leave-running checkpoints of
+a job whose STATIC GiB never change (RESERVE GiB more fill the GPU), the second incremental
+(bytes written and time until durable against the first's), with the unchanged chunks found
+by their fingerprints on the GPU and, with --incremental-modes gpu,copy, side by side with
+every chunk copied to the host and hashed as before (HIBER_GPU_FINGERPRINT=0); with --periodic GIB:BATCH:EVERY:STEPS, PyTorch training's throughput
 with a --leave-running checkpoint every EVERY steps against none.
 
 With --ddp GIB (two GPUs), a two-rank DDP job launched by torchrun, each rank holding GIB
@@ -103,11 +105,11 @@ def run(args):
     return p.stdout
 
 
-def run_rss(args, timeout=None):
+def run_rss(args, timeout=None, env=None):
     """Runs a command; returns (stdout, peak RSS in bytes of it and the children it reaped).
     Past `timeout` seconds it is killed and counts as failed."""
     import threading
-    p = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    p = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or ENV)
     # Both pipes are read while it runs: a chatty command must not block on a full pipe.
     got = {}
     readers = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read().decode(errors="replace"))) for k, f in (("out", p.stdout), ("err", p.stderr))]
@@ -372,7 +374,7 @@ def agent_figures(img):
         if d["engine"] == "agent":
             s, p = d["state"], d["state"].get("placed", {})
             return {"agent_device_gib": p.get("device", 0) / (1 << 30), "agent_host_gib": p.get("host", 0) / (1 << 30), "agent_direct_gib": p.get("direct", 0) / (1 << 30),
-                    "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
+                    "agent_unchanged_gib": p.get("unchanged", 0) / (1 << 30), "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
     return {}
 
 
@@ -427,12 +429,18 @@ def one_sample(contender, w, rep, cold=True):
         shutil.rmtree(STATE, ignore_errors=True)
 
 
-def incremental_sample(static_gib, data_gib):
+def incremental_sample(static_gib, data_gib, reserve_gib=0, fingerprints=True):
     """Two --leave-running checkpoints of one job whose STATIC GiB never change (a model's
     weights) while its DATA GiB change every step; the second image takes the first as its
     parent (hiber's default for a job's next checkpoint). Then the second image restores
-    from page cache, with the first removed, until the job makes progress."""
+    from page cache, with the first removed, until the job makes progress. RESERVE GiB more
+    of zeroed device memory fill the GPU, so that hiber's copies go to host memory. Without
+    `fingerprints` (HIBER_GPU_FINGERPRINT=0, hiber before them) unchanged chunks are found
+    by copying every chunk to the host and hashing it."""
     argv = [BUILD / "counter", "--mib", str(data_gib * 1024), "--static-mib", str(static_gib * 1024), "--steps", "1000000000", "--interval-ms", "10"]
+    if reserve_gib:
+        argv += ["--reserve-mib", str(reserve_gib * 1024)]
+    env = ENV if fingerprints else dict(ENV, HIBER_GPU_FINGERPRINT="0")
     h = Hiber()
     imgs = [WORK / "inc1", WORK / "inc2"]
     for i in imgs:
@@ -443,7 +451,7 @@ def incremental_sample(static_gib, data_gib):
         out, times = [], []
         for img in imgs:
             t0 = now_ms()
-            r, rss = run_rss([HIBER, "checkpoint", "bw", "--leave-running", "--out", img, "--json"])
+            r, rss = run_rss([HIBER, "checkpoint", "bw", "--leave-running", "--out", img, "--json"], env=env)
             t1 = now_ms()
             out.append((json.loads(r), rss))
             times.append((t0, t1))
@@ -462,6 +470,9 @@ def incremental_sample(static_gib, data_gib):
             "second_downtime_s": downtime_ms(prog, *times[1]) / 1000,
             "ckpt_maxrss_gib": max(rss1, rss2) / (1 << 30),
         }
+        # Where the second checkpoint's device memory was while the job was stopped, and
+        # how much of it was found unchanged on the GPU.
+        sample.update({f"second_{k}": v for k, v in agent_figures(imgs[1]).items()})
         h.kill()
         shutil.rmtree(imgs[0])
         t2 = now_ms()
@@ -736,7 +747,10 @@ def main():
     ap.add_argument("--sizes", default="1,4,16,32")
     ap.add_argument("--full", default="", help="DATA:RESERVE GiB pairs, comma-separated: counters that fill the GPU (e.g. 47:21 on an H100)")
     ap.add_argument("--no-cold", action="store_true", help="restore from page cache only (saves a disk-bound restore per sample)")
-    ap.add_argument("--incremental", default="", help="STATIC:DATA GiB: two checkpoints of a job whose STATIC GiB never change (reps samples)")
+    ap.add_argument("--incremental", default="", help="STATIC:DATA[:RESERVE] GiB, comma-separated: two checkpoints of a job whose STATIC GiB never change, "
+                    "RESERVE GiB more filling the GPU (reps samples per mode)")
+    ap.add_argument("--incremental-modes", default="gpu", help="comma-separated, of: gpu (fingerprints on the GPU), copy (every chunk copied and hashed, "
+                    "HIBER_GPU_FINGERPRINT=0), alternated within each repetition")
     ap.add_argument("--periodic", default="", help="GIB:BATCH:EVERY:STEPS: PyTorch throughput with a checkpoint every EVERY steps, against none (reps pairs)")
     ap.add_argument("--pytorch-gib", type=int, default=8, help="0 to skip")
     ap.add_argument("--reps", type=int, default=3)
@@ -775,22 +789,28 @@ def main():
 
     if a.overhead_reps:
         measure_overhead(a.overhead_reps, a.overhead_pytorch_gib, result, save, a.overhead_benchmarks.split(","))
-    if a.incremental:
-        static, data = map(int, a.incremental.split(":"))
-        entry = {"workload": f"{static} GiB unchanged, {data} GiB changing", "samples": {}}
-        result["incremental"].append(entry)
+    modes = [m for m in a.incremental_modes.split(",") if m]
+    if any(m not in ("gpu", "copy") for m in modes) or not modes:
+        ap.error(f"--incremental-modes: {a.incremental_modes}; choose from gpu, copy")
+    for spec in [x for x in a.incremental.split(",") if x]:
+        static, data, reserve = (list(map(int, spec.split(":"))) + [0])[:3]
+        name = f"{static} GiB unchanged, {data} GiB changing" + (f", {reserve} GiB reserved" if reserve else "")
+        entries = {m: {"workload": name + ("" if m == "gpu" else " (copy and hash)"), "samples": {}} for m in modes}
+        result["incremental"] += entries.values()
         for rep in range(a.reps):
-            try:
-                s = incremental_sample(static, data)
-            except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
-                result["errors"].append({"workload": entry["workload"], "contender": "hiber", "rep": rep, "error": str(e)[-800:]})
-                print(f"[error] {entry['workload']} rep {rep}: {e}", flush=True)
+            for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                entry = entries[m]
+                try:
+                    s = incremental_sample(static, data, reserve, fingerprints=m == "gpu")
+                except Exception as e:  # noqa: BLE001 - a failed sample is recorded, not fatal
+                    result["errors"].append({"workload": entry["workload"], "contender": "hiber", "rep": rep, "error": str(e)[-800:]})
+                    print(f"[error] {entry['workload']} rep {rep}: {e}", flush=True)
+                    save()
+                    continue
+                for k, v in s.items():
+                    entry["samples"].setdefault(k, []).append(round(v, 3))
+                print(f"{entry['workload']} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
                 save()
-                continue
-            for k, v in s.items():
-                entry["samples"].setdefault(k, []).append(round(v, 3))
-            print(f"{entry['workload']} rep {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()), flush=True)
-            save()
     if a.periodic:
         gib, batch, every, steps = map(int, a.periodic.split(":"))
         entry = {"workload": f"PyTorch {gib} GiB, batch {batch}", "every": every, "steps": steps, "samples": {"with": [], "without": []}, "details": []}

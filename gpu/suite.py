@@ -595,34 +595,58 @@ def agent_full_gpu_staged_leave_running(m):
     m.update(checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2), image_mib=ck["image_bytes"] >> 20, agent_mib=agent_bytes(sec) >> 20)
 
 
+def image_fingerprints(image):
+    """The GPU fingerprints an image's manifest keeps, by chunk file."""
+    files = json.loads((Path(image) / "manifest.json").read_text())["files"]
+    return {f["path"]: f["fingerprint"] for f in files if f.get("fingerprint")}
+
+
 @scenario
 def agent_incremental_image_outlives_its_parent(m):
     """Two --leave-running checkpoints of a job whose 2 GiB of weights never change (counter
-    --static-mib) and whose 1 GiB of data does: the second image shares the weights' chunks
-    with the first (hard links) instead of writing them; the first is removed, the second
-    restores, and the copy goes on with the original's checksums and verifies every word."""
-    run_job("inc", program("counter"), "--mib", "1024", "--static-mib", "2048", "--steps", "300", agent=True)
+    --static-mib) and whose 1 GiB of data does: the second image finds the weights unchanged
+    by their fingerprints on the GPU and shares their chunks with the first (hard links)
+    instead of copying and writing them; the first is removed, the second restores, and the
+    copy goes on with the original's checksums. Then the preemption loop: the copy is
+    checkpointed and stopped (its restored weights found unchanged against the second
+    image), restored again, and verifies every word at its end, as the original does."""
+    run_job("inc", program("counter"), "--mib", "1024", "--static-mib", "2048", "--steps", "400", agent=True)
     wait_step("inc", 30)
-    first, second = image_of("inc1"), image_of("inc2")
+    first, second, third = image_of("inc1"), image_of("inc2"), image_of("inc3")
     r1 = hiber_json("checkpoint", "inc", "--leave-running", "--out", first)
     at1 = progress("inc")[-1][0]
     wait_step("inc", at1 + 20)
     before = progress("inc")[-1][0]
     r2 = hiber_json("checkpoint", "inc", "--leave-running", "--out", second)
     at = progress("inc")[-1][0]
+    p1, p2 = agent_section(first)["placed"], agent_section(second)["placed"]
+    fp1, fp2 = image_fingerprints(first), image_fingerprints(second)
     m.update(first_mib=r1["image_bytes"] >> 20, second_mib=r2["image_bytes"] >> 20, shared_mib=r2["shared_bytes"] >> 20,
+             unchanged_mib=p2.get("unchanged", 0) >> 20, fingerprinted_chunks=len(fp2),
              first_s=round(r1["total_seconds"], 2), second_s=round(r2["total_seconds"], 2))
-    assert r1["shared_bytes"] == 0, r1
+    assert r1["shared_bytes"] == 0 and p1.get("unchanged", 0) == 0, (r1, p1)
+    assert len(fp1) == 48 and len(fp2) == 48, f"every chunk (3 GiB: 48) fingerprinted: {len(fp1)}, {len(fp2)}"
     assert r2["shared_bytes"] >= 2 << 30, f"the weights are shared: {r2}"
+    assert p2["unchanged"] == 2 << 30, f"the weights, and only they, found unchanged on the GPU: {p2}"
+    assert sum(fp1[k] == fp2.get(k) for k in fp1) == 32, "the 32 chunks of weights keep their fingerprints; the data's change"
     assert r2["parent"] == first, r2
     assert_verified("inc")
     hiber("rm", first)
     rs = hiber_json("restore", second, "--name", "inc-copy")
-    assert_verified("inc-copy")
+    wait_step("inc-copy", at + 10)
     copy = progress("inc-copy")
     assert copy and before + 1 <= copy[0][0] <= at + 1, f"copy resumes at {copy[0][0] if copy else None}, expected {before + 1}..{at + 1}"
     assert_continues(progress("inc"), copy, copy[0][0])
-    m.update(restore_s=round(rs["total_seconds"], 2))
+    r3 = hiber_json("checkpoint", "inc-copy", "--out", third)
+    p3 = agent_section(third)["placed"]
+    m.update(third_unchanged_mib=p3.get("unchanged", 0) >> 20, third_shared_mib=r3["shared_bytes"] >> 20, third_s=round(r3["total_seconds"], 2))
+    assert r3["parent"] == second, f"a restored job's next checkpoint takes its image as parent: {r3}"
+    assert p3["unchanged"] == 2 << 30 and r3["shared_bytes"] >= 2 << 30, (p3, r3)
+    hiber("rm", second)
+    rs3 = hiber_json("restore", third, "--name", "inc-copy2")
+    assert_verified("inc-copy2")
+    assert_continues(progress("inc"), progress("inc-copy2"), progress("inc-copy2")[0][0])
+    m.update(restore_s=round(rs["total_seconds"], 2), restore3_s=round(rs3["total_seconds"], 2))
 
 
 @scenario

@@ -70,8 +70,8 @@ static int run(const char *who, uint64_t mib, uint64_t steps, unsigned interval_
         CHECK(cudaMalloc(&pool, reserve_mib << 20));
         CHECK(cudaMemset(pool, 0, reserve_mib << 20));
     }
+    uint64_t *weights = 0;
     if (static_mib) {
-        uint64_t *weights;
         CHECK(cudaMalloc(&weights, static_mib << 20));
         k_init<<<1024, 256>>>(weights, (static_mib << 20) / 8, seed ^ 0x5eed);
     }
@@ -99,9 +99,12 @@ static int run(const char *who, uint64_t mib, uint64_t steps, unsigned interval_
     }
     CHECK(cudaMemset(bad, 0, 8));
     k_verify<<<1024, 256>>>(buf, n, seed, steps, bad);
+    // The weights too: written once, they must still hold their first values (an
+    // incremental image shares them with its parent rather than writing them).
+    if (static_mib) k_verify<<<1024, 256>>>(weights, (static_mib << 20) / 8, seed ^ 0x5eed, 0, bad);
     unsigned long long bad_words = 0;
     CHECK(cudaMemcpy(&bad_words, bad, 8, cudaMemcpyDeviceToHost));
-    printf("%s%s bad_words %llu of %llu\n", who, bad_words == 0 ? "verify ok" : "verify FAILED", bad_words, (unsigned long long)n);
+    printf("%s%s bad_words %llu of %llu\n", who, bad_words == 0 ? "verify ok" : "verify FAILED", bad_words, (unsigned long long)(n + (static_mib << 20) / 8));
     fflush(stdout);
     return bad_words == 0 ? 0 : 1;
 }

@@ -56,7 +56,7 @@ pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, 
         let f = sink.create_file(rel).map_err(io)?;
         f.set_len(data.len() as u64).map_err(io)?;
         f.sync_all().map_err(io)?;
-        return Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3: zero_hash(data.len()), encoding: None });
+        return Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3: zero_hash(data.len()), encoding: None, fingerprint: None });
     }
     let compressed = match sink.compression() {
         Some(level) => Some(zstd::bulk::compress(data, level).map_err(io)?).filter(|c| c.len() < data.len()),
@@ -70,7 +70,7 @@ pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, 
         f.write_all(stored).map_err(io)?;
         f.sync_all().map_err(io)?;
     }
-    Ok(FileEntry { path: rel.to_string(), size, blake3, encoding: compressed.map(|_| "zstd".to_string()) })
+    Ok(FileEntry { path: rel.to_string(), size, blake3, encoding: compressed.map(|_| "zstd".to_string()), fingerprint: None })
 }
 
 /// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking the file

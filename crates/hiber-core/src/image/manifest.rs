@@ -84,6 +84,12 @@ pub struct FileEntry {
     /// compressed into one zstd frame (always shorter than the data it holds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encoding: Option<String>,
+    /// For a device data chunk: the fingerprint of its data taken on the GPU at the
+    /// checkpoint, by which the next incremental checkpoint knows an unchanged chunk
+    /// without reading it (see the agent engine's fingerprint.rs). Readers before it
+    /// ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

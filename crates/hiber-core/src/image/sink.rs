@@ -35,6 +35,20 @@ pub trait ImageSink: Send + Sync {
         Ok(false)
     }
 
+    /// Whether the parent image holds a device data chunk with GPU fingerprint `fp` that
+    /// this image can share (see [`ImageSink::reuse_fingerprint`]).
+    fn parent_fingerprint(&self, _fp: &str) -> bool {
+        false
+    }
+
+    /// Puts into the image, as `rel`, the parent's chunk with GPU fingerprint `fp`, as
+    /// [`ImageSink::reuse`] does, and returns its entry (the parent's checksum, size and
+    /// encoding); `Ok(None)` when it cannot. Then the caller writes the data if it still
+    /// holds it.
+    fn reuse_fingerprint(&self, _rel: &str, _fp: &str) -> io::Result<Option<super::FileEntry>> {
+        Ok(None)
+    }
+
     /// The zstd level device data chunks are compressed at, if at all.
     fn compression(&self) -> Option<i32> {
         None

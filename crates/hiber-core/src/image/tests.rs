@@ -181,7 +181,7 @@ fn device_chunks_hashed_by_their_writer_are_trusted_for_commit_and_checked_on_re
     fs::create_dir_all(w.tmp_dir().join("agent/1")).unwrap();
     let chunk = vec![3u8; 4096];
     fs::write(w.tmp_dir().join("agent/1/1.00000"), &chunk).unwrap();
-    let known = FileEntry { path: "agent/1/1.00000".into(), size: 4096, blake3: blake3::hash(&chunk).to_hex().to_string(), encoding: None };
+    let known = FileEntry { path: "agent/1/1.00000".into(), size: 4096, blake3: blake3::hash(&chunk).to_hex().to_string(), encoding: None, fingerprint: None };
     w.commit(sample_manifest(), std::slice::from_ref(&known)).unwrap();
     let img = Image::open(&dest).unwrap();
     assert!(img.manifest.files.contains(&known));
@@ -206,7 +206,7 @@ fn a_known_entry_whose_file_changed_size_is_refused() {
     let dest = t.0.join("img");
     let mut w = ImageWriter::create(&dest).unwrap();
     fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
-    let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into(), encoding: None };
+    let known = FileEntry { path: "criu/core-1.img".into(), size: 99, blake3: "00".into(), encoding: None, fingerprint: None };
     assert!(matches!(w.commit(sample_manifest(), &[known]), Err(ImageError::SizeMismatch { .. })));
     assert!(!dest.exists());
 }
@@ -293,6 +293,50 @@ fn an_incremental_image_shares_unchanged_chunks_and_outlives_its_parent() {
     fs::remove_dir_all(&first).unwrap();
     assert_eq!(Image::open(&second).unwrap().verify().unwrap(), 300_000 * 2 + 1000 + 4);
     assert_eq!(fs::read(second.join("agent/1/9.00000")).unwrap(), weights);
+}
+
+#[test]
+fn a_chunk_known_by_its_fingerprint_is_shared_without_its_data() {
+    use std::os::unix::fs::MetadataExt;
+    let t = TempDir::new("fingerprint");
+    // The parent as the agent engine writes it: each chunk's entry carries the fingerprint
+    // its data had on the GPU.
+    let mut w = ImageWriter::create(&t.0.join("first")).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    let weights = vec![7u8; 8192];
+    let mut a = chunks::write(&w, "agent/1/1.00000", &weights).unwrap();
+    a.fingerprint = Some("fp-weights".into());
+    let mut b = chunks::write(&w, "agent/1/2.00000", &[1u8; 4096]).unwrap();
+    b.fingerprint = Some("fp-state".into());
+    w.commit(sample_manifest(), &[a.clone(), b]).unwrap();
+    let first = t.0.join("first");
+    assert_eq!(Image::open(&first).unwrap().manifest.files.iter().filter(|f| f.fingerprint.is_some()).count(), 2, "kept in the manifest");
+
+    let mut w = ImageWriter::create(&t.0.join("second")).unwrap();
+    assert!(!w.parent_fingerprint("fp-weights"), "no parent yet");
+    w.share_with(&first).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    assert!(w.parent_fingerprint("fp-weights") && w.parent_fingerprint("fp-state"));
+    assert!(!w.parent_fingerprint("fp-other"));
+    assert_eq!(w.reuse_fingerprint("agent/1/3.00000", "fp-other").unwrap(), None);
+    // Shared under another name, with the parent's checksum and size: the data itself is
+    // never handed over.
+    let e = w.reuse_fingerprint("agent/1/5.00000", "fp-weights").unwrap().expect("shared");
+    assert_eq!((e.path.as_str(), e.size, e.blake3.as_str(), e.fingerprint.as_deref()), ("agent/1/5.00000", a.size, a.blake3.as_str(), Some("fp-weights")));
+    assert_eq!(w.shared(), (1, 8192));
+    // The parent's other chunk altered after its manifest was read: not shared, so the
+    // caller writes it (or, holding no copy, fails the checkpoint).
+    fs::write(first.join("agent/1/2.00000"), [2u8; 4096]).unwrap();
+    assert_eq!(w.reuse_fingerprint("agent/1/2.00000", "fp-state").unwrap(), None);
+    assert!(!t.0.join(w.tmp_dir()).join("agent/1/2.00000").exists(), "no half-made link left behind");
+    w.commit(sample_manifest(), &[e]).unwrap();
+    let second = t.0.join("second");
+    assert_eq!(fs::metadata(first.join("agent/1/1.00000")).unwrap().ino(), fs::metadata(second.join("agent/1/5.00000")).unwrap().ino());
+    let img = Image::open(&second).unwrap();
+    assert_eq!(img.manifest.files.iter().find(|f| f.path == "agent/1/5.00000").unwrap().fingerprint.as_deref(), Some("fp-weights"));
+    fs::remove_dir_all(&first).unwrap();
+    img.verify().unwrap();
+    assert_eq!(fs::read(second.join("agent/1/5.00000")).unwrap(), weights);
 }
 
 #[test]

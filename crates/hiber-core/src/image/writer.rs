@@ -17,6 +17,9 @@ struct Parent {
     manifest_blake3: String,
     /// (blake3, size) → the file's path in the parent.
     by_content: HashMap<(String, u64), String>,
+    /// GPU fingerprint → the parent's entry of a chunk with that data; empty when the
+    /// parent's files cannot be linked from here (another filesystem).
+    by_fingerprint: HashMap<String, FileEntry>,
     shared_files: AtomicU64,
     shared_bytes: AtomicU64,
 }
@@ -77,7 +80,25 @@ impl ImageWriter {
             .map(|f| ((f.blake3.clone(), f.size), f.path.clone()))
             .collect();
         let dir = fs::canonicalize(&image.dir).map_err(ImageError::io(&image.dir, "resolve"))?;
-        self.parent = Some(Parent { dir, manifest_blake3, by_content, shared_files: AtomicU64::new(0), shared_bytes: AtomicU64::new(0) });
+        // A chunk found unchanged by its fingerprint is not copied while the application is
+        // stopped, so it must be shareable for sure: on the same filesystem (a hard link),
+        // and only a data file inside the image, as `by_content`.
+        let same_fs = match (fs::metadata(&dir), fs::metadata(&self.tmp)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev(),
+            _ => false,
+        };
+        let by_fingerprint = if same_fs {
+            image
+                .manifest
+                .files
+                .iter()
+                .filter(|f| !f.path.starts_with(&format!("{CRIU_DIR}/")) && inside(&f.path))
+                .filter_map(|f| Some((f.fingerprint.clone()?, f.clone())))
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        self.parent = Some(Parent { dir, manifest_blake3, by_content, by_fingerprint, shared_files: AtomicU64::new(0), shared_bytes: AtomicU64::new(0) });
         Ok(())
     }
 
@@ -140,7 +161,7 @@ impl ImageWriter {
             let f = File::open(&path).map_err(ImageError::io(&path, "open"))?;
             f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
             let size = f.metadata().map_err(ImageError::io(&path, "stat"))?.len();
-            entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size, encoding: None });
+            entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size, encoding: None, fingerprint: None });
         }
         if entries.iter().any(|e| e.encoding.is_some()) {
             manifest.format = super::FORMAT_COMPRESSED;
@@ -241,6 +262,18 @@ impl ImageSink for ImageWriter {
                 Ok(false)
             }
         }
+    }
+
+    fn parent_fingerprint(&self, fp: &str) -> bool {
+        self.parent.as_ref().is_some_and(|p| p.by_fingerprint.contains_key(fp))
+    }
+
+    fn reuse_fingerprint(&self, rel: &str, fp: &str) -> std::io::Result<Option<FileEntry>> {
+        let Some(e) = self.parent.as_ref().and_then(|p| p.by_fingerprint.get(fp)) else { return Ok(None) };
+        if !self.reuse(rel, &e.blake3, e.size)? {
+            return Ok(None);
+        }
+        Ok(Some(FileEntry { path: rel.to_string(), fingerprint: Some(fp.to_string()), ..e.clone() }))
     }
 
     fn location(&self) -> &Path {

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use hiber_wire::{socket, Reply, Request};
 
-use super::device::{self, DeviceMem, Gpus, Place};
+use super::device::{self, DeviceMem, Gpus, Place, GRANULE};
 use super::{chunk_prefix, connect, cuda_fail, fail, nccl, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};
 use crate::engine::cuda::{self, ffi, ffi::Staging};
 use crate::engine::layer::Conn;
@@ -21,8 +21,6 @@ use crate::proctree::ProcessInfo;
 
 /// Room left on a GPU beside hiber's copies, for the driver's own needs.
 const SNAPSHOT_MARGIN: u64 = 1 << 30;
-/// The granularity of hiber's device memory (cuMemCreate's on current GPUs).
-const GRANULE: u64 = 2 << 20;
 /// Host memory a staging area leaves to everything else: a tenth of the machine, and at
 /// least this much.
 const HOST_RESERVE_MIN: u64 = 2 << 30;
@@ -154,10 +152,20 @@ impl AgentCheckpoint {
             let _ = socket::set_recv_timeout(&conn.sock, None);
             let quiesced = Instant::now();
             let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
-            let all = device::chunks(&mems);
-            let (copies, direct, placed) = if self.opts.leave_running { self.place(all)? } else { (Copies::default(), all, Placed::default()) };
+            let mut all = device::chunks(&mems);
+            // Fingerprinted where they are, so that what the parent image holds already is
+            // neither copied nor written, and the next checkpoint can tell the same of this.
+            match device::fingerprints(&self.gpus, &all) {
+                Ok(fps) => all.iter_mut().zip(fps).for_each(|(c, fp)| c.fp = fp),
+                Err(e) => tracing::warn!(pid, error = %e, "no fingerprints; unchanged chunks are found by copying them"),
+            }
+            let fingerprinted = Instant::now();
+            let unchanged: u64 = all.iter().filter(|c| c.fp.as_deref().is_some_and(|fp| sink.parent_fingerprint(fp))).map(|c| c.len as u64).sum();
+            let (copies, direct, placed) = if self.opts.leave_running { self.place(all, sink)? } else { (Copies::default(), all, Placed::default()) };
             let mut placed = placed;
-            placed.direct = direct.iter().map(|c| c.len as u64).sum();
+            placed.unchanged = unchanged;
+            // A stopping checkpoint shares the unchanged chunks now (`save`), or writes them.
+            placed.direct = direct.iter().filter(|c| !c.fp.as_deref().is_some_and(|fp| sink.parent_fingerprint(fp))).map(|c| c.len as u64).sum();
             let copied = Instant::now();
             let written = if direct.is_empty() {
                 Vec::new()
@@ -172,7 +180,9 @@ impl AgentCheckpoint {
                 device_mib = placed.device >> 20,
                 host_mib = placed.host >> 20,
                 direct_mib = placed.direct >> 20,
-                copy_s = (copied - quiesced).as_secs_f64(),
+                unchanged_mib = placed.unchanged >> 20,
+                fingerprint_s = (fingerprinted - quiesced).as_secs_f64(),
+                copy_s = (copied - fingerprinted).as_secs_f64(),
                 direct_s = copied.elapsed().as_secs_f64(),
                 "device memory taken"
             );
@@ -199,8 +209,11 @@ impl AgentCheckpoint {
     /// Copies each chunk of `all` (a process's memory, on its GPUs) to hiber's memory on
     /// the same GPU while that has room, else to the staging area while that has room.
     /// Returns the copies, the chunks that fit in neither (to be written before the
-    /// release), and the bytes copied each way.
-    fn place(&self, all: Vec<device::Chunk>) -> Result<(Copies, Vec<device::Chunk>, Placed), EngineError> {
+    /// release), and the bytes copied each way. A chunk whose fingerprint the parent image
+    /// holds is not copied: the image shares the parent's ([`Place::Parent`]).
+    fn place(&self, all: Vec<device::Chunk>, sink: &dyn ImageSink) -> Result<(Copies, Vec<device::Chunk>, Placed), EngineError> {
+        let (in_parent, all): (Vec<device::Chunk>, Vec<device::Chunk>) =
+            all.into_iter().partition(|c| c.fp.as_deref().is_some_and(|fp| sink.parent_fingerprint(fp)));
         let mut want: BTreeMap<i32, u64> = BTreeMap::new();
         for c in &all {
             if let Place::Gpu { dev, .. } = c.at {
@@ -254,7 +267,8 @@ impl AgentCheckpoint {
             }
         }
         device::stage(&self.gpus, &from, &to, self.staging.as_ref()).map_err(|e| fail(format!("copying device memory: {e}"), None))?;
-        let chunks = from.into_iter().zip(to).map(|(c, at)| device::Chunk { at, ..c }).collect();
+        let mut chunks: Vec<device::Chunk> = from.into_iter().zip(to).map(|(c, at)| device::Chunk { at, ..c }).collect();
+        chunks.extend(in_parent.into_iter().map(|c| device::Chunk { at: Place::Parent, ..c }));
         Ok((Copies { chunks, arenas }, direct, placed))
     }
 
@@ -325,6 +339,21 @@ impl AgentCheckpoint {
         out.values().any(|&b| b > 0).then_some(out)
     }
 
+    /// Loads the fingerprint kernel on each GPU where the processes `pids` hold memory (on
+    /// every GPU when NVML cannot say).
+    fn warm_fingerprints(&self, pids: &[i32]) {
+        if pids.is_empty() || !super::fingerprint::enabled() {
+            return;
+        }
+        let devs: Vec<i32> = match self.held_by_gpu(pids) {
+            Some(held) => held.into_iter().filter(|&(_, b)| b > 0).map(|(d, _)| d).collect(),
+            None => (0..self.gpus.cuda.device_count().unwrap_or(0)).collect(),
+        };
+        for d in devs {
+            self.gpus.fingerprint_kernel(d);
+        }
+    }
+
     /// Takes the staging area down with a context current (the driver unregisters host
     /// memory in one), before the memory goes.
     fn drop_staging(&mut self) {
@@ -373,6 +402,9 @@ impl CheckpointSession for AgentCheckpoint {
         crate::sys::raise_open_files_limit();
         let staging_start = Instant::now();
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
+        // The driver compiles the fingerprint kernel for each GPU the job uses while the job
+        // still runs (tens of milliseconds, once per hiber).
+        self.warm_fingerprints(&busy.iter().map(|t| t.pid).collect::<Vec<_>>());
         // Copies let the application run again before the data reaches the disk.
         if self.opts.leave_running {
             let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();

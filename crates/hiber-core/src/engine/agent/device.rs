@@ -8,7 +8,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::cuda::ffi::{CuResult, CudaLib, PinnedBuf, PrimaryContext, Staging, Stream};
+use super::fingerprint;
+use crate::engine::cuda::ffi::{CuResult, CudaLib, Kernel, PinnedBuf, PrimaryContext, Staging, Stream};
 use crate::image::{FileEntry, ImageSink};
 
 pub use crate::image::chunks::{chunk_files, CHUNK};
@@ -17,11 +18,61 @@ pub use crate::image::chunks::{chunk_files, CHUNK};
 pub struct Gpus {
     pub cuda: CudaLib,
     contexts: Mutex<HashMap<i32, PrimaryContext>>,
+    /// The fingerprint kernel on each device, once loaded and checked (`None`: not usable).
+    fingerprint: Mutex<HashMap<i32, Option<Kernel>>>,
 }
 
 impl Gpus {
     pub fn new(cuda: CudaLib) -> Gpus {
-        Gpus { cuda, contexts: Mutex::new(HashMap::new()) }
+        Gpus { cuda, contexts: Mutex::new(HashMap::new()), fingerprint: Mutex::new(HashMap::new()) }
+    }
+
+    /// The fingerprint kernel on `dev`: loaded on first use (the driver compiles it, which
+    /// is why a checkpoint asks before it stops the application) and checked against the
+    /// host's function on a block of known content. `None` when fingerprints are off, or
+    /// the kernel cannot be loaded or disagrees: chunks are then copied and hashed.
+    pub fn fingerprint_kernel(self: &Arc<Self>, dev: i32) -> Option<Kernel> {
+        if !fingerprint::enabled() {
+            return None;
+        }
+        let mut cache = self.fingerprint.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = cache.get(&dev) {
+            return *k;
+        }
+        let start = std::time::Instant::now();
+        let k = self
+            .load_fingerprint(dev)
+            .inspect_err(|e| tracing::warn!(dev, error = %e, "no fingerprints on this GPU; unchanged chunks are found by copying them"))
+            .ok();
+        tracing::debug!(dev, seconds = start.elapsed().as_secs_f64(), usable = k.is_some(), "fingerprint kernel");
+        cache.insert(dev, k);
+        k
+    }
+
+    fn load_fingerprint(self: &Arc<Self>, dev: i32) -> Result<Kernel, String> {
+        let name = |e| self.cuda.error_name(e);
+        self.enter(dev).map_err(|e| format!("CUDA context: {}", name(e)))?;
+        let ptx = std::ffi::CString::new(fingerprint::PTX).expect("the PTX has no NUL");
+        let entry = std::ffi::CString::new(fingerprint::KERNEL).expect("a plain name");
+        let k = self.cuda.load_kernel(&ptx, &entry).map_err(|e| format!("loading the kernel: {}", name(e)))?;
+        // Checked on one block against the host's function before it is trusted.
+        let block = fingerprint::test_block();
+        let data = DeviceMem::create(self, fingerprint::BLOCK as u64, dev, false).map_err(|e| format!("device memory: {}", name(e)))?;
+        let out_mem = DeviceMem::create(self, GRANULE, dev, false).map_err(|e| format!("device memory: {}", name(e)))?;
+        let stream = self.cuda.stream().map_err(|e| format!("stream: {}", name(e)))?;
+        let mut out = vec![0u8; fingerprint::OUT_PER_BLOCK];
+        // SAFETY: `data` and `out_mem` are hiber's own mappings, of one block and of more
+        // than the kernel writes for one block; the kernel takes (data, out).
+        unsafe {
+            self.cuda.write_device(data.va, &block, &stream).map_err(|e| format!("copy: {}", name(e)))?;
+            self.cuda.launch2(k, 1, fingerprint::THREADS, data.va, out_mem.va, &stream).map_err(|e| format!("launch: {}", name(e)))?;
+            self.cuda.read_device(&mut out, out_mem.va, &stream).map_err(|e| format!("copy: {}", name(e)))?;
+        }
+        drop(stream);
+        if out != fingerprint::block_out(&block) {
+            return Err("the kernel's result differs from the host's".into());
+        }
+        Ok(k)
     }
 
     /// Makes `dev`'s primary context current on the calling thread.
@@ -115,6 +166,9 @@ impl Drop for DeviceMem {
     }
 }
 
+/// The granularity of VMM memory on current GPUs (cuMemCreate's).
+pub const GRANULE: u64 = 2 << 20;
+
 /// Where the bytes of one chunk are while hiber holds them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Place {
@@ -122,6 +176,9 @@ pub enum Place {
     Gpu { dev: i32, va: u64 },
     /// The checkpoint's page-locked staging area in host memory, from this offset.
     Host { off: usize },
+    /// Nowhere hiber holds: the parent image has a chunk of the same fingerprint, which
+    /// the image shares.
+    Parent,
 }
 
 /// One chunk file of an image, and where its bytes are.
@@ -130,6 +187,8 @@ pub struct Chunk {
     pub at: Place,
     pub len: usize,
     pub rel: String,
+    /// Its fingerprint, taken on the GPU while the application was stopped.
+    pub fp: Option<String>,
 }
 
 /// Every chunk of each memory, in order, where the memory is.
@@ -138,7 +197,7 @@ pub fn chunks(mems: &[(&DeviceMem, String)]) -> Vec<Chunk> {
     for (m, prefix) in mems {
         for (k, rel) in chunk_files(prefix, m.size).into_iter().enumerate() {
             let off = k as u64 * CHUNK;
-            out.push(Chunk { at: Place::Gpu { dev: m.dev, va: m.va + off }, len: (m.size - off).min(CHUNK) as usize, rel });
+            out.push(Chunk { at: Place::Gpu { dev: m.dev, va: m.va + off }, len: (m.size - off).min(CHUNK) as usize, rel, fp: None });
         }
     }
     out
@@ -149,6 +208,8 @@ pub struct Worker<'a> {
     gpus: &'a Gpus,
     buf: Option<PinnedBuf<'a>>,
     streams: HashMap<i32, Stream<'a>>,
+    /// Device memory for the fingerprint kernel's output, per device.
+    scratch: HashMap<i32, DeviceMem>,
 }
 
 impl<'a> Worker<'a> {
@@ -198,7 +259,7 @@ fn parallel<I: Sync, T: Send>(gpus: &Gpus, items: &[I], work: impl Fn(&I, &mut W
     std::thread::scope(|s| {
         for _ in 0..workers().min(items.len()) {
             s.spawn(|| {
-                let mut w = Worker { gpus, buf: None, streams: HashMap::new() };
+                let mut w = Worker { gpus, buf: None, streams: HashMap::new(), scratch: HashMap::new() };
                 let out = loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= items.len() || failed.load(Ordering::Relaxed) {
@@ -228,21 +289,69 @@ fn parallel<I: Sync, T: Send>(gpus: &Gpus, items: &[I], work: impl Fn(&I, &mut W
 /// Writes each chunk to its file `rel` of the image (see [`crate::image::chunks`]), from
 /// the GPU through a pinned buffer or straight from `staging`. Returns the files' manifest
 /// entries.
+///
+/// A chunk whose fingerprint the parent image holds is shared with the parent instead
+/// (see [`ImageSink::reuse_fingerprint`]); one that is only there ([`Place::Parent`]) and
+/// cannot be shared fails the save.
 pub fn save(gpus: &Gpus, chunks: &[Chunk], staging: Option<&Staging>, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
-    parallel(gpus, chunks, |c, w| match c.at {
-        Place::Gpu { dev, va } => {
-            let (buf, stream) = w.buf_and_stream(dev)?;
-            // SAFETY: a chunk covers `len` bytes inside one DeviceMem mapping (see `chunks`
-            // and the agent engine's `place`).
-            unsafe { gpus.cuda.copy_to_host(buf, c.len, va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
-            crate::image::chunks::write(sink, &c.rel, &buf.as_mut_slice()[..c.len])
+    parallel(gpus, chunks, |c, w| {
+        if let Some(fp) = c.fp.as_deref().filter(|fp| sink.parent_fingerprint(fp)) {
+            if let Some(e) = sink.reuse_fingerprint(&c.rel, fp).map_err(|e| format!("{}: {e}", c.rel))? {
+                return Ok(e);
+            }
         }
-        Place::Host { off } => {
-            let staging = staging.ok_or("a chunk in host memory, but no staging area")?;
-            // SAFETY: the copy into this range finished when it was staged; nothing writes
-            // the staging area after that.
-            crate::image::chunks::write(sink, &c.rel, unsafe { staging.slice(off, c.len) })
+        let mut entry = match c.at {
+            Place::Gpu { dev, va } => {
+                let (buf, stream) = w.buf_and_stream(dev)?;
+                // SAFETY: a chunk covers `len` bytes inside one DeviceMem mapping (see `chunks`
+                // and the agent engine's `place`).
+                unsafe { gpus.cuda.copy_to_host(buf, c.len, va, stream) }.map_err(|e| format!("copying from the GPU: {}", gpus.cuda.error_name(e)))?;
+                crate::image::chunks::write(sink, &c.rel, &buf.as_mut_slice()[..c.len])?
+            }
+            Place::Host { off } => {
+                let staging = staging.ok_or("a chunk in host memory, but no staging area")?;
+                // SAFETY: the copy into this range finished when it was staged; nothing writes
+                // the staging area after that.
+                crate::image::chunks::write(sink, &c.rel, unsafe { staging.slice(off, c.len) })?
+            }
+            Place::Parent => {
+                return Err(format!(
+                    "{}: unchanged since the parent image, whose copy could not be shared (it changed or moved since the checkpoint began)",
+                    c.rel
+                ))
+            }
+        };
+        entry.fingerprint = c.fp.clone();
+        Ok(entry)
+    })
+}
+
+/// The fingerprint of each chunk (see [`fingerprint`]), computed on its GPU; `None` for a
+/// chunk that is not whole 2 MiB blocks of device memory, or on a device without the
+/// kernel. The chunks are read where they are, and nothing crosses PCIe but 4 KiB per 2 MiB.
+pub fn fingerprints(gpus: &Arc<Gpus>, chunks: &[Chunk]) -> Result<Vec<Option<String>>, String> {
+    parallel(gpus, chunks, |c, w| {
+        let Place::Gpu { dev, va } = c.at else { return Ok(None) };
+        if c.len == 0 || !c.len.is_multiple_of(fingerprint::BLOCK) {
+            return Ok(None);
         }
+        let Some(kernel) = gpus.fingerprint_kernel(dev) else { return Ok(None) };
+        let blocks = c.len / fingerprint::BLOCK;
+        let mut out = vec![0u8; blocks * fingerprint::OUT_PER_BLOCK];
+        let err = |what: &str, e| format!("{what}: {}", gpus.cuda.error_name(e));
+        if let std::collections::hash_map::Entry::Vacant(v) = w.scratch.entry(dev) {
+            v.insert(DeviceMem::create(gpus, (out.len() as u64).next_multiple_of(GRANULE), dev, false).map_err(|e| err("fingerprint memory", e))?);
+        }
+        let out_va = w.scratch.get(&dev).filter(|m| m.size >= out.len() as u64).map(|m| m.va).ok_or("a chunk larger than the fingerprint memory")?;
+        let stream = w.stream(dev)?;
+        // SAFETY: the chunk is `len` bytes (whole blocks) of one DeviceMem mapping that no
+        // one writes while the application is stopped; `scratch` is this worker's own and
+        // holds the kernel's output for `blocks` blocks (checked above).
+        unsafe {
+            gpus.cuda.launch2(kernel, blocks as u32, fingerprint::THREADS, va, out_va, stream).map_err(|e| err("fingerprinting on the GPU", e))?;
+            gpus.cuda.read_device(&mut out, out_va, stream).map_err(|e| err("reading fingerprints", e))?;
+        }
+        Ok(Some(fingerprint::digest(c.len as u64, &out)))
     })
 }
 
@@ -265,6 +374,7 @@ pub fn stage(gpus: &Gpus, from: &[Chunk], to: &[Place], staging: Option<&Staging
                 // SAFETY: as above; `[off, off + len)` of the staging area is this chunk's.
                 unsafe { staging.copy_in(off, src, c.len, stream) }.map_err(|e| format!("copying to host memory: {}", gpus.cuda.error_name(e)))
             }
+            Place::Parent => Err("staging a chunk into the parent image".into()),
         }
     })
     .map(|_| ())

@@ -30,6 +30,7 @@
 
 mod checkpoint;
 mod device;
+pub mod fingerprint;
 pub mod nccl;
 mod restore;
 
@@ -158,6 +159,10 @@ pub struct Placed {
     pub host: u64,
     /// Written to the image before the release.
     pub direct: u64,
+    /// Found unchanged since the parent image by its fingerprint on the GPU, and so neither
+    /// copied nor written: the image shares the parent's chunks.
+    #[serde(default)]
+    pub unchanged: u64,
 }
 
 impl Placed {
@@ -165,6 +170,7 @@ impl Placed {
         self.device += o.device;
         self.host += o.host;
         self.direct += o.direct;
+        self.unchanged += o.unchanged;
     }
 }
 
@@ -479,6 +485,9 @@ pub fn describe(value: &serde_json::Value) -> Vec<String> {
             p.direct >> 20
         ));
     }
+    if p.unchanged > 0 {
+        out.push(format!("agent: {} MiB unchanged since the parent image (fingerprinted on the GPU), shared with it", p.unchanged >> 20));
+    }
     for p in &s.processes {
         out.push(format!(
             "agent: process {} ({}): {} MiB of device memory in {} allocations moved by the agent",
@@ -587,7 +596,7 @@ mod tests {
 
     #[test]
     fn mode_names_where_the_bytes_went() {
-        let p = |device, host, direct| Placed { device, host, direct };
+        let p = |device, host, direct| Placed { device, host, direct, unchanged: 0 };
         assert_eq!(Mode::of(&p(5, 0, 0)), Mode::DeviceSnapshot);
         assert_eq!(Mode::of(&p(0, 0, 5)), Mode::Direct);
         assert_eq!(Mode::of(&p(0, 0, 0)), Mode::Direct, "nothing tracked: nothing staged");
@@ -602,7 +611,7 @@ mod tests {
         let s: Section = serde_json::from_value(v1).unwrap();
         assert_eq!((s.mode, s.placed, s.staging_seconds), (Mode::Direct, Placed::default(), 0.0));
         assert_eq!(describe(&serde_json::to_value(&s).unwrap()), vec!["agent: direct mode, quiesce and handover 0.50s"]);
-        let staged = Section { mode: Mode::Staged, placed: Placed { device: 1 << 30, host: 3 << 30, direct: 0 }, staging_seconds: 0.75, ..s };
+        let staged = Section { mode: Mode::Staged, placed: Placed { device: 1 << 30, host: 3 << 30, direct: 0, unchanged: 0 }, staging_seconds: 0.75, ..s };
         let lines = describe(&serde_json::to_value(&staged).unwrap());
         assert_eq!(lines[0], "agent: staged mode, quiesce and handover 0.50s");
         assert!(lines[1].contains("1024 MiB copied on the GPU, 3072 MiB to host memory (staging area ready in 0.75s), 0 MiB written"), "{}", lines[1]);

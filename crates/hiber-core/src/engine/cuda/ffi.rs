@@ -14,7 +14,9 @@ pub use hiber_cuda_sys::{
     CUcheckpointCheckpointArgs as CheckpointArgs, CUcheckpointGpuPair as GpuPair, CUcheckpointLockArgs as LockArgs, CUcheckpointRestoreArgs as RestoreArgs,
     CUcheckpointUnlockArgs as UnlockArgs, CUresult as CuResult, CUuuid as CuUuid, CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS,
 };
-use hiber_cuda_sys::{CUcontext, CUmemAccessDesc, CUmemAllocationProp, CUstream, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as HANDLE_TYPE_POSIX_FD};
+use hiber_cuda_sys::{
+    CUcontext, CUfunction, CUmemAccessDesc, CUmemAllocationProp, CUmodule, CUstream, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as HANDLE_TYPE_POSIX_FD,
+};
 
 /// The checkpoint entry points of a loaded libcuda.
 pub struct CheckpointFns {
@@ -225,6 +227,9 @@ struct VmmFns {
     stream_create: fns::cuStreamCreate,
     stream_sync: fns::cuStreamSynchronize,
     stream_destroy: fns::cuStreamDestroy_v2,
+    module_load_data: fns::cuModuleLoadData,
+    module_get_function: fns::cuModuleGetFunction,
+    launch_kernel: fns::cuLaunchKernel,
 }
 
 impl VmmFns {
@@ -255,9 +260,23 @@ impl VmmFns {
             stream_create: sym(lib, "cuStreamCreate")?,
             stream_sync: sym(lib, "cuStreamSynchronize")?,
             stream_destroy: sym(lib, "cuStreamDestroy_v2")?,
+            module_load_data: sym(lib, "cuModuleLoadData")?,
+            module_get_function: sym(lib, "cuModuleGetFunction")?,
+            launch_kernel: sym(lib, "cuLaunchKernel")?,
         })
     }
 }
+
+/// A kernel of a module hiber loaded into one of its primary contexts. The module is never
+/// unloaded (the context lives as long as hiber), so the handle stays valid.
+#[derive(Debug, Clone, Copy)]
+pub struct Kernel(CUfunction);
+
+// SAFETY: a CUfunction is a handle the driver lets any thread launch (with its context
+// current); hiber never dereferences it.
+unsafe impl Send for Kernel {}
+// SAFETY: as above.
+unsafe impl Sync for Kernel {}
 
 /// Pinned host memory from `cuMemHostAlloc`, freed on drop.
 pub struct PinnedBuf<'a> {
@@ -541,6 +560,72 @@ impl CudaLib {
         // (this function's contract); the copy completes before return.
         unsafe {
             check((f.htod_async)(dst, src.ptr.cast(), len, s.raw))?;
+            check((f.stream_sync)(s.raw))
+        }
+    }
+
+    /// Loads the PTX module `ptx` into the current context (the driver compiles it for its
+    /// GPU) and returns its kernel `name`. The module stays loaded.
+    pub fn load_kernel(&self, ptx: &CStr, name: &CStr) -> Result<Kernel, CuResult> {
+        let f = self.vmm_fns()?;
+        let mut module: CUmodule = std::ptr::null_mut();
+        let mut func: CUfunction = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; `ptx` and `name` are NUL-terminated and outlive the
+        // calls (the driver copies the image).
+        unsafe {
+            check((f.module_load_data)(&mut module, ptx.as_ptr().cast()))?;
+            check((f.module_get_function)(&mut func, module, name.as_ptr()))?;
+        }
+        Ok(Kernel(func))
+    }
+
+    /// Launches `k`, a kernel taking two 64-bit parameters, on `grid` CTAs of `threads`
+    /// threads in `s`, and waits for it.
+    ///
+    /// # Safety
+    ///
+    /// `k` must take exactly the parameters `(u64 a, u64 b)`, and whatever it reads or
+    /// writes through them for this grid must be device memory that is mapped and that
+    /// nothing else writes meanwhile.
+    pub unsafe fn launch2(&self, k: Kernel, grid: u32, threads: u32, a: u64, b: u64, s: &Stream<'_>) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        let (mut a, mut b) = (a, b);
+        let mut params: [*mut c_void; 2] = [(&mut a as *mut u64).cast(), (&mut b as *mut u64).cast()];
+        // SAFETY: `params` points at the two parameters the kernel takes (this function's
+        // contract), alive until the launch returns; no shared memory, no extra options.
+        unsafe {
+            check((f.launch_kernel)(k.0, grid, 1, 1, threads, 1, 1, 0, s.raw, params.as_mut_ptr(), std::ptr::null_mut()))?;
+            check((f.stream_sync)(s.raw))
+        }
+    }
+
+    /// Device → host memory of any kind (pageable too), waited for.
+    ///
+    /// # Safety
+    ///
+    /// `src` must be device memory (mapped by hiber) of at least `dst.len()` bytes.
+    pub unsafe fn read_device(&self, dst: &mut [u8], src: u64, s: &Stream<'_>) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: `dst` is `dst.len()` writable bytes, `src` as many bytes of device memory
+        // (this function's contract); the copy completes before return.
+        unsafe {
+            check((f.dtoh_async)(dst.as_mut_ptr().cast(), src, dst.len(), s.raw))?;
+            check((f.stream_sync)(s.raw))
+        }
+    }
+
+    /// Host memory of any kind → device, waited for.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be device memory of at least `src.len()` bytes that nothing else uses
+    /// meanwhile.
+    pub unsafe fn write_device(&self, dst: u64, src: &[u8], s: &Stream<'_>) -> Result<(), CuResult> {
+        let f = self.vmm_fns()?;
+        // SAFETY: `src` is `src.len()` readable bytes, `dst` as many bytes of device memory
+        // (this function's contract); the copy completes before return.
+        unsafe {
+            check((f.htod_async)(dst, src.as_ptr().cast(), src.len(), s.raw))?;
             check((f.stream_sync)(s.raw))
         }
     }
