@@ -134,7 +134,14 @@ impl<'a> Checkpoint<'a> {
     /// Stops device work in every claimed process, engine after engine.
     pub fn quiesce(&mut self) -> Result<(), CheckpointError> {
         let start = Instant::now();
-        self.quiesce_start = Some(start);
+        if !self.sessions.is_empty() {
+            self.ctx.phase("preparing");
+        }
+        for (_, s) in &mut self.sessions {
+            s.prepare();
+        }
+        // The pause is counted from here: what `prepare` did, the application ran through.
+        self.quiesce_start = Some(Instant::now());
         if !self.sessions.is_empty() {
             self.ctx.phase("quiescing GPU processes");
         }

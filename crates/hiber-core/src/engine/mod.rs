@@ -198,6 +198,11 @@ pub trait CheckpointSession: Send {
         false
     }
 
+    /// Readies, while the application still runs, what the pause will need (memory for
+    /// copies, kernels the driver must compile), so that the pause does not include it.
+    /// Touches nothing of the application's; what it could not ready, the pause does without.
+    fn prepare(&mut self) {}
+
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;

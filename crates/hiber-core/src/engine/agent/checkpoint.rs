@@ -91,6 +91,8 @@ pub(super) struct AgentCheckpoint {
     /// quiesce; and whether their communicators are torn down now.
     nccl: Vec<nccl::Rank>,
     nccl_down: bool,
+    /// What `prepare` took, while the application ran.
+    staging_seconds: f64,
 }
 
 impl AgentCheckpoint {
@@ -113,6 +115,7 @@ impl AgentCheckpoint {
             section: None,
             nccl,
             nccl_down: false,
+            staging_seconds: 0.0,
         }
     }
 
@@ -373,16 +376,33 @@ impl Drop for AgentCheckpoint {
 /// Bytes of host staging a `--leave-running` checkpoint needs, in whole chunks: on each GPU,
 /// what the job holds there beyond the GPU's `room` for hiber's copies, plus a chunk (chunks
 /// are placed whole, so a GPU's copy may leave up to one unused). `held` is what the job's
-/// processes hold on each GPU; without it, the job's `total` is set against the GPU with
-/// the most room (more than needed when the job spans GPUs, never less).
+/// processes hold on each GPU as NVML accounts it, and `total` what their agents track.
+///
+/// NVML does not count memory a process imported, and the memory hiber hands back after a
+/// `--leave-running` checkpoint is imported: from the second checkpoint of a job on, NVML
+/// sees its contexts and little else (on an H100, a job holding 77 GiB got no staging area
+/// at its second checkpoint and wrote its memory before it resumed). Where NVML accounts
+/// less than `total`, the whole `total` is set against the least room among the GPUs NVML
+/// sees the job on (against every GPU without NVML): more than needed when the job spans
+/// GPUs, never less.
 fn host_need(total: u64, room: &HashMap<i32, u64>, held: Option<&HashMap<i32, u64>>) -> u64 {
     let over = |bytes: u64, room: u64| match bytes.saturating_sub(room) {
         0 => 0,
         n => n + device::CHUNK,
     };
     let need = match held {
-        Some(held) => held.iter().map(|(d, &bytes)| over(bytes, room.get(d).copied().unwrap_or(0))).sum(),
-        None => over(total, room.values().copied().max().unwrap_or(0)),
+        Some(held) if held.values().sum::<u64>() >= total => held.iter().map(|(d, &bytes)| over(bytes, room.get(d).copied().unwrap_or(0))).sum(),
+        _ => {
+            let on: Vec<i32> = match held {
+                Some(held) => held.iter().filter(|(_, &b)| b > 0).map(|(&d, _)| d).collect(),
+                None => room.keys().copied().collect(),
+            };
+            let least = on.iter().map(|d| room.get(d).copied().unwrap_or(0)).min().unwrap_or(0);
+            match over(total, least) {
+                0 => 0,
+                n => n + device::CHUNK * (on.len().max(1) as u64 - 1),
+            }
+        }
     };
     need.next_multiple_of(device::CHUNK)
 }
@@ -396,21 +416,27 @@ impl CheckpointSession for AgentCheckpoint {
         true
     }
 
+    fn prepare(&mut self) {
+        let staging_start = Instant::now();
+        let busy: Vec<&Target> = self.targets.iter().filter(|t| t.status.tracked > 0).collect();
+        let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
+        let total = busy.iter().map(|t| t.status.tracked_bytes).sum();
+        // The driver compiles the fingerprint kernel for each GPU the job uses (tens of
+        // milliseconds, once per hiber).
+        self.warm_fingerprints(&pids);
+        // Copies let the application run again before the data reaches the disk.
+        if self.opts.leave_running {
+            self.prepare_copies(total, &pids);
+        }
+        self.staging_seconds = staging_start.elapsed().as_secs_f64();
+    }
+
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         // hiber holds one descriptor per allocation (PyTorch's expandable segments make
         // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
         crate::sys::raise_open_files_limit();
-        let staging_start = Instant::now();
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
-        // The driver compiles the fingerprint kernel for each GPU the job uses while the job
-        // still runs (tens of milliseconds, once per hiber).
-        self.warm_fingerprints(&busy.iter().map(|t| t.pid).collect::<Vec<_>>());
-        // Copies let the application run again before the data reaches the disk.
-        if self.opts.leave_running {
-            let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
-            self.prepare_copies(busy.iter().map(|t| t.status.tracked_bytes).sum(), &pids);
-        }
-        let staging_seconds = staging_start.elapsed().as_secs_f64();
+        let staging_seconds = self.staging_seconds;
         let start = Instant::now();
         // Ranks of an NCCL job first stop at one point of their collectives, all of them,
         // and let their communicators go: only then can each quiesce on its own.
@@ -601,10 +627,18 @@ mod tests {
         assert_eq!(host_need(47 * G, &room, Some(&[(0, 47 * G), (1, 0)].into())), 17 * G + c);
         // Both GPUs over.
         assert_eq!(host_need(180 * G, &room, Some(&[(0, 90 * G), (1, 90 * G)].into())), 60 * G + 20 * G + 2 * c);
-        // Unknown placement: against the roomiest GPU, in whole chunks.
-        assert_eq!(host_need(71 * G, &room, None), G + c);
-        assert_eq!(host_need(70 * G, &room, None), 0);
+        // Unknown placement: against the least room of all GPUs, in whole chunks (a chunk
+        // left over on each GPU).
+        assert_eq!(host_need(71 * G, &room, None), 41 * G + 2 * c);
+        assert_eq!(host_need(30 * G, &room, None), 0);
         assert_eq!(host_need(G, &HashMap::new(), None), G + c);
         assert_eq!(host_need(G + 5, &HashMap::new(), None) % c, 0);
+        // NVML sees the job's context on GPU 0 but not the memory hiber handed back at an
+        // earlier checkpoint (imported): the agents' total against GPU 0's room, not the
+        // roomier GPU 1's, where the job is not.
+        assert_eq!(host_need(47 * G, &room, Some(&[(0, G / 2), (1, 0)].into())), 17 * G + c);
+        // Seen on both: against the lesser room, with a chunk for each GPU.
+        assert_eq!(host_need(100 * G, &room, Some(&[(0, G), (1, G)].into())), 70 * G + 2 * c);
+        assert_eq!(host_need(20 * G, &room, Some(&[(0, G / 2)].into())), 0);
     }
 }
