@@ -111,6 +111,7 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
         match req {
             Request::Status => reply(conn, Reply::Status(status()))?,
             Request::Quiesce { timeout_ms } => quiesced = quiesce(conn, Duration::from_millis(timeout_ms))?,
+            Request::Peek => peek(conn)?,
             Request::Release if !quiesced => reply(conn, Reply::Err("release without quiesce".into()))?,
             Request::Release => match cuda::driver().map(memory::evacuate) {
                 Some(Ok(())) => {
@@ -207,6 +208,25 @@ fn send_reports(conn: &OwnedFd, comms: &[nccl::Report]) -> std::io::Result<()> {
 
 /// Closes the gate, waits for device work, and sends every allocation. `Ok(true)` when the
 /// application is quiesced and hiber has all descriptors.
+/// Sends a descriptor for every allocation while the application runs on: what hiber
+/// reads through them is a glimpse, not a checkpoint (the application may be writing it).
+fn peek(conn: &OwnedFd) -> std::io::Result<()> {
+    let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())) };
+    let fds: Vec<(u64, u64, i32, std::ffi::c_int)> = memory::with(|t| {
+        t.entries.values().filter(|e| !e.evacuated).filter_map(|e| memory::export_fd(d, e).ok().map(|fd| (e.id, e.size as u64, e.dev, fd))).collect()
+    });
+    let count = fds.len() as u64;
+    let mut sent = Ok(());
+    for (id, size, dev, fd) in fds {
+        if sent.is_ok() {
+            sent = socket::send(conn, &Reply::Alloc { id, size, device: dev }.encode(), Some(fd));
+        }
+        crate::close_fd(fd);
+    }
+    sent?;
+    reply(conn, Reply::Done { count })
+}
+
 fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<bool> {
     let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())).map(|()| false) };
     if memory::with(|t| t.entries.values().any(|e| e.evacuated)) {

@@ -83,6 +83,10 @@ pub enum Request {
         timeout_ms: u64,
     },
     Release,
+    /// While the application runs: a descriptor for every allocation (`alloc` each, then
+    /// `done`), the gate left open, so that hiber can look at the memory before it stops
+    /// the application (what changed since the parent image, to size its copies).
+    Peek,
     Load {
         id: u64,
     },
@@ -276,6 +280,7 @@ impl Request {
             Request::Status => "status".into(),
             Request::Quiesce { timeout_ms } => format!("quiesce {timeout_ms}"),
             Request::Release => "release".into(),
+            Request::Peek => "peek".into(),
             Request::Load { id } => format!("load {id}"),
             Request::Create { id } => format!("create {id}"),
             Request::Resume => "resume".into(),
@@ -299,6 +304,7 @@ impl Request {
             Some("status") => Request::Status,
             Some("quiesce") => Request::Quiesce { timeout_ms: num(w.next(), line)? },
             Some("release") => Request::Release,
+            Some("peek") => Request::Peek,
             Some("load") => Request::Load { id: num(w.next(), line)? },
             Some("create") => Request::Create { id: num(w.next(), line)? },
             Some("resume") => Request::Resume,
@@ -421,6 +427,7 @@ mod tests {
             Request::Status,
             Request::Quiesce { timeout_ms: 10_000 },
             Request::Release,
+            Request::Peek,
             Request::Load { id: 7 },
             Request::Create { id: 8 },
             Request::Resume,

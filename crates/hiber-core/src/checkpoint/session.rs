@@ -138,7 +138,7 @@ impl<'a> Checkpoint<'a> {
             self.ctx.phase("preparing");
         }
         for (_, s) in &mut self.sessions {
-            s.prepare();
+            s.prepare(&self.sink);
         }
         // The pause is counted from here: what `prepare` did, the application ran through.
         self.quiesce_start = Some(Instant::now());

@@ -201,7 +201,7 @@ pub trait CheckpointSession: Send {
     /// Readies, while the application still runs, what the pause will need (memory for
     /// copies, kernels the driver must compile), so that the pause does not include it.
     /// Touches nothing of the application's; what it could not ready, the pause does without.
-    fn prepare(&mut self) {}
+    fn prepare(&mut self, _sink: &dyn ImageSink) {}
 
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.

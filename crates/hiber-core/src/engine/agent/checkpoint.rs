@@ -280,12 +280,14 @@ impl AgentCheckpoint {
     /// page-locked staging area in host memory for the rest (while the application still
     /// runs: it takes about 0.07 s per GiB). Host memory too small is said, and what fits
     /// in neither is written before the release, as a stopping checkpoint does.
-    fn prepare_copies(&mut self, total: u64, pids: &[i32]) {
+    fn prepare_copies(&mut self, total: u64, held: Option<HashMap<i32, u64>>) {
         let mut room = HashMap::new();
         for d in 0..self.gpus.cuda.device_count().unwrap_or(0) {
             room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
         }
-        let need = host_need(total, &room, self.held_by_gpu(pids).as_ref());
+        // Where an estimate of what changed says less than the whole, it is the total.
+        let total = held.as_ref().map_or(total, |h| total.min(h.values().sum()));
+        let need = host_need(total, &room, held.as_ref());
         *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
         if need == 0 {
             return;
@@ -340,6 +342,71 @@ impl AgentCheckpoint {
             out.insert(d, held);
         }
         out.values().any(|&b| b > 0).then_some(out)
+    }
+
+    /// With a parent image whose chunks carry fingerprints: what each GPU holds of the
+    /// job's memory that the parent does not, as the job runs now, with room to change more
+    /// before the pause (a quarter more, and 2 GiB); so that a job whose weights did not
+    /// change gets a staging area for what did, not for all its memory (pinning takes about
+    /// 0.2 s per GiB, 16 s for a full H100). `None` when that cannot be told: then the
+    /// copies are sized for everything.
+    ///
+    /// The agents hand hiber their allocations without stopping the job (`peek`); hiber
+    /// fingerprints them where they are and lets them go. What it reads is a glimpse, not a
+    /// checkpoint: the pause fingerprints again, and a chunk that changed since, beyond the
+    /// room left for it, is written before the job resumes.
+    fn changed_since_parent(&self, busy: &[Target], sink: &dyn ImageSink) -> Option<HashMap<i32, u64>> {
+        if sink.parent_fingerprints() == 0 || busy.is_empty() {
+            return None;
+        }
+        let start = Instant::now();
+        let mut changed: HashMap<i32, u64> = HashMap::new();
+        let mut whole: HashMap<i32, u64> = HashMap::new();
+        for t in busy {
+            let mems = match self.peek(t) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::debug!(pid = t.pid, error = %e, "could not look at the job's memory before the pause; copies sized for all of it");
+                    return None;
+                }
+            };
+            let named: Vec<(&DeviceMem, String)> = mems.iter().map(|m| (m, String::new())).collect();
+            let chunks = device::chunks(&named);
+            let fps = device::fingerprints(&self.gpus, &chunks).ok()?;
+            for (c, fp) in chunks.iter().zip(fps) {
+                let Place::Gpu { dev, .. } = c.at else { continue };
+                *whole.entry(dev).or_default() += c.len as u64;
+                if !fp.is_some_and(|fp| sink.parent_fingerprint(&fp)) {
+                    *changed.entry(dev).or_default() += c.len as u64;
+                }
+            }
+        }
+        let estimate: HashMap<i32, u64> = whole.iter().map(|(d, &all)| (*d, all.min(changed.get(d).map_or(0, |&c| c + c / 4) + (2 << 30)))).collect();
+        tracing::info!(
+            changed_mib = changed.values().sum::<u64>() >> 20,
+            of_mib = whole.values().sum::<u64>() >> 20,
+            seconds = start.elapsed().as_secs_f64(),
+            "changed since the parent image, before the pause"
+        );
+        Some(estimate)
+    }
+
+    /// The job's memory in process `t`, as its agent hands it over without stopping it.
+    fn peek(&self, t: &Target) -> Result<Vec<DeviceMem>, EngineError> {
+        let conn = connect(t.pid, &t.name)?;
+        let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_secs(5)));
+        conn.send(&Request::Peek, None)?;
+        let mut mems = Vec::new();
+        loop {
+            match conn.recv::<Reply>()? {
+                (Reply::Alloc { size, .. }, Some(fd)) => {
+                    mems.push(DeviceMem::import(&self.gpus, fd.as_fd(), size).map_err(|e| cuda_fail(&self.gpus, "importing device memory from the agent", e))?)
+                }
+                (Reply::Done { count }, _) if count == mems.len() as u64 => return Ok(mems),
+                (Reply::Err(m), _) => return Err(fail(format!("agent of process {}: {m}", t.pid), None)),
+                (other, _) => return Err(fail(format!("agent of process {}: unexpected {other:?}", t.pid), None)),
+            }
+        }
     }
 
     /// Loads the fingerprint kernel on each GPU where the processes `pids` hold memory (on
@@ -416,17 +483,21 @@ impl CheckpointSession for AgentCheckpoint {
         true
     }
 
-    fn prepare(&mut self) {
+    fn prepare(&mut self, sink: &dyn ImageSink) {
         let staging_start = Instant::now();
-        let busy: Vec<&Target> = self.targets.iter().filter(|t| t.status.tracked > 0).collect();
+        let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
         let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
-        let total = busy.iter().map(|t| t.status.tracked_bytes).sum();
         // The driver compiles the fingerprint kernel for each GPU the job uses (tens of
         // milliseconds, once per hiber).
         self.warm_fingerprints(&pids);
         // Copies let the application run again before the data reaches the disk.
         if self.opts.leave_running {
-            self.prepare_copies(total, &pids);
+            let total = busy.iter().map(|t| t.status.tracked_bytes).sum();
+            let held = match self.changed_since_parent(&busy, sink) {
+                Some(changed) => Some(changed),
+                None => self.held_by_gpu(&pids),
+            };
+            self.prepare_copies(total, held);
         }
         self.staging_seconds = staging_start.elapsed().as_secs_f64();
     }
