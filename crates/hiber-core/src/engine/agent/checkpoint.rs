@@ -356,7 +356,7 @@ impl AgentCheckpoint {
     /// checkpoint: the pause fingerprints again, and a chunk that changed since, beyond the
     /// room left for it, is written before the job resumes.
     fn changed_since_parent(&self, busy: &[Target], sink: &dyn ImageSink) -> Option<HashMap<i32, u64>> {
-        if sink.parent_fingerprints() == 0 || busy.is_empty() {
+        if sink.parent_fingerprints() == 0 || busy.is_empty() || !super::fingerprint::enabled() {
             return None;
         }
         let start = Instant::now();
