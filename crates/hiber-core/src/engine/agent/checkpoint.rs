@@ -276,17 +276,16 @@ impl AgentCheckpoint {
     }
 
     /// Makes room for the copies a `--leave-running` checkpoint makes: measures each GPU's
-    /// room, and when the GPUs lack room for all of `total` device bytes, prepares a
-    /// page-locked staging area in host memory for the rest (while the application still
-    /// runs: it takes about 0.07 s per GiB). Host memory too small is said, and what fits
-    /// in neither is written before the release, as a stopping checkpoint does.
+    /// room, and when the GPUs lack room for all of `total` device bytes (`held` on each
+    /// GPU, when known: see [`host_need`]), prepares a page-locked staging area in host
+    /// memory for the rest (while the application still runs: 0.1-0.25 s per GiB measured
+    /// on an H100 machine). Host memory too small is said, and what fits in neither is
+    /// written before the release, as a stopping checkpoint does.
     fn prepare_copies(&mut self, total: u64, held: Option<HashMap<i32, u64>>) {
         let mut room = HashMap::new();
         for d in 0..self.gpus.cuda.device_count().unwrap_or(0) {
             room.insert(d, self.gpus.free_bytes(d).map_or(0, |f| f.saturating_sub(SNAPSHOT_MARGIN)));
         }
-        // Where an estimate of what changed says less than the whole, it is the total.
-        let total = held.as_ref().map_or(total, |h| total.min(h.values().sum()));
         let need = host_need(total, &room, held.as_ref());
         *self.device_room.lock().unwrap_or_else(|e| e.into_inner()) = room;
         if need == 0 {
@@ -492,10 +491,9 @@ impl CheckpointSession for AgentCheckpoint {
         self.warm_fingerprints(&pids);
         // Copies let the application run again before the data reaches the disk.
         if self.opts.leave_running {
-            let total = busy.iter().map(|t| t.status.tracked_bytes).sum();
-            let held = match self.changed_since_parent(&busy, sink) {
-                Some(changed) => Some(changed),
-                None => self.held_by_gpu(&pids),
+            let (total, held) = match self.changed_since_parent(&busy, sink) {
+                Some(changed) => (changed.values().sum(), Some(changed)),
+                None => (busy.iter().map(|t| t.status.tracked_bytes).sum(), self.held_by_gpu(&pids)),
             };
             self.prepare_copies(total, held);
         }
