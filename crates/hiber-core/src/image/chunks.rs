@@ -37,6 +37,15 @@ fn zero_hash(len: usize) -> String {
     }
 }
 
+/// Writes chunk `rel` as `len` zero bytes, a sparse file (see [`write`]), without the data.
+pub fn write_zeros(sink: &dyn ImageSink, rel: &str, len: usize) -> Result<FileEntry, String> {
+    let io = |e: std::io::Error| format!("{rel}: {e}");
+    let f = sink.create_file(rel).map_err(io)?;
+    f.set_len(len as u64).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    Ok(FileEntry { path: rel.to_string(), size: len as u64, blake3: zero_hash(len), encoding: None, fingerprint: None })
+}
+
 /// Writes chunk `rel` (created 0600 by the sink, made durable) and returns its manifest
 /// entry.
 ///
@@ -53,10 +62,7 @@ fn zero_hash(len: usize) -> String {
 pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, String> {
     let io = |e: std::io::Error| format!("{rel}: {e}");
     if is_zero(data) {
-        let f = sink.create_file(rel).map_err(io)?;
-        f.set_len(data.len() as u64).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        return Ok(FileEntry { path: rel.to_string(), size: data.len() as u64, blake3: zero_hash(data.len()), encoding: None, fingerprint: None });
+        return write_zeros(sink, rel, data.len());
     }
     let compressed = match sink.compression() {
         Some(level) => Some(zstd::bulk::compress(data, level).map_err(io)?).filter(|c| c.len() < data.len()),

@@ -35,12 +35,6 @@ pub trait ImageSink: Send + Sync {
         Ok(false)
     }
 
-    /// How many of the parent image's device data chunks carry a GPU fingerprint that this
-    /// image can share (none without a parent).
-    fn parent_fingerprints(&self) -> usize {
-        0
-    }
-
     /// Whether the parent image holds a device data chunk with GPU fingerprint `fp` that
     /// this image can share (see [`ImageSink::reuse_fingerprint`]).
     fn parent_fingerprint(&self, _fp: &str) -> bool {

@@ -264,10 +264,6 @@ impl ImageSink for ImageWriter {
         }
     }
 
-    fn parent_fingerprints(&self) -> usize {
-        self.parent.as_ref().map_or(0, |p| p.by_fingerprint.len())
-    }
-
     fn parent_fingerprint(&self, fp: &str) -> bool {
         self.parent.as_ref().is_some_and(|p| p.by_fingerprint.contains_key(fp))
     }

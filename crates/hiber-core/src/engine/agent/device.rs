@@ -179,6 +179,9 @@ pub enum Place {
     /// Nowhere hiber holds: the parent image has a chunk of the same fingerprint, which
     /// the image shares.
     Parent,
+    /// Nowhere: its fingerprint is that of zeros (memory never written), saved as a sparse
+    /// file without its data.
+    Zero,
 }
 
 /// One chunk file of an image, and where its bytes are.
@@ -295,7 +298,8 @@ fn parallel<I: Sync, T: Send>(gpus: &Gpus, items: &[I], work: impl Fn(&I, &mut W
 /// cannot be shared fails the save.
 pub fn save(gpus: &Gpus, chunks: &[Chunk], staging: Option<&Staging>, sink: &dyn ImageSink) -> Result<Vec<FileEntry>, String> {
     parallel(gpus, chunks, |c, w| {
-        if let Some(fp) = c.fp.as_deref().filter(|fp| sink.parent_fingerprint(fp)) {
+        // Zeros are cheaper made than shared.
+        if let Some(fp) = c.fp.as_deref().filter(|fp| c.at != Place::Zero && sink.parent_fingerprint(fp)) {
             if let Some(e) = sink.reuse_fingerprint(&c.rel, fp).map_err(|e| format!("{}: {e}", c.rel))? {
                 return Ok(e);
             }
@@ -314,6 +318,7 @@ pub fn save(gpus: &Gpus, chunks: &[Chunk], staging: Option<&Staging>, sink: &dyn
                 // the staging area after that.
                 crate::image::chunks::write(sink, &c.rel, unsafe { staging.slice(off, c.len) })?
             }
+            Place::Zero => crate::image::chunks::write_zeros(sink, &c.rel, c.len)?,
             Place::Parent => {
                 return Err(format!(
                     "{}: unchanged since the parent image, whose copy could not be shared (it changed or moved since the checkpoint began)",
@@ -374,7 +379,7 @@ pub fn stage(gpus: &Gpus, from: &[Chunk], to: &[Place], staging: Option<&Staging
                 // SAFETY: as above; `[off, off + len)` of the staging area is this chunk's.
                 unsafe { staging.copy_in(off, src, c.len, stream) }.map_err(|e| format!("copying to host memory: {}", gpus.cuda.error_name(e)))
             }
-            Place::Parent => Err("staging a chunk into the parent image".into()),
+            Place::Parent | Place::Zero => Err("staging a chunk to nowhere".into()),
         }
     })
     .map(|_| ())

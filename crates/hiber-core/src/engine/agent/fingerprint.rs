@@ -87,6 +87,23 @@ pub fn of_bytes(data: &[u8]) -> Option<String> {
     Some(digest(data.len() as u64, &out))
 }
 
+/// The fingerprint of `len` bytes of zeros (`None` unless whole blocks): memory never
+/// written, which needs no copy to be saved (most of a pool reserved up front).
+pub fn of_zeros(len: usize) -> Option<String> {
+    // Asked for every chunk while the application is stopped: each length once.
+    static KNOWN: std::sync::Mutex<Vec<(usize, String)>> = std::sync::Mutex::new(Vec::new());
+    if len == 0 || !len.is_multiple_of(BLOCK) {
+        return None;
+    }
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, fp)) = known.iter().find(|(l, _)| *l == len) {
+        return Some(fp.clone());
+    }
+    let fp = digest(len as u64, &block_out(&vec![0u8; BLOCK]).repeat(len / BLOCK));
+    known.push((len, fp.clone()));
+    Some(fp)
+}
+
 /// Whether hiber fingerprints device memory on the GPU (`HIBER_GPU_FINGERPRINT=0` turns
 /// it off: chunks are then copied to the host and hashed to find the unchanged ones).
 pub fn enabled() -> bool {
@@ -143,6 +160,12 @@ mod tests {
         assert_ne!(one, two, "the length is part of the fingerprint");
         assert!(two.starts_with("xxh64x2-256:") && two.len() == TAG.len() + 1 + 64);
         assert_eq!(of_bytes(&zero[..BLOCK - 8]), None, "not whole blocks");
+        assert_eq!(of_zeros(2 * BLOCK).unwrap(), two, "zeros known without reading them");
+        assert_eq!(of_zeros(BLOCK).unwrap(), one);
+        assert_eq!(of_zeros(BLOCK + 8), None);
+        let mut almost = zero.clone();
+        almost[BLOCK + 5] = 1;
+        assert_ne!(of_bytes(&almost).unwrap(), two, "one set byte is not zeros");
         assert_eq!(of_bytes(&[]), None);
         // Blocks are not interchangeable: the same two blocks in the other order differ.
         let t = test_block();

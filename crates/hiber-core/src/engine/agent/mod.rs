@@ -163,6 +163,10 @@ pub struct Placed {
     /// copied nor written: the image shares the parent's chunks.
     #[serde(default)]
     pub unchanged: u64,
+    /// Found to be zeros (memory never written) by its fingerprint, and so not copied:
+    /// written as sparse files.
+    #[serde(default)]
+    pub zeros: u64,
 }
 
 impl Placed {
@@ -171,6 +175,7 @@ impl Placed {
         self.host += o.host;
         self.direct += o.direct;
         self.unchanged += o.unchanged;
+        self.zeros += o.zeros;
     }
 }
 
@@ -485,6 +490,9 @@ pub fn describe(value: &serde_json::Value) -> Vec<String> {
             p.direct >> 20
         ));
     }
+    if p.zeros > 0 {
+        out.push(format!("agent: {} MiB of zeros (never written, found on the GPU), not copied", p.zeros >> 20));
+    }
     if p.unchanged > 0 {
         out.push(format!("agent: {} MiB unchanged since the parent image (fingerprinted on the GPU), shared with it", p.unchanged >> 20));
     }
@@ -596,7 +604,7 @@ mod tests {
 
     #[test]
     fn mode_names_where_the_bytes_went() {
-        let p = |device, host, direct| Placed { device, host, direct, unchanged: 0 };
+        let p = |device, host, direct| Placed { device, host, direct, unchanged: 0, zeros: 0 };
         assert_eq!(Mode::of(&p(5, 0, 0)), Mode::DeviceSnapshot);
         assert_eq!(Mode::of(&p(0, 0, 5)), Mode::Direct);
         assert_eq!(Mode::of(&p(0, 0, 0)), Mode::Direct, "nothing tracked: nothing staged");
@@ -611,7 +619,8 @@ mod tests {
         let s: Section = serde_json::from_value(v1).unwrap();
         assert_eq!((s.mode, s.placed, s.staging_seconds), (Mode::Direct, Placed::default(), 0.0));
         assert_eq!(describe(&serde_json::to_value(&s).unwrap()), vec!["agent: direct mode, quiesce and handover 0.50s"]);
-        let staged = Section { mode: Mode::Staged, placed: Placed { device: 1 << 30, host: 3 << 30, direct: 0, unchanged: 0 }, staging_seconds: 0.75, ..s };
+        let staged =
+            Section { mode: Mode::Staged, placed: Placed { device: 1 << 30, host: 3 << 30, direct: 0, unchanged: 0, zeros: 0 }, staging_seconds: 0.75, ..s };
         let lines = describe(&serde_json::to_value(&staged).unwrap());
         assert_eq!(lines[0], "agent: staged mode, quiesce and handover 0.50s");
         assert!(lines[1].contains("1024 MiB copied on the GPU, 3072 MiB to host memory (staging area ready in 0.75s), 0 MiB written"), "{}", lines[1]);
