@@ -374,7 +374,7 @@ def agent_figures(img):
         if d["engine"] == "agent":
             s, p = d["state"], d["state"].get("placed", {})
             return {"agent_device_gib": p.get("device", 0) / (1 << 30), "agent_host_gib": p.get("host", 0) / (1 << 30), "agent_direct_gib": p.get("direct", 0) / (1 << 30),
-                    "agent_unchanged_gib": p.get("unchanged", 0) / (1 << 30), "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
+                    "agent_unchanged_gib": p.get("unchanged", 0) / (1 << 30), "agent_zeros_gib": p.get("zeros", 0) / (1 << 30), "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
     return {}
 
 
