@@ -494,6 +494,10 @@ impl CheckpointSession for AgentCheckpoint {
     }
 
     fn prepare(&mut self, sink: &dyn ImageSink) {
+        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
+        // hundreds), from its look before the pause on. Raised here, not at load, so that
+        // jobs hiber starts keep their limit.
+        crate::sys::raise_open_files_limit();
         let staging_start = Instant::now();
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
         let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
@@ -512,8 +516,6 @@ impl CheckpointSession for AgentCheckpoint {
     }
 
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
-        // hiber holds one descriptor per allocation (PyTorch's expandable segments make
-        // hundreds). Raised here, not at load, so that jobs hiber starts keep their limit.
         crate::sys::raise_open_files_limit();
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
         let staging_seconds = self.staging_seconds;
