@@ -314,6 +314,9 @@ pub struct Command {
     /// PID namespace numbers the job must not get (see `named_in_a_cuda_socket`).
     #[serde(default)]
     avoid_namespaces: Vec<u64>,
+    /// Give the job a `/dev/shm` of its own ([`sys::private_dev_shm`]).
+    #[serde(default)]
+    private_shm: bool,
 }
 
 /// The seccomp program that keeps a job off io_uring: `io_uring_setup`, `io_uring_enter`
@@ -357,6 +360,14 @@ impl Command {
         self
     }
 
+    /// Leaves the job the host's `/dev/shm` (`host`), or gives it one of its own, which its
+    /// images carry: Python's spawned processes share named semaphores there, which CRIU
+    /// can dump only from a tmpfs of the job's own.
+    pub fn host_shm(mut self, host: bool) -> Command {
+        self.private_shm = !host;
+        self
+    }
+
     /// Keeps the job out of PID namespaces with these numbers: those the CUDA sockets of
     /// images here are named after, which their restores bind again.
     pub fn avoid_pid_namespaces(mut self, numbers: Vec<u64>) -> Command {
@@ -383,6 +394,7 @@ impl Command {
             env: Vec::new(),
             allow_io_uring: false,
             avoid_namespaces: Vec::new(),
+            private_shm: true,
         };
         cmd.prepare().map_err(LaunchError::Start)?;
         Ok(cmd)
@@ -437,6 +449,15 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
             hint: Some("hiber run needs root (or CAP_SYS_ADMIN)".into()),
             log: None,
         };
+    }
+    if cmd.private_shm {
+        if let Err(e) = sys::private_dev_shm() {
+            return Started::Failed {
+                message: format!("cannot give the job a /dev/shm of its own: {e}"),
+                hint: Some("`hiber run --host-shm` leaves it the host's (its images then cannot hold named semaphores)".into()),
+                log: None,
+            };
+        }
     }
     // Namespaces refused for their number (see `named_in_a_cuda_socket`), kept until the
     // job's init exists, so that it cannot be given their numbers again.

@@ -96,6 +96,33 @@ pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
     Ok(())
 }
 
+/// Gives the caller's (private) mount namespace a `/dev/shm` of its own: a new tmpfs as
+/// large as the host's, in place of the host's. What a job keeps there (named POSIX
+/// semaphores and shared memory) is then the job's, and CRIU carries it in the image.
+/// Without a `/dev/shm` on the host there is nothing to replace.
+pub fn private_dev_shm() -> io::Result<()> {
+    // SAFETY: statvfs is plain data; all-zero is a valid value, and the call fills it.
+    let mut host: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated literal path and a valid out-pointer.
+    if unsafe { libc::statvfs(c"/dev/shm".as_ptr(), &mut host) } != 0 {
+        return Ok(());
+    }
+    let size = (host.f_blocks as u64).saturating_mul(host.f_frsize as u64);
+    // The host's mounts there (some hosts stack several) leave this namespace only
+    // (propagation is private here), so that the job's is the only one: CRIU refuses open
+    // files on a mount that another hides.
+    for _ in 0..8 {
+        // SAFETY: a NUL-terminated literal path.
+        if unsafe { libc::umount2(c"/dev/shm".as_ptr(), libc::MNT_DETACH) } != 0 {
+            break;
+        }
+    }
+    let data = std::ffi::CString::new(format!("mode=1777,size={size}")).map_err(io::Error::other)?;
+    // SAFETY: NUL-terminated strings, and `data` is the option string tmpfs reads.
+    cvt(unsafe { libc::mount(c"tmpfs".as_ptr(), c"/dev/shm".as_ptr(), c"tmpfs".as_ptr(), libc::MS_NOSUID | libc::MS_NODEV, data.as_ptr().cast()) })?;
+    Ok(())
+}
+
 /// Waits for an advisory lock on `f` (shared or exclusive), held until `f` is closed.
 pub fn flock(f: &std::fs::File, exclusive: bool) -> io::Result<()> {
     let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };

@@ -345,3 +345,55 @@ fn new_jobs_leave_an_image_its_cuda_socket_names() {
     wait("the restored job to go on", Duration::from_secs(20), || ticks(&h) > now + 5);
     assert_eq!(h.state_of("first-r"), "running");
 }
+
+/// Python's multiprocessing with the spawn start method (what torch.multiprocessing needs
+/// for CUDA): its Queue's locks are named POSIX semaphores in /dev/shm, which glibc maps
+/// under a temporary name it then removes while the semaphore keeps its own. hiber gives
+/// each job a /dev/shm of its own, which goes into the image: the job is checkpointed with
+/// `--leave-running`, and its image restores twice side by side, each copy's parent and
+/// child going on with their exchange from where it was.
+#[test]
+fn multiprocessing_spawn_with_named_semaphores() {
+    let h = Hiber::new("spawn");
+    let script = [
+        "import multiprocessing as mp, time",
+        "def child(q, a):",
+        "    total = 0",
+        "    while (n := q.get()) is not None:",
+        "        total += n",
+        "        a.put(total)",
+        "if __name__ == '__main__':",
+        "    ctx = mp.get_context('spawn')",
+        "    q, a = ctx.Queue(), ctx.Queue()",
+        "    lock = ctx.Lock()",
+        "    p = ctx.Process(target=child, args=(q, a)); p.start()",
+        "    for n in range(1, 100000):",
+        "        with lock:",
+        "            q.put(n)",
+        "            back = a.get()",
+        "        print('tick', n, 'ok' if back == n * (n + 1) // 2 else f'BAD {back}', flush=True)",
+        "        time.sleep(0.02)",
+    ]
+    .join("\n");
+    let file = h.scratch.join("spawn.py");
+    std::fs::write(&file, script).unwrap();
+    h.ok(&["run", "--name", "spawn", "--", "python3", file.to_str().unwrap()]);
+    let ticks = |h: &Hiber, job: &str| h.log(job).lines().filter(|l| l.starts_with("tick ")).map(str::to_string).collect::<Vec<_>>();
+    wait("ticks", Duration::from_secs(30), || ticks(&h, "spawn").len() >= 10);
+    let img = h.images_dir().join("spawn");
+    h.ok(&["checkpoint", "spawn", "--leave-running", "--out", img.to_str().unwrap()]);
+    let at = ticks(&h, "spawn").len();
+    wait("ticks after the checkpoint", Duration::from_secs(20), || ticks(&h, "spawn").len() >= at + 10);
+    assert!(ticks(&h, "spawn").iter().all(|l| l.ends_with(" ok")), "the original goes on undisturbed");
+    h.ok(&["rm", "-f", "spawn"]);
+    for copy in ["spawn-a", "spawn-b"] {
+        h.ok(&["restore", img.to_str().unwrap(), "--name", copy]);
+    }
+    for copy in ["spawn-a", "spawn-b"] {
+        wait("ticks after restore", Duration::from_secs(20), || ticks(&h, copy).len() >= 10);
+        let after = ticks(&h, copy);
+        assert!(after.iter().all(|l| l.ends_with(" ok")), "{copy}: {after:?}");
+        let first: usize = after[0].split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!(first > 10 && first <= at + 1, "{copy} goes on from the checkpoint (tick {first})");
+    }
+}

@@ -208,6 +208,11 @@ impl Criu {
             file_locks: Some(true),
             ext_unix_sk: Some(true),
             tcp_established: Some(true),
+            // A file still named but mapped under a name since removed (glibc's sem_open
+            // maps a semaphore under a temporary name, then links it to its own): CRIU
+            // links it back for the dump. In a job's own /dev/shm that link goes into the
+            // image with the tmpfs, and CRIU removes it from the running job afterwards.
+            link_remap: Some(true),
             notify_scripts: Some(true),
             auto_ext_mnt: Some(opts.external_mounts),
             ext_sharing: Some(opts.external_mounts),

@@ -64,7 +64,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if gpu_here { "--cpu" } else { "no GPU here" });
     }
 
-    let job = start_job(&registry, Some(registry.free_name("demo")), command, JobOptions { agent: true, opencl: true, allow_io_uring: false })?;
+    let job =
+        start_job(&registry, Some(registry.free_name("demo")), command, JobOptions { agent: true, opencl: true, allow_io_uring: false, host_shm: false })?;
     println!("  started job {} (pid {})", job.name, job.pid);
     let at = steps / 3;
     wait_until("the workload to make progress", Duration::from_secs(120), || {

@@ -28,6 +28,12 @@ pub struct Args {
     /// an io_uring: a job that holds one cannot be checkpointed.
     #[arg(long)]
     allow_io_uring: bool,
+    /// Leave the job the host's /dev/shm. hiber otherwise gives each job a /dev/shm of its
+    /// own (a tmpfs as large as the host's), which its images carry: named semaphores, as
+    /// Python's spawned processes share, can be checkpointed only from there, and copies
+    /// restored side by side each get their own.
+    #[arg(long)]
+    host_shm: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -43,6 +49,7 @@ pub struct JobOptions {
     /// Preload the OpenCL layer.
     pub opencl: bool,
     pub allow_io_uring: bool,
+    pub host_shm: bool,
 }
 
 pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
@@ -59,7 +66,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         // Out of the PID namespaces whose numbers images of this machine will need again
         // (see `launch::Command::avoid_pid_namespaces`).
-        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
+        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).host_shm(opts.host_shm).avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
         // What the device engines prepare for a job: the agent's preload, say.
         let mut skip = Vec::new();
         if !opts.agent {
@@ -106,8 +113,12 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
 
 pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&StateDir::from_env());
-    let job =
-        start_job(&registry, args.name, args.command, JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring })?;
+    let job = start_job(
+        &registry,
+        args.name,
+        args.command,
+        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm },
+    )?;
     if args.quiet {
         println!("{}", job.name);
     } else {
