@@ -43,6 +43,7 @@ ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "c
 ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
 TRAIN = REPO / "gpu/programs/train.py"
 FORKS = REPO / "gpu/programs/forks.py"
+MP_SHARE = REPO / "gpu/programs/mp_share.py"
 JAX = REPO / "gpu/programs/jax_train.py"
 GENERATE = REPO / "gpu/programs/generate.py"
 TWO_GPUS = REPO / "gpu/programs/two_gpus.py"
@@ -766,6 +767,34 @@ def agent_children_forked_after_cuda(m):
     m["processes"] = len(image_processes(img))
     assert m["processes"] >= 5, f"the parent, its four children and the shell's cat: {m['processes']} processes"
     assert "verify ok" in log("forks-r")
+
+
+@scenario
+def agent_torch_multiprocessing_cuda_ipc(m):
+    """torch.multiprocessing shares CUDA tensors with a spawned consumer (legacy CUDA IPC),
+    with the agent on: a --leave-running checkpoint, then a stopping one and a restore; the
+    consumer's sums of the producer's memory, and its writes into it, stay on the
+    uninterrupted run's trajectory, and fresh tensors are shared and dropped after the
+    restore too."""
+    steps = "160"
+    ref = sh("python3", MP_SHARE, "--steps", steps, timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, "reference run completed"
+    run_job("ipc", "python3", MP_SHARE, "--steps", steps, agent=True, limit=120)
+    wait_step("ipc", 30, 120)
+    live = image_of("ipc-live")
+    ck = hiber_json("checkpoint", "ipc", "--leave-running", "--out", live)
+    m["leave_running_s"] = round(ck["total_seconds"], 2)
+    wait_step("ipc", 60, 120)
+    img = stop_and_restore("ipc", 90, m, wait_limit=120)
+    combined = progress("ipc") + progress("ipc-r")
+    assert combined == ref_traj, "trajectory differs from the uninterrupted run"
+    assert "verify ok" in log("ipc-r"), log("ipc-r")[-500:]
+    m["steps_compared"] = len(combined)
+    # The producer's memory is in the image once: the consumer holds none of its own.
+    sec = agent_section(img)
+    m["agent_processes"] = [(p["ns_pid"], p["bytes"] >> 20) for p in sec["processes"]]
+    hiber("rm", live)
 
 
 @scenario

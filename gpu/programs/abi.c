@@ -29,5 +29,9 @@ int main(void) {
     printf("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR %d\n", (int)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     printf("CU_MEM_LOCATION_TYPE_DEVICE %d\n", (int)CU_MEM_LOCATION_TYPE_DEVICE);
     printf("CU_MEM_ACCESS_FLAGS_PROT_READWRITE %d\n", (int)CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    printf("CUipcMemHandle size %zu\n", sizeof(CUipcMemHandle));
+    printf("CUipcEventHandle size %zu\n", sizeof(CUipcEventHandle));
+    printf("CU_EVENT_DISABLE_TIMING %d\n", (int)CU_EVENT_DISABLE_TIMING);
+    printf("CU_EVENT_INTERPROCESS %d\n", (int)CU_EVENT_INTERPROCESS);
     return 0;
 }

@@ -8,7 +8,11 @@ use std::time::Duration;
 
 use hiber_wire::{socket, Reply, Request, Status};
 
-use crate::{cuda, gate, log, memory, nccl};
+use crate::{cuda, gate, ipc, log, memory, nccl};
+
+/// How long a process waits at resume for the memory it opened through CUDA IPC to be
+/// back in its exporter (hiber hands every process its memory before it resumes any).
+const IPC_PATIENCE: Duration = Duration::from_secs(30);
 
 static STARTED_IN: AtomicI32 = AtomicI32::new(0);
 /// The control socket's descriptor (owned by the control thread), or -1.
@@ -64,7 +68,7 @@ fn serve(listener: OwnedFd) {
         }
         // A session that ends with nothing handed over (hiber gave up, timed out or died
         // after quiesce) leaves the application running, not waiting.
-        if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) {
+        if gate::is_closed() && memory::with(|t| !t.entries.values().any(|e| e.evacuated)) && !ipc::any_evacuated() {
             gate::open();
         }
     })
@@ -113,12 +117,12 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
             Request::Quiesce { timeout_ms } => quiesced = quiesce(conn, Duration::from_millis(timeout_ms))?,
             Request::Peek => peek(conn)?,
             Request::Release if !quiesced => reply(conn, Reply::Err("release without quiesce".into()))?,
-            Request::Release => match cuda::driver().map(memory::evacuate) {
+            Request::Release => match cuda::driver().map(release) {
                 Some(Ok(())) => {
                     reply(conn, Reply::Ok)?;
                     return Ok(());
                 }
-                Some(Err((id, r))) => reply(conn, Reply::Err(format!("releasing allocation {id}: CUDA error {r}")))?,
+                Some(Err(m)) => reply(conn, Reply::Err(m))?,
                 None => reply(conn, Reply::Err("libcuda is not loaded".into()))?,
             },
             Request::Load { id } => {
@@ -178,6 +182,10 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                 let evacuated = memory::with(|t| t.entries.values().filter(|e| e.evacuated).count());
                 if evacuated > 0 {
                     reply(conn, Reply::Err(format!("{evacuated} allocations are still with hiber; load them first")))?;
+                } else if let Some(Err(m)) = cuda::driver().map(|d| ipc::bring_back(d, IPC_PATIENCE)) {
+                    // Memory of another process is not mapped again: the application's
+                    // kernels would fault on it, so its calls keep waiting.
+                    reply(conn, Reply::Err(format!("memory opened through CUDA IPC: {m}")))?;
                 } else {
                     gate::open();
                     reply(conn, Reply::Ok)?;
@@ -186,6 +194,13 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Hands the device memory over: first what this process opened of other processes'
+/// (nothing is released if that fails), then its own.
+fn release(d: &'static cuda::Driver) -> Result<(), String> {
+    ipc::evacuate(d)?;
+    memory::evacuate(d).map_err(|(id, r)| format!("releasing allocation {id}: CUDA error {r}"))
 }
 
 fn done(r: Result<(), String>) -> Reply {

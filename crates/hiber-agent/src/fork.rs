@@ -90,6 +90,7 @@ extern "C" fn after_fork_in_child() {
         }
         detach_descriptors(&driver_descriptors());
         crate::control::forget_listener();
+        crate::ipc::forget_in_child();
     });
 }
 

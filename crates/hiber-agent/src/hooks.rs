@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 
 use crate::cuda::{self, AccessDesc, AllocationProp, CuResult, DevPtr, Handle};
 use crate::{gate, memory};
+use hiber_cuda_sys::{fns, CUevent as Event, CUipcHandle as IpcHandle};
 
 /// Every gated entry point takes at most this many integer or pointer arguments.
 type Generic = unsafe extern "C" fn(usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize, usize) -> CuResult;
@@ -140,9 +141,6 @@ macro_rules! counted {
 }
 
 counted! {
-    cuIpcOpenMemHandle => IPC 1u64;
-    cuIpcOpenMemHandle_v2 => IPC 1u64;
-    cuIpcCloseMemHandle => IPC 18446744073709551615u64;
     cuCtxDisablePeerAccess => PEER 18446744073709551615u64;
 }
 
@@ -162,7 +160,7 @@ type FnGetProcAddress = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_
 type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
 /// The typed wrappers, by the exported name each stands for.
-fn typed() -> [(&'static str, usize); 22] {
+fn typed() -> [(&'static str, usize); 29] {
     [
         ("cuGetProcAddress\0", cuGetProcAddress as *const () as usize),
         ("cuGetProcAddress_v2\0", cuGetProcAddress_v2 as *const () as usize),
@@ -186,6 +184,13 @@ fn typed() -> [(&'static str, usize); 22] {
         ("cuMemAllocManaged\0", cuMemAllocManaged as *const () as usize),
         ("cuCtxEnablePeerAccess\0", cuCtxEnablePeerAccess as *const () as usize),
         ("cuMemImportFromShareableHandle\0", cuMemImportFromShareableHandle as *const () as usize),
+        ("cuIpcGetMemHandle\0", cuIpcGetMemHandle as *const () as usize),
+        ("cuIpcOpenMemHandle\0", cuIpcOpenMemHandle as *const () as usize),
+        ("cuIpcOpenMemHandle_v2\0", cuIpcOpenMemHandle_v2 as *const () as usize),
+        ("cuIpcCloseMemHandle\0", cuIpcCloseMemHandle as *const () as usize),
+        ("cuIpcGetEventHandle\0", cuIpcGetEventHandle as *const () as usize),
+        ("cuIpcOpenEventHandle\0", cuIpcOpenEventHandle as *const () as usize),
+        ("cuEventCreate\0", cuEventCreate as *const () as usize),
     ]
 }
 
@@ -752,6 +757,150 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut Alloc
         }
         None => cuda::ERROR_NOT_FOUND,
     }
+}
+
+// ---- legacy IPC (see `ipc`) ----------------------------------------------------------
+
+/// # Safety
+/// Called as cuIpcGetMemHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut IpcHandle, p: DevPtr) -> CuResult {
+    let _pass = gate::enter();
+    if !handle.is_null() && cuda::driver().is_some() {
+        match crate::ipc::export(p) {
+            Some(Ok(bytes)) => {
+                // SAFETY: `handle` is the caller's non-null out-pointer (cuda.h: a
+                // `CUipcMemHandle *`, 64 bytes of plain data).
+                unsafe { (*handle).reserved = bytes };
+                return cuda::SUCCESS;
+            }
+            Some(Err(r)) => return r,
+            None => {}
+        }
+    }
+    match real!(c"cuIpcGetMemHandle" => fns::cuIpcGetMemHandle) {
+        // SAFETY: the caller's arguments, forwarded unchanged.
+        Some(real) => unsafe { real(handle, p) },
+        None => cuda::ERROR_NOT_FOUND,
+    }
+}
+
+/// `cuIpcOpenMemHandle[_v2]`: a handle the agent made is opened by the agent (not
+/// counted: it goes with checkpoints); the driver's own are counted, as hiber refuses them.
+///
+/// # Safety
+/// `pdptr` as cuda.h's; `real` is libcuda's entry point of the caller's name.
+unsafe fn ipc_open(pdptr: *mut DevPtr, handle: IpcHandle, flags: c_uint, real: Option<fns::cuIpcOpenMemHandle_v2>) -> CuResult {
+    let _pass = gate::enter();
+    if let (Some(from), Some(d), false) = (crate::ipc::Exported::decode(&handle.reserved), cuda::driver(), pdptr.is_null()) {
+        return match crate::ipc::open(d, from) {
+            Ok(va) => {
+                // SAFETY: `pdptr` is the caller's non-null out-pointer (a `CUdeviceptr *`).
+                unsafe { *pdptr = va };
+                cuda::SUCCESS
+            }
+            Err(r) => r,
+        };
+    }
+    let Some(real) = real else { return cuda::ERROR_NOT_FOUND };
+    // SAFETY: the caller's arguments, forwarded unchanged.
+    let r = unsafe { real(pdptr, handle, flags) };
+    if r == cuda::SUCCESS {
+        crate::sharing::IPC.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    r
+}
+
+/// # Safety
+/// Called as cuIpcOpenMemHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcOpenMemHandle(pdptr: *mut DevPtr, handle: IpcHandle, flags: c_uint) -> CuResult {
+    let real = real!(c"cuIpcOpenMemHandle" => fns::cuIpcOpenMemHandle_v2);
+    // SAFETY: the caller's arguments and the real entry point of this name (cuda.h gives
+    // cuIpcOpenMemHandle and _v2 one signature).
+    unsafe { ipc_open(pdptr, handle, flags, real) }
+}
+
+/// # Safety
+/// Called as cuIpcOpenMemHandle_v2.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(pdptr: *mut DevPtr, handle: IpcHandle, flags: c_uint) -> CuResult {
+    let real = real!(c"cuIpcOpenMemHandle_v2" => fns::cuIpcOpenMemHandle_v2);
+    // SAFETY: the caller's arguments and the real entry point of this name (cuda.h gives
+    // cuIpcOpenMemHandle and _v2 one signature).
+    unsafe { ipc_open(pdptr, handle, flags, real) }
+}
+
+/// # Safety
+/// Called as cuIpcCloseMemHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcCloseMemHandle(p: DevPtr) -> CuResult {
+    let _pass = gate::enter();
+    if let Some(r) = cuda::driver().and_then(|d| crate::ipc::close(d, p)) {
+        return r;
+    }
+    let Some(real) = real!(c"cuIpcCloseMemHandle" => fns::cuIpcCloseMemHandle) else { return cuda::ERROR_NOT_FOUND };
+    // SAFETY: a plain value, forwarded unchanged.
+    let r = unsafe { real(p) };
+    if r == cuda::SUCCESS {
+        crate::sharing::IPC.fetch_add(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+    r
+}
+
+/// An interprocess event's handle, made once the event has completed (see `ipc`).
+///
+/// # Safety
+/// Called as cuIpcGetEventHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcGetEventHandle(handle: *mut IpcHandle, event: Event) -> CuResult {
+    let _pass = gate::enter();
+    if handle.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    let Some(sync) = real!(c"cuEventSynchronize" => fns::cuEventSynchronize) else { return cuda::ERROR_NOT_FOUND };
+    // SAFETY: the application's event, passed as it gave it; the driver checks it.
+    let r = unsafe { sync(event) };
+    if r == cuda::SUCCESS {
+        // SAFETY: `handle` is the caller's non-null out-pointer (a `CUipcEventHandle *`).
+        unsafe { (*handle).reserved = crate::ipc::event_handle() };
+    }
+    r
+}
+
+/// # Safety
+/// Called as cuIpcOpenEventHandle.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuIpcOpenEventHandle(event: *mut Event, handle: IpcHandle) -> CuResult {
+    let _pass = gate::enter();
+    if crate::ipc::is_event_handle(&handle.reserved) {
+        let Some(create) = real!(c"cuEventCreate" => fns::cuEventCreate) else { return cuda::ERROR_NOT_FOUND };
+        // SAFETY: the caller's out-pointer (a `CUevent *`), which the driver checks for null.
+        return unsafe { create(event, hiber_cuda_sys::CU_EVENT_DISABLE_TIMING) };
+    }
+    match real!(c"cuIpcOpenEventHandle" => fns::cuIpcOpenEventHandle) {
+        // SAFETY: the caller's arguments, forwarded unchanged.
+        Some(real) => unsafe { real(event, handle) },
+        None => cuda::ERROR_NOT_FOUND,
+    }
+}
+
+/// Events are made without the interprocess flag: the agent shares them itself (`ipc`).
+///
+/// # Safety
+/// Called as cuEventCreate.
+#[no_mangle]
+#[allow(non_snake_case)]
+pub unsafe extern "C" fn cuEventCreate(event: *mut Event, flags: c_uint) -> CuResult {
+    let Some(real) = real!(c"cuEventCreate" => fns::cuEventCreate) else { return cuda::ERROR_NOT_FOUND };
+    // SAFETY: the caller's arguments, forwarded but for one flag bit.
+    unsafe { real(event, flags & !hiber_cuda_sys::CU_EVENT_INTERPROCESS) }
 }
 
 // ---- allocations left to the driver, counted for `hiber inspect` ---------------------

@@ -18,6 +18,7 @@ pub mod cuda;
 pub mod fork;
 pub use hiber_wire::gate;
 pub mod hooks;
+pub mod ipc;
 pub mod memory;
 pub mod nccl;
 pub mod sharing;

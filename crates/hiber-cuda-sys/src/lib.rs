@@ -24,6 +24,7 @@ pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUmodule = *mut c_void;
 pub type CUfunction = *mut c_void;
+pub type CUevent = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
@@ -47,6 +48,20 @@ pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 /// `cuMemHostRegister`: the memory is page-locked for every context, not only the current one.
 pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+
+/// `CUevent_flags`: no timing data (what an interprocess event must have).
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+/// `CUevent_flags`: usable across processes through `cuIpcGetEventHandle`.
+pub const CU_EVENT_INTERPROCESS: c_uint = 4;
+/// Bytes of `CU_IPC_HANDLE_SIZE`: a `CUipcMemHandle` or `CUipcEventHandle`, opaque.
+pub const CU_IPC_HANDLE_SIZE: usize = 64;
+
+/// `CUipcMemHandle` and `CUipcEventHandle` (one layout): passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CUipcHandle {
+    pub reserved: [u8; CU_IPC_HANDLE_SIZE],
+}
 
 /// `CUprocessState`.
 pub const CU_PROCESS_STATE_RUNNING: c_int = 0;
@@ -232,6 +247,15 @@ pub mod fns {
     pub type cuStreamSynchronize = unsafe extern "C" fn(CUstream) -> CUresult;
     pub type cuStreamIsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
     pub type cuStreamDestroy_v2 = unsafe extern "C" fn(CUstream) -> CUresult;
+
+    // Events and legacy IPC.
+    pub type cuEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
+    pub type cuEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
+    pub type cuIpcGetMemHandle = unsafe extern "C" fn(*mut CUipcHandle, CUdeviceptr) -> CUresult;
+    pub type cuIpcOpenMemHandle_v2 = unsafe extern "C" fn(*mut CUdeviceptr, CUipcHandle, c_uint) -> CUresult;
+    pub type cuIpcCloseMemHandle = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
+    pub type cuIpcGetEventHandle = unsafe extern "C" fn(*mut CUipcHandle, CUevent) -> CUresult;
+    pub type cuIpcOpenEventHandle = unsafe extern "C" fn(*mut CUevent, CUipcHandle) -> CUresult;
     pub type cuModuleLoadData = unsafe extern "C" fn(*mut CUmodule, *const c_void) -> CUresult;
     pub type cuModuleGetFunction = unsafe extern "C" fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
     pub type cuLaunchKernel =
@@ -275,6 +299,10 @@ pub fn abi_layout() -> Vec<(&'static str, usize)> {
         ("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as usize),
         ("CU_MEM_LOCATION_TYPE_DEVICE", CU_MEM_LOCATION_TYPE_DEVICE as usize),
         ("CU_MEM_ACCESS_FLAGS_PROT_READWRITE", CU_MEM_ACCESS_FLAGS_PROT_READWRITE as usize),
+        ("CUipcMemHandle size", size_of::<CUipcHandle>()),
+        ("CUipcEventHandle size", size_of::<CUipcHandle>()),
+        ("CU_EVENT_DISABLE_TIMING", CU_EVENT_DISABLE_TIMING as usize),
+        ("CU_EVENT_INTERPROCESS", CU_EVENT_INTERPROCESS as usize),
     ]
 }
 
@@ -304,6 +332,9 @@ mod tests {
             ("CUmemAccessDesc size", 12),
             ("CUmemAccessDesc.flags", 8),
             ("CUmemLocation size", 8),
+            ("CUipcMemHandle size", 64),
+            ("CU_EVENT_DISABLE_TIMING", 2),
+            ("CU_EVENT_INTERPROCESS", 4),
         ];
         for (k, v) in want {
             assert_eq!(got[k], v, "{k}");

@@ -51,17 +51,18 @@ struct Held {
     gpu: String,
 }
 
-/// Hands `held` back over `conn` and opens the agent's gate.
-fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
+/// Hands `held` back over `conn`.
+fn load_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
     for h in held {
         conn.call::<Reply>(&Request::Load { id: h.id }, Some(&h.fd))?;
     }
-    conn.call::<Reply>(&Request::Resume, None).map(|_| ())
+    Ok(())
 }
 
-/// Hands `held` back to the agent of `pid` and opens its gate.
-fn give_back(pid: i32, name: &str, held: &[Held]) -> Result<(), EngineError> {
-    give_back_on(&connect(pid, name)?, held)
+/// Hands `held` back over `conn` and opens the agent's gate.
+fn give_back_on(conn: &Conn, held: &[Held]) -> Result<(), EngineError> {
+    load_on(conn, held)?;
+    conn.call::<Reply>(&Request::Resume, None).map(|_| ())
 }
 
 /// The agent's share of one checkpoint: the processes it claimed and the memory hiber
@@ -619,6 +620,9 @@ impl CheckpointSession for AgentCheckpoint {
     fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         let mut first = None;
         let mut not_back = Vec::new();
+        // Every process gets its memory back before any resumes: one that opened memory of
+        // another through CUDA IPC maps it again as it resumes (hiber-agent's `ipc`).
+        let mut to_resume: Vec<(i32, Conn)> = Vec::new();
         for t in &self.targets {
             if !crate::proctree::alive(t.pid) {
                 // It died during the checkpoint: nothing to hand back to, nothing to undo.
@@ -632,15 +636,16 @@ impl CheckpointSession for AgentCheckpoint {
             }
             let r = match self.held.remove(&t.pid) {
                 Some(held) => {
-                    let mut r = give_back(t.pid, &t.name, &held);
-                    if r.is_err() {
+                    let mut r = connect(t.pid, &t.name).and_then(|c| load_on(&c, &held).map(|()| Some(c)));
+                    if let Err(e) = r {
                         // hiber holds the only reference and is about to fail: put the memory
                         // where `hiber recover` looks for it (in direct mode it is there already).
                         let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
                         let missing: Vec<device::Chunk> = device::chunks(&mems).into_iter().filter(|c| !sink.has_file(&c.rel)).collect();
-                        if let Err(e) = device::save(&self.gpus, &missing, None, sink) {
-                            r = r.map_err(|x| fail(format!("{x}; and saving the memory for `hiber recover` failed too: {e}"), None));
-                        }
+                        r = Err(match device::save(&self.gpus, &missing, None, sink) {
+                            Ok(_) => e,
+                            Err(x) => fail(format!("{e}; and saving the memory for `hiber recover` failed too: {x}"), None),
+                        });
                     }
                     if let Some(c) = self.copies.remove(&t.pid) {
                         self.pending.chunks.extend(c.chunks);
@@ -649,13 +654,20 @@ impl CheckpointSession for AgentCheckpoint {
                     r
                 }
                 // Nothing held (an undo before the handover): open the gate.
-                None => match connect(t.pid, &t.name) {
-                    Ok(c) => c.call::<Reply>(&Request::Resume, None).map(|_| ()),
-                    Err(_) => Ok(()),
-                },
+                None => Ok(connect(t.pid, &t.name).ok()),
             };
-            if let Err(e) = r {
-                not_back.push(t.pid);
+            match r {
+                Ok(Some(conn)) => to_resume.push((t.pid, conn)),
+                Ok(None) => {}
+                Err(e) => {
+                    not_back.push(t.pid);
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        for (pid, conn) in to_resume {
+            if let Err(e) = conn.call::<Reply>(&Request::Resume, None) {
+                not_back.push(pid);
                 first.get_or_insert(e);
             }
         }

@@ -328,11 +328,12 @@ impl AgentEngine {
 
     /// After a hiber died mid-checkpoint: whatever the agent of `pid` released is loaded
     /// back from the chunks that hiber wrote before it let the agent release (direct mode
-    /// always writes first), and the gate opens.
-    fn recover_one(&self, pid: i32, dirs: &[&Path]) -> Result<(), EngineError> {
-        let Some(name) = recovered_name(pid) else { return Ok(()) };
+    /// always writes first). Returns the connection on which to open its gate once every
+    /// process has its memory.
+    fn recover_one(&self, pid: i32, dirs: &[&Path]) -> Result<Option<Conn>, EngineError> {
+        let Some(name) = recovered_name(pid) else { return Ok(None) };
         // No agent answering: it never started (no CUDA), so there is nothing to undo.
-        let Ok(conn) = connect(pid, &name) else { return Ok(()) };
+        let Ok(conn) = connect(pid, &name) else { return Ok(None) };
         let ns_pid = crate::proctree::read_process(pid).map(|p| p.ns_pid).unwrap_or(pid);
         conn.send(&Request::List, None)?;
         let mut released = Vec::new();
@@ -360,7 +361,7 @@ impl AgentEngine {
             let fd = mem.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
             conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
         }
-        conn.call::<Reply>(&Request::Resume, None).map(|_| ())
+        Ok(Some(conn))
     }
 }
 
@@ -404,7 +405,14 @@ impl DeviceEngine for AgentEngine {
     }
 
     fn recover(&self, pids: &[i32], gone: &[i32], dirs: &[&Path]) -> Result<(), EngineError> {
-        let loaded = super::layer::each(pids, |pid| self.recover_one(pid, dirs));
+        // Every process gets its memory back before any resumes (memory opened through
+        // CUDA IPC is mapped again from its exporter as the importer resumes).
+        let mut to_resume = Vec::new();
+        let loaded = super::layer::each(pids, |pid| {
+            to_resume.extend(self.recover_one(pid, dirs)?);
+            Ok(())
+        });
+        let loaded = to_resume.into_iter().fold(loaded, |r, conn| r.and(conn.call::<Reply>(&Request::Resume, None).map(|_| ())));
         // Communicators torn down by the hiber that died are built again once every rank
         // has its memory back.
         // Processes of the job that are gone go with them: the communicators they were

@@ -162,6 +162,9 @@ impl RestoreSession for AgentRestore {
             copy_thread_s = times.copy_s,
             "agent device memory loaded"
         );
+        // Every process gets its memory before any resumes: one that opened memory of
+        // another through CUDA IPC maps it again as it resumes (hiber-agent's `ipc`).
+        let mut to_resume = Vec::new();
         for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
             let now = pids
                 .iter()
@@ -178,8 +181,11 @@ impl RestoreSession for AgentRestore {
                 let fd = m.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
                 conn.call::<Reply>(&Request::Load { id: *id }, Some(&fd))?;
             }
-            conn.call::<Reply>(&Request::Resume, None)?;
             tracing::info!(pid = now.pid, create_s, load_s, waited_s, handover_s = t2.elapsed().as_secs_f64(), bytes = p.bytes, "agent memory restored");
+            to_resume.push(conn);
+        }
+        for conn in to_resume {
+            conn.call::<Reply>(&Request::Resume, None)?;
         }
         // The ranks of an NCCL job build their communicators again, all at once.
         let all: Vec<i32> = pids.iter().map(|r| r.pid).collect();
