@@ -403,7 +403,9 @@ def two_gpu_processes_in_one_job(m):
 
 @scenario
 def leave_running_gpu_job(m):
-    hiber("run", "--name", "live", "--", program("counter"), "--mib", "1024", "--steps", "300")
+    # Long enough (600 steps of 20 ms) that the original still runs when its copy is
+    # restored, on a machine busy with other scenarios (300 steps once ended first).
+    hiber("run", "--name", "live", "--", program("counter"), "--mib", "1024", "--steps", "600")
     wait_step("live", 40)
     img = image_of("live")
     before = progress("live")[-1][0]

@@ -67,6 +67,17 @@ pub fn run(state: &StateDir) -> Vec<Check> {
             if checked.is_ok() {
                 let _ = std::fs::remove_dir_all(&dir);
             }
+            // CRIU archives a job's own /dev/shm (a tmpfs) with tar, and unpacks it on restore.
+            let tar = criu.helper_tool("tar");
+            out.push(Check {
+                name: "tar",
+                ok: tar.is_some(),
+                detail: match tar {
+                    Some(p) => format!("tar at {}", p.display()),
+                    None => "tar is missing: CRIU needs it for the /dev/shm of each job (`hiber run --host-shm` jobs excepted)".into(),
+                },
+                optional: false,
+            });
             let ip = criu.helper_tool("ip");
             out.push(Check {
                 name: "iproute2",

@@ -373,3 +373,27 @@ fn isolated_copy_without_iproute2_is_refused_up_front() {
     assert!(!h.scratch.join("never").exists());
     still_progressing(&h, "noip-iso");
 }
+
+/// A job's own /dev/shm goes into its image through CRIU's `tar`: without it, the
+/// checkpoint is refused before anything is stopped.
+#[test]
+fn job_without_tar_is_refused_up_front() {
+    let _mounts = shared();
+    let h = Hiber::new("notar");
+    h.start("notar", &["cpu", "--steps", "400", "--mem-mib", "8"]);
+    h.wait_step("notar", 3);
+    let criu = Command::new("sh").args(["-c", "command -v criu"]).output().unwrap();
+    let criu = String::from_utf8_lossy(&criu.stdout).trim().to_string();
+    assert!(!criu.is_empty() && !Path::new(&criu).with_file_name("tar").exists(), "this test needs a CRIU without tar beside it: {criu}");
+    let out = h
+        .command(&["checkpoint", "notar", "--out", h.scratch.join("never").to_str().unwrap()])
+        .env("PATH", "/nonexistent")
+        .env("HIBER_CRIU", &criu)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("`tar`") && stderr.contains("/dev/shm") && stderr.contains("install tar"), "{stderr}");
+    assert!(!h.scratch.join("never").exists());
+    still_progressing(&h, "notar");
+}

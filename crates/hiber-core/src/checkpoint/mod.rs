@@ -50,7 +50,7 @@ pub enum CheckpointError {
     Terminal { pid: i32, comm: String },
     #[error("process {pid} ({comm}) holds {what}")]
     Undumpable { pid: i32, comm: String, what: Undumpable },
-    #[error("process {pid} lives in a network namespace of its own, and CRIU needs `{tool}` {why}, which is not installed")]
+    #[error("process {pid}: CRIU needs `{tool}` {why}, which is not installed")]
     MissingTool { pid: i32, tool: &'static str, why: &'static str },
     #[error("not enough space for the image in {dir}: about {needed} MiB needed, {available} MiB available", needed = .needed >> 20, available = .available >> 20)]
     NoSpace { dir: PathBuf, needed: u64, available: u64 },
@@ -79,7 +79,8 @@ impl CheckpointError {
             CheckpointError::Terminal { .. } => "CRIU can restore a terminal only into the same terminal session; start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
             CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
             CheckpointError::Undumpable { what, .. } => what.hint(),
-            CheckpointError::MissingTool { .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
+            CheckpointError::MissingTool { tool: "ip", .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
+            CheckpointError::MissingTool { tool, .. } => format!("install {tool} (`hiber doctor` checks for it)"),
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Parent { .. } => "name an image from `hiber ls` with --parent, or checkpoint in full with --no-parent".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),

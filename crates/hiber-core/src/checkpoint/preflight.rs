@@ -140,12 +140,37 @@ fn char_device(path: &str) -> Option<(u32, u32)> {
 }
 
 /// Refuses a tree in a network namespace of its own when CRIU would fail to dump that
-/// namespace for want of iproute2's `ip` (it saves addresses and routes with it).
+/// namespace for want of iproute2's `ip` (it saves addresses and routes with it), and one
+/// with a tmpfs of its own (a hiber job's /dev/shm) when `tar` is missing (CRIU archives
+/// the tmpfs with it).
 pub fn refuse_missing_tools(criu: &crate::criu::Criu, root: i32) -> Result<(), CheckpointError> {
     if crate::proctree::has_own_namespace(root, "net") && criu.helper_tool("ip").is_none() {
-        return Err(CheckpointError::MissingTool { pid: root, tool: "ip", why: "to save its network namespace" });
+        return Err(CheckpointError::MissingTool { pid: root, tool: "ip", why: "to save the network namespace of its own it lives in" });
+    }
+    if criu.helper_tool("tar").is_none() && has_own_tmpfs(root) {
+        return Err(CheckpointError::MissingTool { pid: root, tool: "tar", why: "to save the /dev/shm of its own (`hiber run --host-shm` jobs have none)" });
     }
     Ok(())
+}
+
+/// The devices (`major:minor`) of the tmpfs mounts in a mountinfo text.
+fn tmpfs_devices(mountinfo: &str) -> Vec<&str> {
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (mount, fs) = l.split_once(" - ")?;
+            (fs.split_whitespace().next() == Some("tmpfs")).then(|| mount.split_whitespace().nth(2)).flatten()
+        })
+        .collect()
+}
+
+/// Whether `pid` sees a tmpfs this process does not: one CRIU dumps with its content.
+fn has_own_tmpfs(pid: i32) -> bool {
+    let (Ok(theirs), Ok(ours)) = (std::fs::read_to_string(format!("/proc/{pid}/mountinfo")), std::fs::read_to_string("/proc/self/mountinfo")) else {
+        return false;
+    };
+    let ours = tmpfs_devices(&ours);
+    tmpfs_devices(&theirs).iter().any(|d| !ours.contains(d))
 }
 
 /// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]).
@@ -202,6 +227,15 @@ impl Undumpable {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn tmpfs_devices_are_read_from_mountinfo() {
+        let info = "59 58 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683656k\n\
+                    60 59 0:39 / /dev/shm rw,nosuid,nodev,relatime shared:1 - tmpfs tmpfs rw\n\
+                    58 43 0:6 / /dev rw - devtmpfs devtmpfs rw\n";
+        assert_eq!(tmpfs_devices(info), vec!["0:23", "0:39"]);
+        assert!(tmpfs_devices("garbage\n").is_empty());
+    }
     use super::*;
     use crate::proctree::OpenFd;
 
