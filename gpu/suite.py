@@ -793,9 +793,12 @@ def agent_torch_multiprocessing_cuda_ipc(m):
     assert combined == ref_traj, "trajectory differs from the uninterrupted run"
     assert "verify ok" in log("ipc-r"), log("ipc-r")[-500:]
     m["steps_compared"] = len(combined)
-    # The producer's memory is in the image once: the consumer holds none of its own.
+    # The producer's memory is in the image once: the consumer holds little of its own,
+    # and the reader none, yet it was quiesced (and resumed after the restore) for the
+    # producer's memory it had open.
     sec = agent_section(img)
-    m["agent_processes"] = [(p["ns_pid"], p["bytes"] >> 20) for p in sec["processes"]]
+    m["agent_processes"] = [(p["ns_pid"], p["bytes"] >> 20, p.get("ipc_imports", 0)) for p in sec["processes"]]
+    assert any(p["bytes"] == 0 and p.get("ipc_imports", 0) > 0 for p in sec["processes"]), m["agent_processes"]
     hiber("rm", live)
 
 

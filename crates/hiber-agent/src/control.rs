@@ -79,6 +79,7 @@ fn reply(conn: &OwnedFd, r: Reply) -> std::io::Result<()> {
 }
 
 fn status() -> Status {
+    let agent_ipc = ipc::count();
     memory::with(|t| Status {
         tracked: t.entries.len() as u64,
         tracked_bytes: t.tracked_bytes(),
@@ -94,6 +95,7 @@ fn status() -> Status {
         ipc_imports: crate::sharing::IPC.load(Ordering::Relaxed),
         peer_access: crate::sharing::PEER.load(Ordering::Relaxed),
         shared_imports: crate::sharing::imports(),
+        agent_ipc,
         nccl: nccl::count(),
         nccl_down: nccl::is_down(),
     })
@@ -196,11 +198,14 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Hands the device memory over: first what this process opened of other processes'
-/// (nothing is released if that fails), then its own.
+/// Hands the device memory over: its own, then what it opened of other processes' once
+/// their exporters said they still hold it. Nothing is released when the check fails; an
+/// import that cannot be let go of leaves the imports mapped (and hiber hands the memory
+/// back).
 fn release(d: &'static cuda::Driver) -> Result<(), String> {
-    ipc::evacuate(d)?;
-    memory::evacuate(d).map_err(|(id, r)| format!("releasing allocation {id}: CUDA error {r}"))
+    ipc::check_exporters()?;
+    memory::evacuate(d).map_err(|(id, r)| format!("releasing allocation {id}: CUDA error {r}"))?;
+    ipc::evacuate(d)
 }
 
 fn done(r: Result<(), String>) -> Reply {

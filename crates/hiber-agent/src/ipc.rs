@@ -33,7 +33,7 @@ use std::ffi::c_int;
 use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use hiber_wire::socket;
@@ -89,10 +89,18 @@ pub fn is_event_handle(b: &[u8; HANDLE_SIZE]) -> bool {
     &b[..8] == EVENT_TAG
 }
 
+/// The job's agent token, read once, from the application's thread that first used IPC
+/// (the agent's own threads never read the environment, which the application may be
+/// changing).
+static TOKEN: OnceLock<String> = OnceLock::new();
+
+fn token() -> &'static str {
+    TOKEN.get_or_init(|| std::env::var(hiber_wire::TOKEN_ENV).unwrap_or_else(|_| "-".into()))
+}
+
 /// The exporter's socket: per job (its agent token) and process.
 fn socket_name(pid: u32) -> String {
-    let token = std::env::var(hiber_wire::TOKEN_ENV).unwrap_or_else(|_| "-".into());
-    format!("hiber-ipc.{token}.{pid}")
+    format!("hiber-ipc.{}.{pid}", token())
 }
 
 // ---- the exporter --------------------------------------------------------------------
@@ -203,9 +211,20 @@ struct Import {
 }
 
 static IMPORTS: Mutex<Vec<Import>> = Mutex::new(Vec::new());
+/// The process whose imports `IMPORTS` holds: a forked child (which cannot use CUDA)
+/// never takes the lock, which a thread it lacks may have held at the fork.
+static IMPORTS_PID: AtomicU32 = AtomicU32::new(0);
 
-fn imports() -> MutexGuard<'static, Vec<Import>> {
-    IMPORTS.lock().unwrap_or_else(|e| e.into_inner())
+fn imports() -> Option<MutexGuard<'static, Vec<Import>>> {
+    let pid = std::process::id();
+    match IMPORTS_PID.load(Ordering::SeqCst) {
+        0 => {
+            let _ = IMPORTS_PID.compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst);
+        }
+        p if p != pid => return None,
+        _ => {}
+    }
+    (IMPORTS_PID.load(Ordering::SeqCst) == pid).then(|| IMPORTS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 enum Answer {
@@ -272,17 +291,27 @@ pub fn open(d: &Driver, from: Exported) -> Result<DevPtr, CuResult> {
         // The driver refuses a process's own handles too.
         return Err(cuda::ERROR_INVALID_VALUE);
     }
-    let mut list = imports();
-    if let Some(i) = list.iter_mut().find(|i| i.from.key() == from.key()) {
-        i.refs += 1;
-        return Ok(i.va);
+    let opened = |list: &mut Vec<Import>| {
+        list.iter_mut().find(|i| i.from.key() == from.key()).map(|i| {
+            i.refs += 1;
+            i.va
+        })
+    };
+    if let Some(va) = opened(&mut *imports().ok_or(cuda::ERROR_INVALID_VALUE)?) {
+        return Ok(va);
     }
     let Some((_ctx, dev)) = d.current_device() else { return Err(hiber_cuda_sys::CUDA_ERROR_NOT_INITIALIZED) };
     let size = usize::try_from(from.size).map_err(|_| cuda::ERROR_INVALID_VALUE)?;
+    // Asked without the lock: a checkpoint's look at the imports does not wait for it.
     let fd = fetch(&from, Duration::from_secs(2)).map_err(|e| {
         log(&format!("cuIpcOpenMemHandle: {e}"));
         cuda::ERROR_INVALID_VALUE
     })?;
+    let mut list = imports().ok_or(cuda::ERROR_INVALID_VALUE)?;
+    // Another thread opened it meanwhile.
+    if let Some(va) = opened(&mut list) {
+        return Ok(va);
+    }
     let va = d.reserve(size)?;
     let access = AccessDesc::read_write(dev);
     match map_at(d, &fd, va, size, &access) {
@@ -299,35 +328,43 @@ pub fn open(d: &Driver, from: Exported) -> Result<DevPtr, CuResult> {
 
 /// `cuIpcCloseMemHandle(va)`. `None`: not memory the agent imported.
 pub fn close(d: &Driver, va: DevPtr) -> Option<CuResult> {
-    let mut list = imports();
+    let mut list = imports()?;
     let at = list.iter().position(|i| i.va == va)?;
-    list[at].refs -= 1;
-    if list[at].refs > 0 {
+    if list[at].refs > 1 {
+        list[at].refs -= 1;
         return Some(cuda::SUCCESS);
     }
-    let i = list.remove(at);
     // Work still reading the memory must be done before it goes.
     let _ = d.synchronize_current();
+    let i = &list[at];
     let size = i.from.size as usize;
+    if !i.evacuated {
+        // A failed unmap leaves the import as it was: still open, still counted.
+        if let Err(r) = d.unmap(va, size) {
+            return Some(r);
+        }
+    }
     let mut r = Ok(());
     if !i.evacuated {
-        r = d.unmap(va, size).and(d.release(i.handle));
+        r = d.release(i.handle);
     }
     r = r.and(d.free_reservation(va, size));
+    if let Err(e) = r {
+        log(&format!("closing memory opened through CUDA IPC at {va:#x}: CUDA error {e}; its reservation or handle is left"));
+    }
+    list.remove(at);
     Some(r.err().unwrap_or(cuda::SUCCESS))
 }
 
 /// How many allocations of other processes are open here through the agent.
 pub fn count() -> u64 {
-    imports().len() as u64
+    imports().map_or(0, |l| l.len() as u64)
 }
 
 /// For a checkpoint: every exporter still holds what this process imported (else the
-/// memory would be in no image), then each import is unmapped and released; the
-/// reservations stay. Nothing is changed when a check fails; an unmap that fails maps back
-/// what went before it.
-pub fn evacuate(d: &Driver) -> Result<(), String> {
-    let mut list = imports();
+/// memory would be in no image).
+pub fn check_exporters() -> Result<(), String> {
+    let Some(list) = imports() else { return Ok(()) };
     for i in list.iter().filter(|i| !i.evacuated) {
         match ask(&i.from, "has")? {
             Answer::Held => {}
@@ -341,6 +378,13 @@ pub fn evacuate(d: &Driver) -> Result<(), String> {
             }
         }
     }
+    Ok(())
+}
+
+/// For a checkpoint, after [`check_exporters`]: each import is unmapped and released; the
+/// reservations stay. An unmap that fails maps back what went before it.
+pub fn evacuate(d: &Driver) -> Result<(), String> {
+    let Some(mut list) = imports() else { return Ok(()) };
     let mut done: Vec<usize> = Vec::new();
     for (n, i) in list.iter().enumerate().filter(|(_, i)| !i.evacuated) {
         let size = i.from.size as usize;
@@ -366,7 +410,7 @@ pub fn evacuate(d: &Driver) -> Result<(), String> {
 /// After resume or restore: maps every evacuated import again at its address, from its
 /// exporter, waiting up to `patience` for each exporter's memory to be back.
 pub fn bring_back(d: &Driver, patience: Duration) -> Result<(), String> {
-    let mut list = imports();
+    let Some(mut list) = imports() else { return Ok(()) };
     for i in list.iter_mut().filter(|i| i.evacuated) {
         let fd = fetch(&i.from, patience)?;
         i.handle =
@@ -378,7 +422,7 @@ pub fn bring_back(d: &Driver, patience: Duration) -> Result<(), String> {
 
 /// Whether an import waits to be mapped again.
 pub fn any_evacuated() -> bool {
-    imports().iter().any(|i| i.evacuated)
+    imports().is_some_and(|l| l.iter().any(|i| i.evacuated))
 }
 
 #[cfg(test)]

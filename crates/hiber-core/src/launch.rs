@@ -315,8 +315,12 @@ pub struct Command {
     #[serde(default)]
     avoid_namespaces: Vec<u64>,
     /// Give the job a `/dev/shm` of its own ([`sys::private_dev_shm`]).
-    #[serde(default)]
+    #[serde(default = "yes")]
     private_shm: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The seccomp program that keeps a job off io_uring: `io_uring_setup`, `io_uring_enter`

@@ -191,6 +191,9 @@ pub struct Status {
     pub peer_access: u64,
     /// Allocations imported from a shareable handle (another process's VMM memory), open now.
     pub shared_imports: u64,
+    /// Allocations of another process opened through the agent's own CUDA IPC, open now
+    /// (these go with checkpoints).
+    pub agent_ipc: u64,
     /// NCCL communicators the agent keeps for the application.
     pub nccl: u64,
     /// Whether hiber left them torn down.
@@ -325,7 +328,7 @@ impl Request {
 }
 
 impl Status {
-    fn fields(&self) -> [(&'static str, u64); 16] {
+    fn fields(&self) -> [(&'static str, u64); 17] {
         [
             ("tracked", self.tracked),
             ("bytes", self.tracked_bytes),
@@ -343,6 +346,7 @@ impl Status {
             ("imports", self.shared_imports),
             ("nccl", self.nccl),
             ("nccl_down", self.nccl_down as u64),
+            ("agent_ipc", self.agent_ipc),
         ]
     }
 }
@@ -394,6 +398,7 @@ impl Reply {
                         "imports" => s.shared_imports = v,
                         "nccl" => s.nccl = v,
                         "nccl_down" => s.nccl_down = v != 0,
+                        "agent_ipc" => s.agent_ipc = v,
                         _ => {} // newer agents may say more
                     }
                 }
@@ -464,6 +469,7 @@ mod tests {
             ipc_imports: 1,
             peer_access: 2,
             shared_imports: 3,
+            agent_ipc: 4,
             nccl: 2,
             nccl_down: true,
             ..Status::default()

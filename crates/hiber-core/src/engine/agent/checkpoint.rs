@@ -42,6 +42,59 @@ struct Copies {
     arenas: Vec<DeviceMem>,
 }
 
+/// Holds every process's copy until all of them are quiesced. Used when a process has
+/// memory of another open through the agent's CUDA IPC: running on, it could write that
+/// memory after it was copied.
+struct AllQuiesced {
+    /// Processes arrived, and whether one failed before it could.
+    state: Mutex<(usize, bool)>,
+    cv: std::sync::Condvar,
+    n: usize,
+}
+
+impl AllQuiesced {
+    fn new(n: usize) -> AllQuiesced {
+        AllQuiesced { state: Mutex::new((0, false)), cv: std::sync::Condvar::new(), n }
+    }
+
+    /// Waits for the others; `false` when one of them failed.
+    fn arrive(&self) -> bool {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 += 1;
+        self.cv.notify_all();
+        while g.0 < self.n && !g.1 {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        !g.1
+    }
+
+    fn fail(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Fails the barrier when a process's take ends before it arrived.
+struct ArriveOrFail<'a> {
+    barrier: Option<&'a AllQuiesced>,
+    arrived: std::cell::Cell<bool>,
+}
+
+impl ArriveOrFail<'_> {
+    fn arrive(&self) -> bool {
+        self.arrived.set(true);
+        self.barrier.is_none_or(AllQuiesced::arrive)
+    }
+}
+
+impl Drop for ArriveOrFail<'_> {
+    fn drop(&mut self) {
+        if let (Some(b), false) = (self.barrier, self.arrived.get()) {
+            b.fail();
+        }
+    }
+}
+
 /// One allocation hiber holds during a checkpoint.
 struct Held {
     id: u64,
@@ -123,8 +176,9 @@ impl AgentCheckpoint {
     /// Quiesces one process and takes its memory; on error the process is as before.
     /// On error, what hiber still holds and could not hand back at once comes with it, for
     /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
-    fn take(&self, t: &Target, sink: &dyn ImageSink) -> Result<Taken, (EngineError, Vec<Held>)> {
+    fn take(&self, t: &Target, sink: &dyn ImageSink, barrier: Option<&AllQuiesced>) -> Result<Taken, (EngineError, Vec<Held>)> {
         let pid = t.pid;
+        let gate = ArriveOrFail { barrier, arrived: std::cell::Cell::new(false) };
         let conn = connect(pid, &t.name).map_err(|e| (e, Vec::new()))?;
         // The agent bounds its wait for calls in flight; a kernel still running when it
         // synchronizes is bounded here. Timing out closes the connection, and the agent,
@@ -154,6 +208,9 @@ impl AgentCheckpoint {
                 }
             }
             let _ = socket::set_recv_timeout(&conn.sock, None);
+            if !gate.arrive() {
+                return Err(fail("another process of the job could not quiesce", Some("the application keeps running; see that process's error")));
+            }
             let quiesced = Instant::now();
             let mems: Vec<(&DeviceMem, String)> = held.iter().map(|h| (&h.mem, chunk_prefix(t.ns_pid, h.id))).collect();
             let mut all = device::chunks(&mems);
@@ -500,7 +557,7 @@ impl CheckpointSession for AgentCheckpoint {
         // jobs hiber starts keep their limit.
         crate::sys::raise_open_files_limit();
         let staging_start = Instant::now();
-        let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
+        let busy: Vec<Target> = self.targets.iter().filter(|t| t.busy()).cloned().collect();
         let pids: Vec<i32> = busy.iter().map(|t| t.pid).collect();
         // The driver compiles the fingerprint kernel for each GPU the job uses (tens of
         // milliseconds, once per hiber).
@@ -518,7 +575,7 @@ impl CheckpointSession for AgentCheckpoint {
 
     fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
         crate::sys::raise_open_files_limit();
-        let busy: Vec<Target> = self.targets.iter().filter(|t| t.status.tracked > 0).cloned().collect();
+        let busy: Vec<Target> = self.targets.iter().filter(|t| t.busy()).cloned().collect();
         let staging_seconds = self.staging_seconds;
         let start = Instant::now();
         // Ranks of an NCCL job first stop at one point of their collectives, all of them,
@@ -532,9 +589,13 @@ impl CheckpointSession for AgentCheckpoint {
         }
         // The processes of a job are quiesced together: ranks that wait on each other
         // must all stop at once, and the copies overlap.
+        // Memory one process opened of another's (legacy CUDA IPC through the agent) is
+        // copied once every process is quiesced: none writes it after its copy.
+        let barrier = busy.iter().any(|t| t.status.agent_ipc > 0).then(|| AllQuiesced::new(busy.len()));
         let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
             let this = &*self;
-            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink))).collect();
+            let barrier = barrier.as_ref();
+            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink, barrier))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new())))).collect()
         });
         let mut done = Vec::new();
@@ -573,6 +634,7 @@ impl CheckpointSession for AgentCheckpoint {
                     allocations: Vec::new(),
                     passthrough: passthrough(&t.status),
                     visible: Vec::new(),
+                    ipc_imports: 0,
                 });
                 continue;
             };
@@ -594,6 +656,7 @@ impl CheckpointSession for AgentCheckpoint {
                     .collect(),
                 passthrough: passthrough(&t.status),
                 visible,
+                ipc_imports: t.status.agent_ipc,
             });
             self.held.insert(t.pid, std::mem::take(held));
             self.copies.insert(t.pid, std::mem::take(copies));
@@ -709,6 +772,29 @@ impl CheckpointSession for AgentCheckpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_copy_waits_for_every_quiesce_and_a_failure_releases_them() {
+        let all = AllQuiesced::new(3);
+        let arrived = std::thread::scope(|s| {
+            let waiting: Vec<_> = (0..2).map(|_| s.spawn(|| ArriveOrFail { barrier: Some(&all), arrived: false.into() }.arrive())).collect();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(waiting.iter().all(|h| !h.is_finished()), "nobody copies before the third is quiesced");
+            assert!(ArriveOrFail { barrier: Some(&all), arrived: false.into() }.arrive());
+            waiting.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        assert_eq!(arrived, vec![true, true]);
+
+        let some = AllQuiesced::new(2);
+        let failed = std::thread::scope(|s| {
+            let waiting = s.spawn(|| ArriveOrFail { barrier: Some(&some), arrived: false.into() }.arrive());
+            // The other process's take ends before its quiesce: its guard fails the barrier.
+            drop(ArriveOrFail { barrier: Some(&some), arrived: false.into() });
+            waiting.join().unwrap()
+        });
+        assert!(!failed, "a failed quiesce releases the others, who give up");
+        assert!(ArriveOrFail { barrier: None, arrived: false.into() }.arrive(), "no barrier: nothing to wait for");
+    }
 
     #[test]
     fn host_staging_is_sized_per_gpu() {

@@ -207,6 +207,14 @@ pub struct AgentProcess {
     /// of the machine's; empty when it saw them all (or it is not known).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub visible: Vec<String>,
+    /// Allocations of other processes it had open through the agent's CUDA IPC: mapped
+    /// again from their exporters as it resumes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ipc_imports: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The GPUs process `pid` can see where its `CUDA_VISIBLE_DEVICES` hides some of
@@ -277,6 +285,14 @@ struct Target {
     ns_pid: i32,
     comm: String,
     status: Status,
+}
+
+impl Target {
+    /// Whether the checkpoint quiesces it: it has memory to hand over, or memory of
+    /// another process open that it must let go of (and map again afterwards).
+    fn busy(&self) -> bool {
+        self.status.tracked > 0 || self.status.agent_ipc > 0
+    }
 }
 
 pub struct AgentEngine {
@@ -557,6 +573,7 @@ mod tests {
             allocations: vec![Allocation { id: 1, size: 1 << 30, gpu: gpu.into(), files: Vec::new() }],
             passthrough: Passthrough::default(),
             visible: visible.iter().map(|v| v.to_string()).collect(),
+            ipc_imports: 0,
         }
     }
 

@@ -165,7 +165,7 @@ impl RestoreSession for AgentRestore {
         // Every process gets its memory before any resumes: one that opened memory of
         // another through CUDA IPC maps it again as it resumes (hiber-agent's `ipc`).
         let mut to_resume = Vec::new();
-        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty()) {
+        for p in self.section.processes.iter().filter(|p| !p.allocations.is_empty() || p.ipc_imports > 0) {
             let now = pids
                 .iter()
                 .find(|r| r.ns_pid == p.ns_pid)
@@ -184,8 +184,15 @@ impl RestoreSession for AgentRestore {
             tracing::info!(pid = now.pid, create_s, load_s, waited_s, handover_s = t2.elapsed().as_secs_f64(), bytes = p.bytes, "agent memory restored");
             to_resume.push(conn);
         }
+        // Every process is resumed, whichever fails: a failure leaves only that one waiting.
+        let mut first = None;
         for conn in to_resume {
-            conn.call::<Reply>(&Request::Resume, None)?;
+            if let Err(e) = conn.call::<Reply>(&Request::Resume, None) {
+                first.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first {
+            return Err(e);
         }
         // The ranks of an NCCL job build their communicators again, all at once.
         let all: Vec<i32> = pids.iter().map(|r| r.pid).collect();
