@@ -28,6 +28,8 @@ const HOST_RESERVE_MIN: u64 = 2 << 30;
 /// What hiber took from one process.
 struct Taken {
     held: Vec<Held>,
+    /// Allocations of other processes it had open through the agent's CUDA IPC.
+    imports: u64,
     /// Chunks written before the release.
     written: Vec<FileEntry>,
     copies: Copies,
@@ -186,6 +188,7 @@ impl AgentCheckpoint {
         let _ = socket::set_recv_timeout(&conn.sock, Some(std::time::Duration::from_millis(self.timeout_ms + 500)));
         conn.send(&Request::Quiesce { timeout_ms: self.timeout_ms }, None).map_err(|e| (e, Vec::new()))?;
         let mut held = Vec::new();
+        let mut imports = t.status.agent_ipc;
         let mut timed_out = false;
         let taken = (|| {
             loop {
@@ -197,7 +200,14 @@ impl AgentCheckpoint {
                         let gpu = self.gpus.uuid(mem.dev).map_err(|e| cuda_fail(&self.gpus, "device UUID", e))?;
                         held.push(Held { id, fd, mem, gpu });
                     }
-                    (Reply::Done { count }, _) if count == held.len() as u64 => break,
+                    (Reply::Done { count }, _) if count == held.len() as u64 => {
+                        // With its gate closed, what it has open of other processes' memory
+                        // no longer changes: that is what its image records.
+                        if let Reply::Status(st) = conn.call::<Reply>(&Request::Status, None)? {
+                            imports = st.agent_ipc;
+                        }
+                        break;
+                    }
                     (Reply::Err(m), _) => {
                         return Err(fail(
                             format!("agent of process {pid} could not quiesce: {m}"),
@@ -259,8 +269,10 @@ impl AgentCheckpoint {
             conn.wait_closed();
             Ok((written, copies, placed))
         })();
+        // A take that failed before its quiesce releases the others now, not after its undo.
+        drop(gate);
         match taken {
-            Ok((written, copies, placed)) => Ok(Taken { held, written, copies, placed }),
+            Ok((written, copies, placed)) => Ok(Taken { held, imports, written, copies, placed }),
             // After a timeout the agent is still busy and released nothing: it opens its
             // gate itself once it finds the connection closed, and hiber's references go.
             Err(e) if timed_out => Err((e, Vec::new())),
@@ -589,14 +601,31 @@ impl CheckpointSession for AgentCheckpoint {
         }
         // The processes of a job are quiesced together: ranks that wait on each other
         // must all stop at once, and the copies overlap.
-        // Memory one process opened of another's (legacy CUDA IPC through the agent) is
-        // copied once every process is quiesced: none writes it after its copy.
-        let barrier = busy.iter().any(|t| t.status.agent_ipc > 0).then(|| AllQuiesced::new(busy.len()));
+        // Memory is copied once every process is quiesced: one may have opened another's
+        // (legacy CUDA IPC through the agent, perhaps since hiber first asked) and would
+        // write it after its copy.
+        let barrier = (busy.len() > 1).then(|| AllQuiesced::new(busy.len()));
         let results: Vec<Result<Taken, (EngineError, Vec<Held>)>> = std::thread::scope(|s| {
             let this = &*self;
             let barrier = barrier.as_ref();
-            let handles: Vec<_> = busy.iter().map(|t| s.spawn(move || this.take(t, sink, barrier))).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new())))).collect()
+            let handles: Vec<_> = busy
+                .iter()
+                .map(|t| {
+                    let spawned = std::thread::Builder::new().name("hiber-quiesce".into()).spawn_scoped(s, move || this.take(t, sink, barrier));
+                    // A process never taken must not leave the others waiting for it.
+                    if let (Err(_), Some(b)) = (&spawned, barrier) {
+                        b.fail();
+                    }
+                    spawned
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err((fail("a quiesce thread panicked", None), Vec::new()))),
+                    Err(e) => Err((fail(format!("cannot start a thread to quiesce a process: {e}"), None), Vec::new())),
+                })
+                .collect()
         });
         let mut done = Vec::new();
         let mut first_error = None;
@@ -625,7 +654,7 @@ impl CheckpointSession for AgentCheckpoint {
         let mut processes = Vec::new();
         let mut placed = Placed::default();
         for t in &self.targets {
-            let Some((_, Taken { held, written, copies, placed: p })) = done.iter_mut().find(|(pid, _)| *pid == t.pid) else {
+            let Some((_, Taken { held, imports, written, copies, placed: p })) = done.iter_mut().find(|(pid, _)| *pid == t.pid) else {
                 // An agent that tracked nothing: recorded for what it left to the driver.
                 processes.push(AgentProcess {
                     ns_pid: t.ns_pid,
@@ -656,7 +685,7 @@ impl CheckpointSession for AgentCheckpoint {
                     .collect(),
                 passthrough: passthrough(&t.status),
                 visible,
-                ipc_imports: t.status.agent_ipc,
+                ipc_imports: *imports,
             });
             self.held.insert(t.pid, std::mem::take(held));
             self.copies.insert(t.pid, std::mem::take(copies));
