@@ -226,15 +226,9 @@ fn send_reports(conn: &OwnedFd, comms: &[nccl::Report]) -> std::io::Result<()> {
     reply(conn, Reply::Done { count: comms.len() as u64 })
 }
 
-/// Closes the gate, waits for device work, and sends every allocation. `Ok(true)` when the
-/// application is quiesced and hiber has all descriptors.
-/// Sends a descriptor for every allocation while the application runs on: what hiber
-/// reads through them is a glimpse, not a checkpoint (the application may be writing it).
-fn peek(conn: &OwnedFd) -> std::io::Result<()> {
-    let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())) };
-    let fds: Vec<(u64, u64, i32, std::ffi::c_int)> = memory::with(|t| {
-        t.entries.values().filter(|e| !e.evacuated).filter_map(|e| memory::export_fd(d, e).ok().map(|fd| (e.id, e.size as u64, e.dev, fd))).collect()
-    });
+/// Sends one `alloc` (with its descriptor) per `(id, size, device, fd)`, closing every
+/// descriptor, then `done` when all went.
+fn send_allocs(conn: &OwnedFd, fds: Vec<(u64, u64, i32, std::ffi::c_int)>) -> std::io::Result<()> {
     let count = fds.len() as u64;
     let mut sent = Ok(());
     for (id, size, dev, fd) in fds {
@@ -247,6 +241,18 @@ fn peek(conn: &OwnedFd) -> std::io::Result<()> {
     reply(conn, Reply::Done { count })
 }
 
+/// Sends a descriptor for every allocation while the application runs on: what hiber
+/// reads through them is a glimpse, not a checkpoint (the application may be writing it).
+fn peek(conn: &OwnedFd) -> std::io::Result<()> {
+    let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())) };
+    let fds: Vec<(u64, u64, i32, std::ffi::c_int)> = memory::with(|t| {
+        t.entries.values().filter(|e| !e.evacuated).filter_map(|e| memory::export_fd(d, e).ok().map(|fd| (e.id, e.size as u64, e.dev, fd))).collect()
+    });
+    send_allocs(conn, fds)
+}
+
+/// Closes the gate, waits for device work, and sends every allocation. `Ok(true)` when the
+/// application is quiesced and hiber has all descriptors.
 fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<bool> {
     let Some(d) = cuda::driver() else { return reply(conn, Reply::Err("libcuda is not loaded".into())).map(|()| false) };
     if memory::with(|t| t.entries.values().any(|e| e.evacuated)) {
@@ -303,17 +309,9 @@ fn quiesce(conn: &OwnedFd, timeout: Duration) -> std::io::Result<bool> {
         Ok(f) => f,
         Err(m) => return fail(conn, m),
     };
-    let count = fds.len() as u64;
-    let mut sent = Ok(());
-    for (id, size, dev, fd) in fds {
-        if sent.is_ok() {
-            sent = socket::send(conn, &Reply::Alloc { id, size, device: dev }.encode(), Some(fd));
-        }
-        crate::close_fd(fd);
-    }
-    if let Err(e) = sent {
+    if let Err(e) = send_allocs(conn, fds) {
         gate::open();
         return Err(e);
     }
-    reply(conn, Reply::Done { count }).map(|()| true)
+    Ok(true)
 }

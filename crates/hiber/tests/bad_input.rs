@@ -358,20 +358,27 @@ fn isolated_copy_without_iproute2_is_refused_up_front() {
     let h = Hiber::new("noip");
     let img = image(&h, "noip");
     h.ok(&["restore", img.to_str().unwrap(), "--name", "noip-iso", "--isolate-net"]);
+    let stderr = refused_without_tools(&h, "noip-iso", "ip");
+    assert!(stderr.contains("network namespace of its own") && stderr.contains("`ip`") && stderr.contains("iproute2"), "{stderr}");
+}
+
+/// `hiber checkpoint JOB` with CRIU found but nothing on PATH (no `tool` beside CRIU
+/// either): it must fail, leave no image, and the job must go on. Returns its stderr.
+fn refused_without_tools(h: &Hiber, job: &str, tool: &str) -> String {
     let criu = Command::new("sh").args(["-c", "command -v criu"]).output().unwrap();
     let criu = String::from_utf8_lossy(&criu.stdout).trim().to_string();
-    assert!(!criu.is_empty() && !Path::new(&criu).with_file_name("ip").exists(), "this test needs a CRIU without ip beside it: {criu}");
+    assert!(!criu.is_empty() && !Path::new(&criu).with_file_name(tool).exists(), "this test needs a CRIU without {tool} beside it: {criu}");
     let out = h
-        .command(&["checkpoint", "noip-iso", "--out", h.scratch.join("never").to_str().unwrap()])
+        .command(&["checkpoint", job, "--out", h.scratch.join("never").to_str().unwrap()])
         .env("PATH", "/nonexistent")
         .env("HIBER_CRIU", &criu)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("network namespace of its own") && stderr.contains("`ip`") && stderr.contains("iproute2"), "{stderr}");
     assert!(!h.scratch.join("never").exists());
-    still_progressing(&h, "noip-iso");
+    still_progressing(h, job);
+    stderr
 }
 
 /// A job's own /dev/shm goes into its image through CRIU's `tar`: without it, the
@@ -382,18 +389,6 @@ fn job_without_tar_is_refused_up_front() {
     let h = Hiber::new("notar");
     h.start("notar", &["cpu", "--steps", "400", "--mem-mib", "8"]);
     h.wait_step("notar", 3);
-    let criu = Command::new("sh").args(["-c", "command -v criu"]).output().unwrap();
-    let criu = String::from_utf8_lossy(&criu.stdout).trim().to_string();
-    assert!(!criu.is_empty() && !Path::new(&criu).with_file_name("tar").exists(), "this test needs a CRIU without tar beside it: {criu}");
-    let out = h
-        .command(&["checkpoint", "notar", "--out", h.scratch.join("never").to_str().unwrap()])
-        .env("PATH", "/nonexistent")
-        .env("HIBER_CRIU", &criu)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = refused_without_tools(&h, "notar", "tar");
     assert!(stderr.contains("`tar`") && stderr.contains("/dev/shm") && stderr.contains("install tar"), "{stderr}");
-    assert!(!h.scratch.join("never").exists());
-    still_progressing(&h, "notar");
 }

@@ -44,9 +44,9 @@ struct Copies {
     arenas: Vec<DeviceMem>,
 }
 
-/// Holds every process's copy until all of them are quiesced. Used when a process has
-/// memory of another open through the agent's CUDA IPC: running on, it could write that
-/// memory after it was copied.
+/// Holds every process's copy until all of them are quiesced (a checkpoint of several
+/// processes): one that has memory of another open through the agent's CUDA IPC could,
+/// running on, write that memory after it was copied.
 struct AllQuiesced {
     /// Processes arrived, and whether one failed before it could.
     state: Mutex<(usize, bool)>,
