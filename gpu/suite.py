@@ -1310,6 +1310,172 @@ def nccl_rank_killed_during_checkpoint_fails_the_other(m):
     assert not Path(image_of(job)).exists(), "no image of the interrupted checkpoint"
 
 
+def xhost_env(rank):
+    """Rank RANK of a two-rank job whose ranks are started apart, as on two hosts. Each is a
+    host of its own to NCCL (NCCL_HOSTID), which then connects them through its socket
+    transport over loopback as it would two hosts, rather than through the GPU (two ranks of
+    one host may not share a GPU, and one GPU is all this scenario needs)."""
+    return dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(rank),
+                NCCL_HOSTID=f"hiber-suite-host{rank}", NCCL_DEBUG="WARN",
+                **dict(kv.split("=", 1) for kv in filter(None, os.environ.get("SUITE_XHOST_ENV", "").split(","))))
+
+
+def xhost_cmd(init, steps):
+    return ("python3", str(DDP), "--mode", "ddp", "--init-file", init, "--steps", steps, "--mib", "1024", "--interval-ms", "10")
+
+
+def coordinated(m, key, commands, extra_env=()):
+    """`hiber coordinate` and one hiber per command of COMMANDS (each with --coordinator and
+    --json), all at once, each given the matching dict of EXTRA_ENV: the coordinator's exit
+    and output, and each participant's (returncode, JSON or None, stderr). Kept in M[KEY]."""
+    import secrets
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    env = dict(ENV, HIBER_SESSION=secrets.token_hex(16))
+    coord = subprocess.Popen([HIBER, "coordinate", "--participants", str(len(commands)), "--listen", addr, "--timeout", "120"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def listening():
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    wait("the coordinator to listen", 30, listening)
+    extra = list(extra_env) + [{}] * (len(commands) - len(extra_env))
+    procs = [subprocess.Popen([HIBER, *map(str, c), "--coordinator", addr, "--json"], env=dict(env, HIBER_LOG="hiber_core=info", **x),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c, x in zip(commands, extra)]
+    parts = []
+    for p in procs:
+        out, err = p.communicate(timeout=400)
+        try:
+            js = json.loads(out) if p.returncode == 0 else None
+        except ValueError:
+            js = None
+        parts.append((p.returncode, js, err))
+    cout, cerr = coord.communicate(timeout=60)
+    m[key] = {"coordinator": (coord.returncode, (cout + cerr).strip()[-300:]),
+              "participants": [(rc, [l.strip()[-220:] for l in err.splitlines() if "NCCL" in l or "rror" in l][-4:]) for rc, _, err in parts]}
+    return coord.returncode, parts
+
+
+@scenario
+@exclusive
+def nccl_two_jobs_one_cut_coordinated(m):
+    """An NCCL job whose two ranks are two jobs, each checkpointed by a hiber of its own, as
+    on two hosts, held together by `hiber coordinate`: the NCCL cut runs across the two
+    hibers over the coordinator (counts gathered, every rank drained before any tears down,
+    rank 0's hiber drawing the id the other builds with). First a failure on one side after
+    both tore their communicators down (HIBER_FAIL_AT=captured): both abort, build the
+    communicator again together in the coordinator's undo round, and train on. Then the
+    `--leave-running` cut: both train on, on the uninterrupted trajectory. Then both
+    originals go, and the two images are restored together: the copies go on from the cut
+    to the end, on the same trajectory, and agree."""
+    steps = "700"
+    ref_init = f"/tmp/hiber-suite-xref-{os.getpid()}"
+    Path(ref_init).unlink(missing_ok=True)
+    ref_procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ref_out = [p.communicate(timeout=300) for p in ref_procs]
+    ref = [(p.step, p.checksum) for p in parse_progress(ref_out[0][0])]
+    assert len(ref) == int(steps) and "verify ok" in ref_out[0][0], f"reference run: {ref_out[0][0][-300:]} {ref_out[0][1][-1500:]}"
+    init = f"/tmp/hiber-suite-xinit-{os.getpid()}"
+    Path(init).unlink(missing_ok=True)
+    jobs = ("nx0", "nx1")
+    for r, job in enumerate(jobs):
+        hiber("run", "--name", job, "--", *xhost_cmd(init, steps), env=xhost_env(r))
+    for job in jobs:
+        wait_step(job, 40, 180)
+        assert "libhiber_agent" in Path(f"/proc/{job_pid(job)}/maps").read_text(), f"the agent is mapped into {job}"
+    imgs = [image_of(j) for j in jobs]
+    try:
+        xhost_cut_and_restore(m, jobs, imgs, ref, steps)
+    except AssertionError:
+        # What the ranks said (NCCL's warnings, PyTorch's error), for the report.
+        for j in jobs + tuple(j + "-r" for j in jobs):
+            f = STATE / "jobs" / j / "stderr.log"
+            if f.exists():
+                text = f.read_text(errors="replace")
+                (OUT / f"{j}-stderr.log").write_text(text[-200_000:])
+                m[f"{j}_said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+        raise
+    finally:
+        Path(init).unlink(missing_ok=True)
+
+
+@scenario
+@exclusive
+def nccl_socket_ranks_in_one_job_leave_running(m):
+    """The same two ranks, each a host of its own to NCCL (its socket transport), started
+    together in one job by a shell loop and checkpointed by one hiber with --leave-running:
+    they train on, on the uninterrupted trajectory."""
+    steps = "400"
+    ref_init = f"/tmp/hiber-suite-xref1-{os.getpid()}"
+    Path(ref_init).unlink(missing_ok=True)
+    ref_procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ref_out = [p.communicate(timeout=300) for p in ref_procs]
+    ref = [(p.step, p.checksum) for p in parse_progress(ref_out[0][0])]
+    assert len(ref) == int(steps), f"reference run: {ref_out[0][1][-800:]}"
+    init = f"/tmp/hiber-suite-xinit1-{os.getpid()}"
+    Path(init).unlink(missing_ok=True)
+    cmd = " ".join(xhost_cmd(init, steps))
+    loop = f"for r in 0 1; do RANK=$r NCCL_HOSTID=hiber-suite-host$r {cmd} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
+    job = "nx1job"
+    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID")}
+    hiber("run", "--name", job, "--", "sh", "-c", loop, env=env)
+    wait(f"{job} to reach step 40", 180, lambda: len(progress(job, "r0 ")) > 40)
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", image_of(job))
+    m["paused_s"] = round(ck["paused_seconds"] or 0, 2)
+    at = progress(job, "r0 ")[-1][0]
+    try:
+        wait(f"{job} to reach step {at + 40}", 120, lambda: progress(job, "r0 ") and progress(job, "r0 ")[-1][0] >= at + 40 and progress(job, "r1 ")[-1][0] >= at + 40)
+    finally:
+        text = log(job)
+        m["said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+    want = dict(ref)
+    for r in ("r0 ", "r1 "):
+        bad = [(s, c) for s, c in progress(job, r) if want.get(s) != c]
+        assert not bad, f"{r}left the trajectory at {bad[:3]}"
+    Path(init).unlink(missing_ok=True)
+
+
+def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
+    def train_on(n):
+        at = max(progress(j)[-1][0] for j in jobs)
+        for j in jobs:
+            wait_step(j, at + n, 120)
+            assert_on_reference(j, ref)
+        return at
+
+    # 1. The cut.
+    rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)])
+    assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated checkpoint: {m['cut']}"
+    m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
+    m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
+    at = train_on(30)
+    m["step_gap_ms"] = [step_gap_ms(j, 2, at + 30) for j in jobs]
+    m["agent_mib"] = [agent_bytes(agent_section(i)) >> 20 for i in imgs]
+    # 2. One side fails after both tore their communicators down, before and after the
+    # driver took the GPU state: both undo together, and train on.
+    for phase in os.environ.get("SUITE_XHOST_FAIL_AT", "quiesced,captured").split(","):
+        spare = [i + "-" + phase for i in imgs]
+        rc, parts = coordinated(m, "failed_at_" + phase, [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, spare)], [{}, {"HIBER_FAIL_AT": phase}])
+        assert rc != 0 and all(p[0] != 0 for p in parts), f"the failed cut fails everywhere: {m['failed_at_' + phase]}"
+        assert not any(Path(i).exists() for i in spare), "no image of the failed cut"
+        train_on(20)
+    # 3. Both originals go; the images of the cut come back together.
+    for j in jobs:
+        hiber("rm", "-f", j)
+    rc, parts = coordinated(m, "restore", [("restore", i, "--name", j + "-r") for j, i in zip(jobs, imgs)])
+    assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
+    m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
+    m["resumed_at"] = []
+    for j in jobs:
+        assert_verified(j + "-r")
+        got = assert_on_reference(j + "-r", ref)
+        assert got[-1][0] == int(steps) - 1, f"{j}-r ran to the end"
+        m["resumed_at"].append(got[0][0])
+
+
 # ---------------------------------------------------------------------------------------
 # OpenCL: the test programs of crates/hiber/tests/opencl/ (built on the build machine and
 # carried in .carry/opencl/ by scripts/gpu-carry.sh). On PoCL (the machine's one registered

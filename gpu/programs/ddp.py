@@ -1,5 +1,9 @@
 """Two-rank training over NCCL, started by torchrun, for hiber's GPU suite.
 
+Ranks started apart (`--init-file`, with RANK and WORLD_SIZE set) meet through a file
+rather than torchrun's store, as ranks on two hosts with a shared filesystem would; each
+then prints its steps (the checksums are the same on every rank).
+
 Modes: `ddp` (DistributedDataParallel), `fsdp` (FSDP2's fully_shard: all-gathers and
 reduce-scatters), `allreduce` (a plain torch.distributed all-reduce loop). Each rank also
 holds `--mib` of ballast filled from its own seed.
@@ -19,12 +23,16 @@ p.add_argument("--steps", type=int, default=300)
 p.add_argument("--interval-ms", type=int, default=20)
 p.add_argument("--mode", choices=("ddp", "fsdp", "allreduce"), default="ddp")
 p.add_argument("--mib", type=int, default=0)
+p.add_argument("--init-file", help="rendezvous through this file (torch's FileStore) rather than torchrun's TCP store: ranks started apart, as on two hosts")
 args = p.parse_args()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-dist.init_process_group("nccl")
+if args.init_file:
+    dist.init_process_group("nccl", init_method="file://" + args.init_file, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+else:
+    dist.init_process_group("nccl")
 rank = dist.get_rank()
 dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
 torch.cuda.set_device(dev)
@@ -73,7 +81,7 @@ for step in range(args.steps):
         dist.all_reduce(state)
         state.div_(dist.get_world_size())
         v = float(state.sum().item())
-    if rank == 0:
+    if rank == 0 or args.init_file:
         print(f"step {step} checksum {bits(v):08x} t {int(time.time() * 1000)} loss {v:.9g}", flush=True)
     time.sleep(args.interval_ms / 1000)
 
@@ -91,7 +99,7 @@ dist.broadcast(other, 0)
 ok = torch.equal(flat, other) and (ballast is None or int(ballast.to(torch.int64).sum().item()) == ballast_sum)
 same = torch.tensor([int(ok)], device=dev)
 dist.all_reduce(same, op=dist.ReduceOp.MIN)
-if rank == 0:
+if rank == 0 or args.init_file:
     print("verify ok ranks agree" if same.item() == 1 else "verify FAILED ranks differ or ballast changed", flush=True)
 dist.destroy_process_group()
 raise SystemExit(0 if same.item() == 1 else 1)

@@ -28,7 +28,7 @@ pub use session::Checkpoint;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::coordinator::{self, BarrierError, Coordinator, Phase};
+use crate::coordinator::{self, BarrierError, Coordinator, Phase, Tracked};
 use crate::criu::CriuError;
 use crate::engine::EngineError;
 use crate::image::ImageError;
@@ -210,31 +210,46 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
 
 /// Checkpoints, holding at `coord`'s barrier after each phase.
 pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coordinator) -> Result<CheckpointReport, CheckpointError> {
-    let mut c = Checkpoint::prepare(ctx, req)?;
+    let coord = &Tracked::new(coord);
+    let mut c = match Checkpoint::prepare(ctx, req) {
+        Ok(c) => c,
+        Err(e) => {
+            coord.fail(&e.to_string());
+            return Err(e);
+        }
+    };
     if coord.is_shared() {
         if let Err(e) = c.coordinated() {
-            c.abort(&e)?;
+            coord.fail(&e.to_string());
+            c.abort(&e, coord)?;
             return Err(e);
         }
     }
     let steps = (|| {
         coord.barrier(Phase::Prepared)?;
-        c.quiesce()?;
+        c.quiesce(coord)?;
         coord.barrier(Phase::Quiesced)?;
         c.capture()?;
         coord.barrier(Phase::Captured)?;
         c.dump(coord)
     })();
     if let Err(e) = steps {
-        c.abort(&e)?;
+        // The others abort at once, and undo with this one (their NCCL ranks and this
+        // one's are built again together).
+        coord.fail(&e.to_string());
+        c.abort(&e, coord)?;
         return Err(e);
     }
     if req.leave_running {
         // The application runs again first; the image is finished off its critical path.
         // A failure from here on costs the image, not the application.
-        c.resume()?;
+        if let Err(e) = c.resume(coord) {
+            coord.fail(&e.to_string());
+            return Err(e);
+        }
         // From here the application runs: whatever fails, nothing is left to undo.
         if let Err(e) = c.commit() {
+            coord.fail(&e.to_string());
             c.close();
             return Err(e);
         }

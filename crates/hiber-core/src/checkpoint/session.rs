@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::{check_space, log_file_id, loopback_only_network, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
-use crate::coordinator::{Coordinator, Phase};
+use crate::coordinator::{Coordinator, Phase, Tracked};
 use crate::criu::DumpOptions;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
 use crate::image::{DeviceSection, FileEntry, ImageError, ImageSink, ImageWriter, Manifest, Source, FORMAT, MAGIC};
@@ -131,8 +131,10 @@ impl<'a> Checkpoint<'a> {
         }
     }
 
-    /// Stops device work in every claimed process, engine after engine.
-    pub fn quiesce(&mut self) -> Result<(), CheckpointError> {
+    /// Stops device work in every claimed process, engine after engine. With other
+    /// participants (`coord`), work that spans them (NCCL) is cut with theirs; a participant
+    /// without such work passes the cut's phases with nothing to say.
+    pub fn quiesce(&mut self, coord: &Tracked<'_>) -> Result<(), CheckpointError> {
         let start = Instant::now();
         if !self.sessions.is_empty() {
             self.ctx.phase("preparing");
@@ -146,8 +148,9 @@ impl<'a> Checkpoint<'a> {
             self.ctx.phase("quiescing GPU processes");
         }
         for (_, s) in &mut self.sessions {
-            s.quiesce(&self.sink)?;
+            s.quiesce(&self.sink, coord)?;
         }
+        coord.catch_up(&Phase::NCCL_CUT)?;
         self.devices += start.elapsed();
         self.advance(journal::Phase::DevicesQuiesced)
     }
@@ -295,16 +298,24 @@ impl<'a> Checkpoint<'a> {
     }
 
     /// Brings every engine's processes back to running, in reverse order. If any cannot
-    /// be, the journal and the partial image stay for `hiber recover`.
-    pub fn resume(&mut self) -> Result<(), CheckpointError> {
+    /// be, the journal and the partial image stay for `hiber recover`. Where the NCCL cut
+    /// tore communicators down (on any participant), the rebuild's phases are passed here
+    /// too, with nothing to say when no rank of this participant was torn down.
+    pub fn resume(&mut self, coord: &Tracked<'_>) -> Result<(), CheckpointError> {
         if !self.sessions.is_empty() {
             self.ctx.phase("resuming GPU processes");
         }
         let mut failed = None;
         for (kind, s) in self.sessions.iter_mut().rev() {
-            if let Err(e) = s.resume(&self.sink) {
+            if let Err(e) = s.resume(&self.sink, coord) {
                 tracing::error!(engine = kind.name(), error = %e, "could not resume device state");
                 failed.get_or_insert(e);
+            }
+        }
+        if coord.passed(Phase::NcclDrained) {
+            // This participant's own processes run: the others' rebuild is theirs to report.
+            if let Err(e) = coord.catch_up(&Phase::NCCL_REBUILD) {
+                tracing::warn!(error = %e, "the other participants' NCCL rebuild");
             }
         }
         match failed {
@@ -323,8 +334,8 @@ impl<'a> Checkpoint<'a> {
 
     /// After a failed phase: undoes what the others did. The application runs as before,
     /// and the partial image and the journal go, unless the undo itself failed.
-    pub fn abort(mut self, cause: &CheckpointError) -> Result<(), CheckpointError> {
-        if let Err(e) = self.resume() {
+    pub fn abort(mut self, cause: &CheckpointError, coord: &Tracked<'_>) -> Result<(), CheckpointError> {
+        if let Err(e) = self.resume(coord) {
             tracing::error!(%cause, "the checkpoint failed, and so did its undo");
             return Err(match e {
                 CheckpointError::Resume { source, .. } => CheckpointError::Resume { source, after: Some(cause.to_string()) },

@@ -31,6 +31,33 @@ pub enum Phase {
     ProcessesRestored,
     /// Restore: device state is back; the application runs.
     DevicesRestored,
+    /// NCCL cut: every rank holds its submissions; each participant's ranks' counts go to
+    /// all (from which each computes the same limits).
+    NcclHeld,
+    /// NCCL cut: every rank caught up to its limits and its device is idle; only now may
+    /// any participant tear its communicators down.
+    NcclDrained,
+    /// NCCL rebuild: each participant's torn-down ranks and their communicators.
+    NcclListed,
+    /// NCCL rebuild: each communicator's fresh unique id, from the participant of its rank 0.
+    NcclIds,
+    /// NCCL rebuild: every participant's ranks built their communicators; only now may any
+    /// let NCCL calls through.
+    NcclBuilt,
+}
+
+impl Phase {
+    /// The phases of an NCCL cut that spans participants, in order (see
+    /// `engine/agent/nccl.rs`): each is an exchange.
+    pub const NCCL_CUT: [Phase; 2] = [Phase::NcclHeld, Phase::NcclDrained];
+    /// The phases of the rebuild that follows it, in order, each an exchange.
+    pub const NCCL_REBUILD: [Phase; 3] = [Phase::NcclListed, Phase::NcclIds, Phase::NcclBuilt];
+
+    /// Whether participants still pass this phase together after an abort: the rebuild of
+    /// communicators that the cut tore down is part of every participant's undo.
+    pub fn in_undo(self) -> bool {
+        Phase::NCCL_REBUILD.contains(&self)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +83,76 @@ pub trait Coordinator: Sync {
     /// Whether other participants take part (an image then counts only once all committed).
     fn is_shared(&self) -> bool {
         false
+    }
+
+    /// This participant's place in every list [`Coordinator::exchange`] returns.
+    fn index(&self) -> usize {
+        0
+    }
+
+    /// Tells the other participants that this one failed (`why`), so that they abort at
+    /// once; it stays in the session for the phases of the undo ([`Phase::in_undo`]).
+    fn fail(&self, _why: &str) {}
+}
+
+/// A coordinator that remembers which phases were passed through it, so that a participant
+/// can pass the ones its engines had no part in ([`Tracked::catch_up`]): where one
+/// participant's ranks exchange their NCCL counts, every participant must, even one with
+/// no rank at all.
+pub struct Tracked<'a> {
+    inner: &'a dyn Coordinator,
+    passed: std::sync::Mutex<Vec<Phase>>,
+}
+
+impl<'a> Tracked<'a> {
+    pub fn new(inner: &'a dyn Coordinator) -> Tracked<'a> {
+        Tracked { inner, passed: std::sync::Mutex::new(Vec::new()) }
+    }
+
+    pub fn passed(&self, phase: Phase) -> bool {
+        self.passed.lock().unwrap_or_else(|e| e.into_inner()).contains(&phase)
+    }
+
+    fn record(&self, phase: Phase) {
+        self.passed.lock().unwrap_or_else(|e| e.into_inner()).push(phase);
+    }
+
+    /// With other participants, passes those of `phases` not passed yet, in order, with
+    /// nothing to say (null): what a participant without NCCL ranks contributes.
+    pub fn catch_up(&self, phases: &[Phase]) -> Result<(), BarrierError> {
+        if !self.inner.is_shared() {
+            return Ok(());
+        }
+        for &p in phases.iter().filter(|p| !self.passed(**p)) {
+            self.exchange(p, serde_json::Value::Null)?;
+        }
+        Ok(())
+    }
+}
+
+impl Coordinator for Tracked<'_> {
+    fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
+        self.inner.barrier(phase)?;
+        self.record(phase);
+        Ok(())
+    }
+
+    fn exchange(&self, phase: Phase, data: serde_json::Value) -> Result<Vec<serde_json::Value>, BarrierError> {
+        let all = self.inner.exchange(phase, data)?;
+        self.record(phase);
+        Ok(all)
+    }
+
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
+    fn index(&self) -> usize {
+        self.inner.index()
+    }
+
+    fn fail(&self, why: &str) {
+        self.inner.fail(why)
     }
 }
 

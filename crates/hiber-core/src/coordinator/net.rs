@@ -1,14 +1,15 @@
 //! A coordinator across processes and hosts: one `hiber coordinate` server, and each
 //! participating hiber (`checkpoint` or `restore` with `--coordinator`) as its client.
 //!
-//! The protocol (version 2) is one JSON object per line over TCP:
+//! The protocol (version 3) is one JSON object per line over TCP:
 //!
 //! ```text
-//! participant → coordinator   {"v": 2, "hello": {"session": TOKEN, "name": NAME}}
+//! participant → coordinator   {"v": 3, "hello": {"session": TOKEN, "name": NAME}}
 //! coordinator → participant   {"welcome": {"index": I, "participants": N, "timeout_s": T}}
 //!                                                                   (once all N joined)
 //! participant → coordinator   {"reached": PHASE}                                (after each phase)
 //!                             {"reached": PHASE, "data": D}    (the same, with data to exchange)
+//!                             {"failed": REASON}               (it failed: the others abort)
 //! coordinator → participant   {"go": PHASE}   once every participant reached PHASE
 //!                             {"gathered": {"phase": PHASE, "data": [D0, D1, ...]}}
 //!                                             the same, when they sent data: every
@@ -16,20 +17,33 @@
 //!                             {"abort": REASON}  when one failed, left, or reached another phase
 //! ```
 //!
-//! The exchange (version 2) is an all-gather at a barrier: every participant hears the same
-//! list, so each can compute the same answer from it without a second round. It is what a
-//! cut of NCCL communicators that span hosts needs (see `engine/agent/nccl.rs`): each host's
-//! ranks' collective counts gathered, from which every host derives the same limits; and at
-//! the rebuild, the fresh unique id from the host of each communicator's rank 0. One
-//! participant's data is at most [`MAX_DATA`] bytes of JSON. At one phase either every
-//! participant sends data or none does (the coordinator aborts a mix). An index is the
-//! order in which participants joined, nothing more: a rank's host says who it is in its data.
+//! The exchange is an all-gather at a barrier: every participant hears the same list, so
+//! each can compute the same answer from it without a second round. It is what a cut of
+//! NCCL communicators that span hosts runs on (see `engine/agent/nccl.rs`): each host's
+//! ranks' collective counts gathered (`nccl_held`), from which every host derives the same
+//! limits; every host drained before any tears down (`nccl_drained`); and at the rebuild,
+//! the torn-down ranks (`nccl_listed`), the fresh unique id from the host of each
+//! communicator's rank 0 (`nccl_ids`), and every host built before any lets calls through
+//! (`nccl_built`). One participant's data is at most [`MAX_DATA`] bytes of JSON. At one
+//! phase either every participant sends data or none does (the coordinator aborts a mix).
+//! An index is the order in which participants joined, nothing more: a rank's host says
+//! who it is in its data.
+//!
+//! **The undo round** (version 3). Once the coordinator has told everyone to abort, the
+//! participants still connected go on passing the phases of their undo together: the NCCL
+//! rebuild's (`nccl_listed`, `nccl_ids`, `nccl_built`), which bring back the communicators
+//! a cut tore down on every host. Each such phase gathers from those still connected
+//! (null in the place of one that left); a participant with nothing to undo just closes
+//! its connection. A participant that fails says so (`failed`) and stays for the round;
+//! one that goes away is out of it, and the communicators it had ranks of cannot be built
+//! again (their ranks elsewhere say so and wait for `hiber recover`). The round ends when
+//! every participant has left, or at a phase's deadline.
 //!
 //! PHASE is a [`Phase`] in snake case (`prepared`, `quiesced`, `captured`, `dumped`,
-//! `committed`; `restore_prepared`, `processes_restored`, `devices_restored`). A participant
-//! that fails stops reporting and closes its connection; the coordinator then tells every
-//! other one to abort, and each undoes its own steps: the applications run on, and no
-//! image of the cut is kept. After the last phase of an operation (`committed` or
+//! `committed`; `restore_prepared`, `processes_restored`, `devices_restored`; the NCCL
+//! phases above). A participant that fails says so, or closes its connection; the
+//! coordinator then tells every other one to abort, and each undoes its own steps: the
+//! applications run on, and no image of the cut is kept. After the last phase of an operation (`committed` or
 //! `devices_restored`) the coordinator ends. Nothing in the protocol is tied to one host:
 //! participants name themselves, and the coordinator knows them only by their connection.
 //!
@@ -52,7 +66,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{BarrierError, Coordinator, Local, Phase};
 
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The most one participant sends in one exchange, as JSON.
 pub const MAX_DATA: usize = 256 << 10;
 /// The longest line the coordinator reads: a participant's message with its data.
@@ -85,6 +99,7 @@ pub struct Hello {
 pub enum Up {
     Hello { v: u32, hello: Hello },
     Reached { reached: Phase, data: Option<serde_json::Value> },
+    Failed { failed: String },
 }
 
 /// What the coordinator sends.
@@ -129,12 +144,16 @@ impl Up {
             Up::Hello { v, hello } => serde_json::json!({"v": v, "hello": hello}),
             Up::Reached { reached, data: None } => serde_json::json!({"reached": reached}),
             Up::Reached { reached, data: Some(d) } => serde_json::json!({"reached": reached, "data": d}),
+            Up::Failed { failed } => serde_json::json!({"failed": failed}),
         }
     }
 
     fn from_value(v: &serde_json::Value) -> Option<Up> {
         if let Some(h) = v.get("hello") {
             return Some(Up::Hello { v: u32::try_from(v.get("v")?.as_u64()?).ok()?, hello: serde_json::from_value(h.clone()).ok()? });
+        }
+        if let Some(f) = v.get("failed") {
+            return Some(Up::Failed { failed: f.as_str()?.to_string() });
         }
         Some(Up::Reached { reached: serde_json::from_value(v.get("reached")?.clone()).ok()?, data: v.get("data").cloned() })
     }
@@ -160,6 +179,8 @@ pub struct Remote {
     index: usize,
     conn: Mutex<(TcpStream, BufReader<TcpStream>)>,
     timeout: Duration,
+    /// Told to abort, or failed: only the phases of the undo are passed from here on.
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 impl Remote {
@@ -201,31 +222,37 @@ impl Remote {
             Ok(other) => return Err(BarrierError(format!("the coordinator at {addr} answered {other:?}"))),
             Err(e) => return Err(err("no welcome from the coordinator at", &e)),
         };
-        Ok(Remote { local, index, conn: Mutex::new((stream, reader)), timeout })
-    }
-
-    /// This participant's index: its place in every list an exchange returns.
-    pub fn index(&self) -> usize {
-        self.index
+        Ok(Remote { local, index, conn: Mutex::new((stream, reader)), timeout, aborted: false.into() })
     }
 
     /// Reports `phase` (with `data`, if any) and waits for the coordinator's answer: every
     /// participant's data by index, or nothing when none sent any.
     fn report(&self, phase: Phase, data: Option<serde_json::Value>) -> Result<Option<Vec<serde_json::Value>>, BarrierError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.aborted.load(SeqCst) && !phase.in_undo() {
+            return Err(BarrierError(format!("the session was aborted before {phase:?}")));
+        }
         self.local.barrier(phase)?;
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let (stream, reader) = &mut *conn;
         send_up(stream, &Up::Reached { reached: phase, data }).map_err(|e| BarrierError(format!("lost the coordinator at {phase:?}: {e}")))?;
-        match recv::<Down>(reader, MAX_DOWN_LINE) {
-            Ok(Some(Down::Go(p))) if p == phase => Ok(None),
-            Ok(Some(Down::Gathered { phase: p, data })) if p == phase => Ok(Some(data)),
-            Ok(Some(Down::Abort(why))) => Err(BarrierError(format!("another participant failed, so this one aborts too: {why}"))),
-            Ok(Some(other)) => Err(BarrierError(format!("the coordinator answered {other:?} at {phase:?}"))),
-            Ok(None) => Err(BarrierError(format!("the coordinator went away at {phase:?}"))),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                Err(BarrierError(format!("no answer from the coordinator within {} s at {phase:?}", self.timeout.as_secs())))
-            }
-            Err(e) => Err(BarrierError(format!("lost the coordinator at {phase:?}: {e}"))),
+        loop {
+            return match recv::<Down>(reader, MAX_DOWN_LINE) {
+                Ok(Some(Down::Go(p))) if p == phase => Ok(None),
+                Ok(Some(Down::Gathered { phase: p, data })) if p == phase => Ok(Some(data)),
+                // In the undo round: the abort this one knows of already.
+                Ok(Some(Down::Abort(_))) if self.aborted.load(SeqCst) => continue,
+                Ok(Some(Down::Abort(why))) => {
+                    self.aborted.store(true, SeqCst);
+                    Err(BarrierError(format!("another participant failed, so this one aborts too: {why}")))
+                }
+                Ok(Some(other)) => Err(BarrierError(format!("the coordinator answered {other:?} at {phase:?}"))),
+                Ok(None) => Err(BarrierError(format!("the coordinator went away at {phase:?}"))),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    Err(BarrierError(format!("no answer from the coordinator within {} s at {phase:?}", self.timeout.as_secs())))
+                }
+                Err(e) => Err(BarrierError(format!("lost the coordinator at {phase:?}: {e}"))),
+            };
         }
     }
 }
@@ -233,6 +260,22 @@ impl Remote {
 impl Coordinator for Remote {
     fn is_shared(&self) -> bool {
         true
+    }
+
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn fail(&self, why: &str) {
+        if self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        // At most a line of it: the others only show it.
+        let why: String = why.chars().take(1000).collect();
+        if send_up(&conn.0, &Up::Failed { failed: why }).is_err() {
+            let _ = conn.0.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
@@ -272,6 +315,8 @@ enum Heard {
     /// Participant I joined, by this name: its connection, for answers.
     Joined(usize, String, TcpStream),
     Reached(usize, Phase, Option<serde_json::Value>),
+    /// A participant said it failed, and why.
+    Failed(usize, String),
     /// A participant left, failed, or sent what it should not.
     Lost(usize, String),
 }
@@ -330,6 +375,16 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         send(s, &Down::Welcome { index: i, participants, timeout_s: timeout.as_secs() })?;
     }
     let mut pending = early.into_iter();
+    // After welcome, an abort is followed by the undo round.
+    // `gone`: a participant known to have left, which the round does not wait for.
+    let abort_without = |conns: &[(String, TcpStream)], why: String, gone: Option<usize>| {
+        for (_, s) in conns {
+            let _ = send(s, &Down::Abort(why.clone()));
+        }
+        undo_round(conns, gone, &rx, timeout);
+        Ok(Outcome::Aborted(why))
+    };
+    let abort = |conns: &[(String, TcpStream)], why: String| abort_without(conns, why, None);
     loop {
         let deadline = std::time::Instant::now() + timeout;
         let mut phase: Option<Phase> = None;
@@ -359,7 +414,8 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
                     }
                     data[i] = d;
                 }
-                Heard::Lost(i, why) => return abort(&conns, format!("participant '{}' {why} before {}", conns[i].0, next_name(phase))),
+                Heard::Lost(i, why) => return abort_without(&conns, format!("participant '{}' {why} before {}", conns[i].0, next_name(phase)), Some(i)),
+                Heard::Failed(i, why) => return abort(&conns, format!("participant '{}' failed: {why}", conns[i].0)),
                 Heard::Joined(..) => {}
             }
         }
@@ -379,15 +435,71 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         if line.len() as u64 > MAX_DOWN_LINE {
             return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()));
         }
-        for (k, (name, s)) in conns.iter().enumerate() {
+        for (i, (name, s)) in conns.iter().enumerate() {
             if let Err(e) = (&*s).write_all(&line) {
-                return abort(&conns[k + 1..], format!("participant '{name}' could not be told to go on past {p:?}: {e}"));
+                // Those told already hear the abort at their next phase.
+                return abort_without(&conns, format!("participant '{name}' could not be told to go on past {p:?}: {e}"), Some(i));
             }
         }
         tracing::info!(phase = ?p, "every participant passed");
         if matches!(p, Phase::Committed | Phase::DevicesRestored) {
             return Ok(Outcome::Done(p));
         }
+    }
+}
+
+/// After an abort: the participants still connected pass the phases of their undo
+/// ([`Phase::in_undo`]) together, each hearing what every other one there sent (null in the
+/// place of one that left or has nothing to undo). Returns once every participant has left,
+/// or when a phase's deadline passes.
+fn undo_round(conns: &[(String, TcpStream)], gone: Option<usize>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+    let n = conns.len();
+    let mut live: Vec<bool> = (0..n).map(|i| Some(i) != gone).collect();
+    undo_phases(conns, &mut live, rx, timeout);
+    // Every connection ends here (its reader thread would keep it open): a participant
+    // still waiting hears that the session is over.
+    for (_, s) in conns {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+    let n = conns.len();
+    loop {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut phase: Option<Phase> = None;
+        let mut reached = vec![false; n];
+        let mut data: Vec<Option<serde_json::Value>> = vec![None; n];
+        while live.iter().zip(&reached).any(|(l, r)| *l && !*r) {
+            let Ok(heard) = rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) else {
+                tracing::warn!("the undo round ended at its deadline");
+                return;
+            };
+            match heard {
+                Heard::Reached(i, p, d) if p.in_undo() && live[i] && !reached[i] => {
+                    if phase.is_some_and(|q| q != p) {
+                        // Out of step with the others: it cannot take part.
+                        live[i] = false;
+                        let _ = conns[i].1.shutdown(std::net::Shutdown::Both);
+                        continue;
+                    }
+                    phase = Some(p);
+                    reached[i] = true;
+                    data[i] = d;
+                }
+                Heard::Lost(i, _) => live[i] = false,
+                // A phase of the aborted operation, or its failure: it was told to abort.
+                _ => {}
+            }
+        }
+        let Some(p) = phase else { return };
+        let line = encode(&Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() });
+        for (i, (_, s)) in conns.iter().enumerate() {
+            if reached[i] && live[i] && (&*s).write_all(&line).is_err() {
+                live[i] = false;
+            }
+        }
+        tracing::info!(phase = ?p, "the participants undoing passed");
     }
 }
 
@@ -434,6 +546,7 @@ fn handshake_then_read(
     loop {
         let heard = match recv_up(&mut reader) {
             Ok(Some(Up::Reached { reached, data })) => Heard::Reached(index, reached, data),
+            Ok(Some(Up::Failed { failed })) => Heard::Failed(index, failed),
             Ok(None) => Heard::Lost(index, "failed or left".into()),
             Ok(Some(other)) => Heard::Lost(index, format!("sent {other:?}")),
             Err(e) => Heard::Lost(index, format!("broke the protocol ({e})")),
@@ -651,7 +764,50 @@ mod tests {
     }
 
     #[test]
+    fn after_a_failure_those_still_connected_pass_the_undo_phases_together() {
+        let (addr, server) = coordinator(3);
+        let parts: Vec<_> = ["a", "b", "c"]
+            .into_iter()
+            .map(|name| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", name, Duration::from_secs(20), Local::default()).unwrap();
+                    r.barrier(Phase::Prepared).unwrap();
+                    if name == "c" {
+                        // c fails (its quiesce, say) and says so, then undoes with the others.
+                        r.fail("its quiesce failed");
+                    } else {
+                        let e = r.barrier(Phase::Quiesced).unwrap_err();
+                        assert!(e.0.contains("'c' failed: its quiesce failed"), "{}", e.0);
+                    }
+                    // A phase of the aborted operation is not passed any more.
+                    assert!(r.barrier(Phase::Captured).is_err());
+                    if name == "b" {
+                        // b has nothing to undo together: it leaves.
+                        return None;
+                    }
+                    let all = r.exchange(Phase::NcclListed, serde_json::json!(name)).unwrap();
+                    let ids = r.exchange(Phase::NcclIds, serde_json::json!({"from": name})).unwrap();
+                    Some((r.index(), all, ids))
+                })
+            })
+            .collect();
+        let got: Vec<_> = parts.into_iter().filter_map(|p| p.join().unwrap()).collect();
+        assert!(matches!(server.join().unwrap(), Outcome::Aborted(why) if why.contains("'c' failed")));
+        assert_eq!(got.len(), 2);
+        for (index, all, ids) in &got {
+            assert_eq!(all.len(), 3);
+            assert_eq!(all.iter().filter(|v| v.is_null()).count(), 1, "b's place is null: {all:?}");
+            assert_eq!(all, &got[0].1, "both gathered the same list");
+            assert!(!all[*index].is_null());
+            assert_eq!(ids.iter().filter(|v| !v.is_null()).count(), 2);
+        }
+    }
+
+    #[test]
     fn wire_format_is_the_documented_one() {
+        assert_eq!(Up::Failed { failed: "why".into() }.to_value(), serde_json::json!({"failed": "why"}));
+        assert_eq!(Up::from_value(&serde_json::json!({"failed": "why"})), Some(Up::Failed { failed: "why".into() }));
         assert_eq!(Up::Reached { reached: Phase::Quiesced, data: None }.to_value(), serde_json::json!({"reached": "quiesced"}));
         let d = serde_json::json!({"ranks": [0, 1]});
         assert_eq!(Up::Reached { reached: Phase::Quiesced, data: Some(d.clone()) }.to_value(), serde_json::json!({"reached": "quiesced", "data": d}));
@@ -660,8 +816,8 @@ mod tests {
             serde_json::json!({"gathered": {"phase": "prepared", "data": [d, null]}})
         );
         assert_eq!(
-            Up::Hello { v: 2, hello: Hello { session: "s".into(), name: "n".into() } }.to_value(),
-            serde_json::json!({"v": 2, "hello": {"session": "s", "name": "n"}})
+            Up::Hello { v: 3, hello: Hello { session: "s".into(), name: "n".into() } }.to_value(),
+            serde_json::json!({"v": 3, "hello": {"session": "s", "name": "n"}})
         );
         assert_eq!(serde_json::to_value(Down::Go(Phase::DevicesRestored)).unwrap(), serde_json::json!({"go": "devices_restored"}));
         assert_eq!(

@@ -23,6 +23,7 @@ pub mod opencl;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::coordinator::Coordinator;
 use crate::image::{FileEntry, ImageSink};
 use crate::proctree::ProcessInfo;
 
@@ -205,7 +206,9 @@ pub trait CheckpointSession: Send {
 
     /// Stops new device work and waits for work in flight, within a timeout. Device data
     /// that must be saved before the application's device state is released goes to `sink`.
-    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;
+    /// `peers` are the other participants of a coordinated checkpoint (see
+    /// [`crate::coordinator`]): work that spans them (an NCCL cut) is cut with theirs.
+    fn quiesce(&mut self, sink: &dyn ImageSink, peers: &dyn Coordinator) -> Result<(), EngineError>;
 
     /// Moves the device state of the quiesced processes where the CRIU dump (or the
     /// engine's own files) will take it. Returns the engine's manifest section.
@@ -214,7 +217,8 @@ pub trait CheckpointSession: Send {
     /// Brings the processes back to running from whatever state quiesce/capture left them
     /// in. Idempotent: safe on processes that were never touched. Device data that only
     /// hiber still holds and cannot hand back goes to `sink`, for `hiber recover`.
-    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError>;
+    /// With `peers`, state shared with them (NCCL communicators) is built again with theirs.
+    fn resume(&mut self, sink: &dyn ImageSink, peers: &dyn Coordinator) -> Result<(), EngineError>;
 
     /// Once the image's other parts are written (with `--leave-running`, after resume):
     /// writes what the session still holds to `sink`, and returns the manifest entries of
@@ -227,7 +231,9 @@ pub trait CheckpointSession: Send {
 /// One engine's share of one restore, opened once the checks passed.
 pub trait RestoreSession: Send {
     /// After CRIU restored the tree: restores device state into `pids` and resumes them.
-    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError>;
+    /// With `peers` (a coordinated restore), state shared with their processes (NCCL
+    /// communicators) is built again with theirs.
+    fn restore(&mut self, pids: &[RestoredPid], peers: &dyn Coordinator) -> Result<(), EngineError>;
 
     /// Whether this session restores into a tree that CRIU left stopped (its sessions run
     /// first, then the tree is continued, then the others run).

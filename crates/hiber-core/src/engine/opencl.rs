@@ -379,7 +379,7 @@ impl CheckpointSession for OpenClCheckpoint {
         &self.pids
     }
 
-    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn quiesce(&mut self, sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let start = Instant::now();
         let mut processes = Vec::new();
         for t in &self.targets {
@@ -416,7 +416,7 @@ impl CheckpointSession for OpenClCheckpoint {
         Ok(serde_json::to_value(section).expect("section serializes"))
     }
 
-    fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn resume(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let mut first = None;
         for t in &self.targets {
             if !self.released.contains(&t.pid) || !crate::proctree::alive(t.pid) {
@@ -457,7 +457,7 @@ struct OpenClRestore {
 }
 
 impl RestoreSession for OpenClRestore {
-    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+    fn restore(&mut self, pids: &[RestoredPid], _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         for p in &self.section.processes {
             let now = pids
                 .iter()

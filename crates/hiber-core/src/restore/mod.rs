@@ -11,7 +11,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::coordinator::{self, BarrierError, Coordinator, Phase};
+use crate::coordinator::{self, BarrierError, Coordinator, Phase, Tracked};
 use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoreSession, RestoredPid};
 use crate::image::{Image, ImageError};
 use crate::jobs::{Job, JobError, Registry};
@@ -121,6 +121,16 @@ type Engaged = Box<dyn RestoreSession>;
 
 /// Restores, holding at `coord`'s barrier after each phase.
 pub fn restore_with(ctx: &Context, req: &RestoreRequest, coord: &dyn Coordinator) -> Result<RestoreReport, RestoreError> {
+    let coord = Tracked::new(coord);
+    let result = restore_tracked(ctx, req, &coord);
+    if let Err(e) = &result {
+        // The others abort at once rather than wait for this one at the next phase.
+        coord.fail(&e.to_string());
+    }
+    result
+}
+
+fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> Result<RestoreReport, RestoreError> {
     let started = Instant::now();
     let (image, mut sessions) = prepare(ctx, req)?;
     let verify = started.elapsed();
@@ -191,7 +201,7 @@ fn restore_into_job(
     sessions: &mut [Engaged],
     job: &JobTarget<'_>,
     req: &RestoreRequest,
-    coord: &dyn Coordinator,
+    coord: &Tracked<'_>,
 ) -> Result<(Job, Duration, Duration), RestoreError> {
     let (stdout, stderr) = job.registry.open_logs(job.name)?;
     let src = &image.manifest.source;
@@ -233,7 +243,10 @@ fn restore_into_job(
     let finished = coord
         .barrier(Phase::ProcessesRestored)
         .map_err(RestoreError::from)
-        .and_then(|()| restore_devices(ctx, sessions, root, leave_stopped))
+        .and_then(|()| restore_devices(ctx, sessions, root, leave_stopped, coord))
+        // Where the other participants' ranks build NCCL communicators again, this one
+        // passes those phases too, with nothing to say if it has no rank.
+        .and_then(|()| coord.catch_up(&Phase::NCCL_REBUILD).map_err(RestoreError::from))
         // Recorded before the last barrier: a participant that cannot record its job fails
         // there, with every other one, rather than after they were told to go on.
         .and_then(|()| record_job(image, job, root))
@@ -264,7 +277,7 @@ fn restore_into_job(
 /// CRIU left the tree stopped when `stopped`: the sessions that want it so (the driver's)
 /// restore first, then the tree is continued, then the others (the agent's, which talk to a
 /// thread of the process) restore.
-fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: bool) -> Result<(), RestoreError> {
+fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: bool, coord: &dyn Coordinator) -> Result<(), RestoreError> {
     if sessions.is_empty() && !stopped {
         return Ok(());
     }
@@ -285,7 +298,7 @@ fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: 
         }
     }
     for s in sessions.iter_mut().rev().filter(|s| s.wants_stopped_tree()) {
-        s.restore(&pids)?;
+        s.restore(&pids, coord)?;
     }
     if stopped {
         for p in &tree {
@@ -293,7 +306,7 @@ fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: 
         }
     }
     for s in sessions.iter_mut().rev().filter(|s| !s.wants_stopped_tree()) {
-        s.restore(&pids)?;
+        s.restore(&pids, coord)?;
     }
     Ok(())
 }

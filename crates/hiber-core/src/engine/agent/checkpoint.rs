@@ -13,6 +13,7 @@ use hiber_wire::{socket, Reply, Request};
 
 use super::device::{self, DeviceMem, Gpus, Place, GRANULE};
 use super::{chunk_prefix, connect, cuda_fail, fail, nccl, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};
+use crate::coordinator::Coordinator;
 use crate::engine::cuda::{self, ffi, ffi::Staging};
 use crate::engine::layer::Conn;
 use crate::engine::{CheckpointOptions, CheckpointSession, EngineError};
@@ -585,7 +586,7 @@ impl CheckpointSession for AgentCheckpoint {
         self.staging_seconds = staging_start.elapsed().as_secs_f64();
     }
 
-    fn quiesce(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn quiesce(&mut self, sink: &dyn ImageSink, peers: &dyn Coordinator) -> Result<(), EngineError> {
         crate::sys::raise_open_files_limit();
         let busy: Vec<Target> = self.targets.iter().filter(|t| t.busy()).cloned().collect();
         let staging_seconds = self.staging_seconds;
@@ -593,7 +594,7 @@ impl CheckpointSession for AgentCheckpoint {
         // Ranks of an NCCL job first stop at one point of their collectives, all of them,
         // and let their communicators go: only then can each quiesce on its own.
         if !self.nccl.is_empty() {
-            if let Err((e, down)) = nccl::cut(&self.nccl, self.timeout_ms) {
+            if let Err((e, down)) = nccl::cut(&self.nccl, self.timeout_ms, peers) {
                 self.nccl_down = down;
                 return Err(e);
             }
@@ -709,7 +710,7 @@ impl CheckpointSession for AgentCheckpoint {
         Ok(serde_json::to_value(section).expect("section serializes"))
     }
 
-    fn resume(&mut self, sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn resume(&mut self, sink: &dyn ImageSink, peers: &dyn Coordinator) -> Result<(), EngineError> {
         let mut first = None;
         let mut not_back = Vec::new();
         // Every process gets its memory back before any resumes: one that opened memory of
@@ -770,7 +771,7 @@ impl CheckpointSession for AgentCheckpoint {
         // A rank that died during the checkpoint is passed too: the rebuild sees it gone and
         // has the others' calls fail rather than wait for it.
         if self.nccl_down && !self.nccl.iter().any(|r| not_back.contains(&r.pid)) {
-            match nccl::rebuild(&self.nccl, self.timeout_ms) {
+            match nccl::rebuild(&self.nccl, self.timeout_ms, peers) {
                 Ok(()) => self.nccl_down = false,
                 Err(e) => {
                     first.get_or_insert(e);

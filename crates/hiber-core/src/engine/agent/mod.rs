@@ -435,7 +435,8 @@ impl DeviceEngine for AgentEngine {
         // ranks of cannot be rebuilt, and their calls on the others fail instead of waiting.
         let mut ranks = nccl_down(pids);
         ranks.extend(gone.iter().map(|&pid| nccl::Rank { pid, name: String::new() }));
-        let rebuilt = nccl::rebuild(&ranks, self.timeout_ms);
+        // Alone: a communicator with ranks in another hiber's job cannot be built again here.
+        let rebuilt = nccl::rebuild(&ranks, self.timeout_ms, &crate::coordinator::Local::default());
         loaded.and(rebuilt)
     }
 

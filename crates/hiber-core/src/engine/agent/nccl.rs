@@ -26,12 +26,13 @@
 //! own ranks' lanes; a barrier after step 3; and at the rebuild, each communicator's fresh
 //! unique id from the host of its rank 0.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use hiber_wire::{socket, Lane, Reply, Request};
 
 use super::{connect, fail};
+use crate::coordinator::{Coordinator, Phase};
 use crate::engine::layer::Conn;
 use crate::engine::EngineError;
 
@@ -73,6 +74,67 @@ fn read_reports(conn: &Conn) -> Result<Vec<CommReport>, EngineError> {
     }
 }
 
+impl CommReport {
+    fn to_json(&self) -> serde_json::Value {
+        let lanes: serde_json::Map<String, serde_json::Value> = self.lanes.iter().map(|(l, n)| (l.to_string(), (*n).into())).collect();
+        serde_json::json!({"key": format!("{:016x}", self.key), "rank": self.rank, "nranks": self.nranks, "local": self.local, "lanes": lanes})
+    }
+
+    fn from_json(v: &serde_json::Value) -> Option<CommReport> {
+        let lanes = v.get("lanes")?.as_object()?.iter().map(|(l, n)| Some((l.parse().ok()?, n.as_u64()?))).collect::<Option<_>>()?;
+        Some(CommReport {
+            key: u64::from_str_radix(v.get("key")?.as_str()?, 16).ok()?,
+            rank: i32::try_from(v.get("rank")?.as_i64()?).ok()?,
+            nranks: i32::try_from(v.get("nranks")?.as_i64()?).ok()?,
+            local: v.get("local")?.as_bool()?,
+            lanes,
+        })
+    }
+}
+
+/// Every process's reports as JSON (each process a list).
+fn reports_json(ranks: &[Vec<CommReport>]) -> serde_json::Value {
+    ranks.iter().map(|r| r.iter().map(CommReport::to_json).collect::<Vec<_>>()).collect::<Vec<_>>().into()
+}
+
+/// The ranks of every participant, one list after another in the participants' order, from
+/// what each sent under `field` (null: none), and where this participant's begin.
+fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<(Vec<Vec<CommReport>>, usize), EngineError> {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    for (i, v) in all.iter().enumerate() {
+        if i == me {
+            offset = out.len();
+        }
+        let Some(list) = v.get(field) else { continue };
+        let procs = list.as_array().ok_or_else(|| fail(format!("participant {i} sent unreadable NCCL ranks"), None))?;
+        for p in procs {
+            let comms = p.as_array().and_then(|c| c.iter().map(CommReport::from_json).collect::<Option<Vec<_>>>());
+            out.push(comms.ok_or_else(|| fail(format!("participant {i} sent an unreadable NCCL communicator"), None))?);
+        }
+    }
+    Ok((out, offset))
+}
+
+/// One step that every participant passes together: this one's `mine` (or its failure) goes
+/// to all at `phase`, and the step fails everywhere when it failed anywhere, with the same
+/// reason. With no other participant, `peers` only sees the phase (faults may be injected
+/// there). Returns every participant's data, by index.
+fn agree(peers: &dyn Coordinator, phase: Phase, mine: Result<serde_json::Value, EngineError>) -> Result<Vec<serde_json::Value>, EngineError> {
+    let (data, own) = match mine {
+        Ok(v) => (v, None),
+        Err(e) => (serde_json::json!({"error": e.to_string()}), Some(e)),
+    };
+    let all = peers.exchange(phase, data).map_err(|e| fail(e.to_string(), None))?;
+    if let Some(e) = own {
+        return Err(e);
+    }
+    match all.iter().enumerate().find_map(|(i, v)| v.get("error").and_then(|e| e.as_str()).map(|e| (i, e))) {
+        Some((i, why)) => Err(fail(format!("participant {i} of the coordinated NCCL job: {why}"), None)),
+        None => Ok(all),
+    }
+}
+
 /// The ranks of each communicator that spans processes, by key.
 fn members(ranks: &[Vec<CommReport>]) -> Members<'_> {
     let mut keys: Members = BTreeMap::new();
@@ -93,7 +155,7 @@ fn incomplete(key: u64, members: &[(usize, &CommReport)]) -> Option<String> {
     let whole = nranks > 0 && seen.len() == members.len() && seen.len() == nranks as usize && seen.iter().all(|r| (0..nranks).contains(r));
     (!whole).then(|| {
         format!(
-            "NCCL communicator {key:016x} has {} of its {nranks} ranks in this job (a communicator that spans hosts needs a hiber on each, which the NCCL cut does not coordinate yet)",
+            "NCCL communicator {key:016x} has {} of its {nranks} ranks in this checkpoint (every rank's process must be in the job, or in a job checkpointed with it through `hiber coordinate`)",
             members.len()
         )
     })
@@ -153,38 +215,60 @@ pub struct Rank {
     pub name: String,
 }
 
-/// Cuts every rank's NCCL work at one point and tears the communicators down. `Err` with
-/// `true` when some were torn down (the caller must [`rebuild`] them), `false` when the job
-/// runs on untouched.
-pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
+/// Cuts every rank's NCCL work at one point and tears the communicators down: `ranks` are
+/// this participant's; with other participants (`peers`), their ranks are cut at the same
+/// point, each participant tearing its own down once every rank of every participant has
+/// drained. `Err` with `true` when some were torn down (the caller must [`rebuild`] them),
+/// `false` when the job runs on untouched.
+pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Result<(), (EngineError, bool)> {
     let untouched = |e| (e, false);
     let started = std::time::Instant::now();
-    let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>().map_err(untouched)?;
-    // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
-    for c in &conns {
-        let _ = socket::set_recv_timeout(&c.sock, Some(Duration::from_millis(timeout_ms + 2_000)));
-    }
-    let mut reports = Vec::new();
-    for c in &conns {
-        c.send(&Request::NcclHold { timeout_ms }, None).map_err(untouched)?;
-        reports.push(read_reports(c).map_err(|e| untouched(fail(format!("holding NCCL work: {e}"), None)))?);
-    }
-    let held = started.elapsed();
-    let limits = limits(&reports).map_err(|m| untouched(fail(m, Some("checkpoint every rank of an NCCL job together, from the job's root process"))))?;
-    for (c, lanes) in conns.iter().zip(&limits) {
-        for &(key, lane, count) in lanes {
-            c.call::<Reply>(&Request::NcclLimit { key, lane, count }, None).map_err(untouched)?;
+    // Holding: a failure here or on another participant leaves every rank as it was (the
+    // connections end, and with them the holds).
+    let held = (|| {
+        let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
+        // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
+        for c in &conns {
+            let _ = socket::set_recv_timeout(&c.sock, Some(Duration::from_millis(timeout_ms + 2_000)));
         }
-    }
+        let mut reports = Vec::new();
+        for c in &conns {
+            c.send(&Request::NcclHold { timeout_ms }, None)?;
+            reports.push(read_reports(c).map_err(|e| fail(format!("holding NCCL work: {e}"), None))?);
+        }
+        Ok((conns, reports))
+    })();
+    let (conns, reports, mine) = match held {
+        Ok((conns, reports)) => {
+            let mine = serde_json::json!({ "ranks": reports_json(&reports) });
+            (conns, reports, Ok(mine))
+        }
+        Err(e) => (Vec::new(), Vec::new(), Err(e)),
+    };
+    let all = agree(peers, Phase::NcclHeld, mine).map_err(untouched)?;
+    let held = started.elapsed();
+    // Every participant computes the same limits from the same reports, and raises its own.
+    let (everyone, offset) = gathered_ranks(&all, peers.index(), "ranks").map_err(untouched)?;
+    let limits = limits(&everyone).map_err(|m| {
+        untouched(fail(m, Some("checkpoint every rank of an NCCL job together: from the job's root process, or each job through `hiber coordinate`")))
+    })?;
+    let limits = limits.get(offset..offset + conns.len()).ok_or_else(|| untouched(fail("this participant's ranks are not among those gathered", None)))?;
+    let drained = (|| {
+        for (c, lanes) in conns.iter().zip(limits) {
+            for &(key, lane, count) in lanes {
+                c.call::<Reply>(&Request::NcclLimit { key, lane, count }, None)?;
+            }
+        }
+        for c in &conns {
+            c.call::<Reply>(&Request::NcclDrain { timeout_ms }, None).map_err(|e| {
+                fail(format!("bringing NCCL ranks to one cut: {e}"), Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"))
+            })?;
+        }
+        Ok(serde_json::Value::Null)
+    })();
+    // No participant tears down before every one has drained.
+    agree(peers, Phase::NcclDrained, drained).map_err(untouched)?;
     let raised: usize = limits.iter().map(Vec::len).sum();
-    for c in &conns {
-        c.call::<Reply>(&Request::NcclDrain { timeout_ms }, None).map_err(|e| {
-            untouched(fail(
-                format!("bringing NCCL ranks to one cut: {e}"),
-                Some("the application keeps running; retry, or raise HIBER_AGENT_QUIESCE_TIMEOUT_MS"),
-            ))
-        })?;
-    }
     let drained = started.elapsed();
     // Every rank is at the cut with its device idle: now the communicators go, on all of
     // them even if one fails (an agent always ends torn down), all ranks at once: two
@@ -217,8 +301,10 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64) -> Result<(), (EngineError, bool)> {
 }
 
 /// Builds the communicators of `ranks` again: every rank's agent must have its memory back
-/// and its gate open.
-pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
+/// and its gate open. With other participants (`peers`), their torn-down ranks are built
+/// with these: the participant of each communicator's rank 0 draws its id, and none lets
+/// NCCL calls through before every one has built.
+pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Result<(), EngineError> {
     if ranks.is_empty() {
         return Ok(());
     }
@@ -226,53 +312,70 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     let started = std::time::Instant::now();
     let mut conns: Vec<Conn> = Vec::new();
     let mut gone = Vec::new();
-    for r in ranks {
-        match connect(r.pid, &r.name) {
-            Ok(c) => conns.push(c),
-            Err(_) if !crate::proctree::alive(r.pid) => gone.push(r.pid),
-            Err(e) => return Err(e),
+    let mut reports = Vec::new();
+    let listed = (|| {
+        for r in ranks {
+            match connect(r.pid, &r.name) {
+                Ok(c) => conns.push(c),
+                Err(_) if !crate::proctree::alive(r.pid) => gone.push(r.pid),
+                Err(e) => return Err(e),
+            }
         }
-    }
-    if conns.is_empty() {
+        for c in &conns {
+            // NCCL's creation makes gated driver calls: a rank whose memory is not back would
+            // keep every other waiting for it.
+            if let Reply::Status(s) = c.call::<Reply>(&Request::Status, None)? {
+                if s.gate_closed {
+                    return Err(fail(format!("process {} does not run yet (its device memory is not back)", c.pid), Some("`hiber recover` retries")));
+                }
+            }
+            c.send(&Request::NcclList, None)?;
+            reports.push(read_reports(c)?);
+        }
+        Ok(())
+    })();
+    if listed.is_ok() && conns.is_empty() && !peers.is_shared() {
         return Ok(());
     }
-    let mut reports = Vec::new();
-    for c in &conns {
-        // NCCL's creation makes gated driver calls: a rank whose memory is not back would
-        // keep every other waiting for it.
-        if let Reply::Status(s) = c.call::<Reply>(&Request::Status, None)? {
-            if s.gate_closed {
-                return Err(fail(format!("process {} does not run yet (its device memory is not back)", c.pid), Some("`hiber recover` retries")));
-            }
-        }
-        c.send(&Request::NcclList, None)?;
-        reports.push(read_reports(c)?);
-    }
-    let (mut keys, mut broken): (Members, Members) = members(&reports).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
     // A communicator lacks ranks here when an earlier rebuild built every rank's and opened
-    // the others but not these (their peers are not torn down, so not among `ranks`), or
-    // when ranks' processes are gone. The first kind only needs opening: an agent opens
-    // only when every communicator of its is built, so a rank whose open succeeds is done,
-    // with every communicator it is a rank of.
+    // the others but not these (their peers are not torn down, so not among `ranks`), when
+    // ranks' processes are gone, or when its other ranks are another participant's. The
+    // first kind only needs opening: an agent opens only when every communicator of its is
+    // built, so a rank whose open succeeds is done, with every communicator it is a rank of.
     let mut done = vec![false; conns.len()];
     let mut open_error = None;
-    let waiting: std::collections::BTreeSet<usize> = broken.values().flat_map(|m| m.iter().map(|(i, _)| *i)).collect();
-    for i in waiting {
-        match conns[i].call::<Reply>(&Request::NcclOpen, None) {
-            Ok(_) => done[i] = true,
-            Err(e) => {
-                open_error.get_or_insert(e);
+    if listed.is_ok() {
+        let waiting: BTreeSet<usize> =
+            members(&reports).iter().filter(|(k, m)| incomplete(**k, m).is_some()).flat_map(|(_, m)| m.iter().map(|(i, _)| *i)).collect();
+        for i in waiting {
+            match conns[i].call::<Reply>(&Request::NcclOpen, None) {
+                Ok(_) => done[i] = true,
+                Err(e) => {
+                    open_error.get_or_insert(e);
+                }
             }
         }
     }
-    let open_ranks = |m: &Vec<(usize, &CommReport)>| m.iter().any(|(i, _)| done[*i]);
-    broken.retain(|_, m| !open_ranks(m));
-    keys.retain(|_, m| !open_ranks(m));
     if done.iter().any(|d| *d) {
         tracing::info!(ranks = done.iter().filter(|d| **d).count(), "NCCL communicators built by an earlier rebuild opened");
     }
+    let opened: BTreeSet<String> = reports.iter().zip(&done).filter(|(_, d)| **d).flat_map(|(r, _)| r.iter().map(|c| format!("{:016x}", c.key))).collect();
+    // From here on, only the ranks not done: `conns[todo[j]]` is this participant's j-th.
+    let todo: Vec<usize> = (0..conns.len()).filter(|&i| !done[i]).collect();
+    let mine = listed.map(|()| {
+        let left: Vec<Vec<CommReport>> = todo.iter().map(|&i| reports[i].clone()).collect();
+        serde_json::json!({ "ranks": reports_json(&left), "gone": !gone.is_empty(), "opened": opened })
+    });
+    let all = agree(peers, Phase::NcclListed, mine)?;
+    let (everyone, offset) = gathered_ranks(&all, peers.index(), "ranks")?;
+    let any_gone = all.iter().any(|v| v.get("gone").and_then(|g| g.as_bool()) == Some(true));
+    let opened_anywhere: BTreeSet<&str> = all.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| k.as_str()).collect();
+    let here = |g: usize| (offset..offset + todo.len()).contains(&g).then(|| &conns[todo[g - offset]]);
+    let (mut keys, mut broken): (Members, Members) = members(&everyone).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
+    keys.retain(|k, _| !opened_anywhere.contains(format!("{k:016x}").as_str()));
+    broken.retain(|k, _| !opened_anywhere.contains(format!("{k:016x}").as_str()));
     if let Some((key, m)) = broken.iter().next() {
-        if gone.is_empty() {
+        if !any_gone {
             let why = incomplete(*key, m).unwrap_or_default();
             return Err(match open_error {
                 Some(e) => fail(format!("{why}; opening it: {e}"), Some("`hiber recover` retries")),
@@ -284,74 +387,87 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
     // with those processes (the cut records no rank's process, so it cannot tell them apart).
     let lost_keys = broken;
     let mut lost = None;
-    if let Some((key, m)) = lost_keys.iter().next() {
-        let why = incomplete(*key, m).unwrap_or_default();
-        // Communicators that lack ranks whose processes are gone: nothing can bring those
-        // back, and waiting for a rebuild would hold the others for ever. Their calls fail
-        // instead, as after a peer's death in NCCL, and the job's own error handling
-        // (PyTorch's watchdog, the launcher) takes over. The ranks' other communicators are
-        // built again as usual.
-        let ends: std::collections::BTreeSet<(usize, u64)> = lost_keys.iter().flat_map(|(key, m)| m.iter().map(move |(i, _)| (*i, *key))).collect();
-        for (i, key) in ends {
-            // A rank that could not end one would fail its rebuild (no id for it): stop
-            // here, with every rank still torn down, for `hiber recover`.
-            conns[i]
-                .call::<Reply>(&Request::NcclFail { key }, None)
-                .map_err(|e| fail(format!("ending NCCL communicator {key:016x} of process {}: {e}", conns[i].pid), Some("`hiber recover` retries")))?;
+    let ids = (|| {
+        if let Some((key, m)) = lost_keys.iter().next() {
+            let why = incomplete(*key, m).unwrap_or_default();
+            // Communicators that lack ranks whose processes are gone: nothing can bring those
+            // back, and waiting for a rebuild would hold the others for ever. Their calls fail
+            // instead, as after a peer's death in NCCL, and the job's own error handling
+            // (PyTorch's watchdog, the launcher) takes over. The ranks' other communicators
+            // are built again as usual.
+            let ends: BTreeSet<(usize, u64)> =
+                lost_keys.iter().flat_map(|(key, m)| m.iter().filter(|(g, _)| here(*g).is_some()).map(move |(g, _)| (*g, *key))).collect();
+            for (g, key) in ends {
+                let c = here(g).expect("a rank of this participant");
+                // A rank that could not end one would fail its rebuild (no id for it): stop
+                // here, with every rank still torn down, for `hiber recover`.
+                c.call::<Reply>(&Request::NcclFail { key }, None)
+                    .map_err(|e| fail(format!("ending NCCL communicator {key:016x} of process {}: {e}", c.pid), Some("`hiber recover` retries")))?;
+            }
+            let whose = if gone.is_empty() { "of another participant".to_string() } else { format!("{gone:?} of the job") };
+            lost = Some(fail(
+                format!(
+                    "{why}: process(es) {whose} are gone, so {} of its communicators cannot be built again; their calls on the other ranks now fail, as after a peer's death in NCCL",
+                    lost_keys.len()
+                ),
+                Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
+            ));
         }
-        lost = Some(fail(
-            format!(
-                "{why}: process(es) {gone:?} of the job are gone, so {} of its communicators cannot be built again; their calls on the other ranks now fail, as after a peer's death in NCCL",
-                lost_keys.len()
-            ),
-            Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
-        ));
-    }
-    // The ranks opened above are done; the others are built again and opened together.
-    let conns: Vec<&Conn> = conns.iter().zip(&done).filter(|(_, d)| !**d).map(|(c, _)| c).collect();
-    let index: Vec<usize> = done.iter().enumerate().filter(|(_, d)| !**d).map(|(i, _)| i).collect();
-    let at = |i: usize| index.iter().position(|&j| j == i).expect("a rank of a communicator to build is not done");
-    for (key, members) in &keys {
-        let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("a whole communicator has its rank 0");
-        let root = conns[at(*root)];
-        let id = match root.call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
-            Reply::NcclId { id, .. } => id,
-            other => return Err(fail(format!("agent of process {}: unexpected {other:?}", root.pid), None)),
-        };
-        for (i, _) in members {
-            conns[at(*i)].call::<Reply>(&Request::NcclSetId { key: *key, id: id.clone() }, None)?;
+        // Each communicator's rank 0 draws its id, on whichever participant it is.
+        let mut ids = serde_json::Map::new();
+        for (key, members) in &keys {
+            let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("a whole communicator has its rank 0");
+            let Some(root) = here(*root) else { continue };
+            match root.call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
+                Reply::NcclId { id, .. } => ids.insert(format!("{key:016x}"), id.into()),
+                other => return Err(fail(format!("agent of process {}: unexpected {other:?}", root.pid), None)),
+            };
         }
-    }
+        Ok(serde_json::json!({ "ids": ids }))
+    })();
+    let all = agree(peers, Phase::NcclIds, ids)?;
+    let ids: BTreeMap<&str, &str> =
+        all.iter().filter_map(|v| v.get("ids")?.as_object()).flatten().filter_map(|(k, v)| Some((k.as_str(), v.as_str()?))).collect();
+    let todo: Vec<&Conn> = todo.iter().map(|&i| &conns[i]).collect();
     let timeout_ms = timeout.as_millis() as u64;
-    let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = conns
-            .iter()
-            .map(|&c| {
-                s.spawn(move || {
-                    let _ = socket::set_recv_timeout(&c.sock, Some(timeout + Duration::from_secs(2)));
-                    c.call::<Reply>(&Request::NcclRebuild { timeout_ms }, None).map(|_| ())
+    let built = (|| {
+        for (key, members) in &keys {
+            let id = ids.get(format!("{key:016x}").as_str()).ok_or_else(|| fail(format!("no unique id came for NCCL communicator {key:016x}"), None))?;
+            for c in members.iter().filter_map(|(g, _)| here(*g)) {
+                c.call::<Reply>(&Request::NcclSetId { key: *key, id: id.to_string() }, None)?;
+            }
+        }
+        let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = todo
+                .iter()
+                .map(|&c| {
+                    s.spawn(move || {
+                        let _ = socket::set_recv_timeout(&c.sock, Some(timeout + Duration::from_secs(2)));
+                        c.call::<Reply>(&Request::NcclRebuild { timeout_ms }, None).map(|_| ())
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL rebuild thread panicked", None)))).collect()
-    });
-    if let Err(e) = results.into_iter().collect::<Result<(), _>>() {
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL rebuild thread panicked", None)))).collect()
+        });
+        results.into_iter().collect::<Result<(), _>>().map(|()| serde_json::Value::Null)
+    })();
+    // No rank, here or anywhere, submits work before every rank has its communicators.
+    if let Err(e) = agree(peers, Phase::NcclBuilt, built) {
         // Ranks whose creation finished would submit work that a rank without communicators
         // never joins: every rank goes back to torn down, to be rebuilt together.
-        for c in &conns {
+        for c in &todo {
             let _ = c.call::<Reply>(&Request::NcclDown, None);
         }
         return Err(fail(format!("building NCCL communicators again: {e}"), Some("the job's NCCL calls wait; `hiber recover` retries")));
     }
-    // Only now, with every rank's communicators made, may any rank submit work again: every
-    // rank is opened even if one fails (a later `hiber recover` rebuilds and opens that one).
-    let opened: Vec<Result<Reply, EngineError>> = conns.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
-    let opened = opened.into_iter().find_map(Result::err);
-    if let Some(e) = opened {
+    // Every rank is opened even if one fails (a later `hiber recover` rebuilds and opens
+    // that one).
+    let opened: Vec<Result<Reply, EngineError>> = todo.iter().map(|c| c.call::<Reply>(&Request::NcclOpen, None)).collect();
+    if let Some(e) = opened.into_iter().find_map(Result::err) {
         return Err(fail(format!("letting NCCL calls through again: {e}"), Some("`hiber recover` retries")));
     }
     tracing::info!(
-        ranks = ranks.len(),
+        ranks = todo.len(),
         communicators = keys.len(),
         failed = lost_keys.len(),
         seconds = started.elapsed().as_secs_f64(),
@@ -363,6 +479,12 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64) -> Result<(), EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coordinator::Local;
+
+    /// One hiber, no other participant.
+    fn alone() -> Local {
+        Local::default()
+    }
 
     fn comm(key: u64, rank: i32, nranks: i32, lanes: &[(Lane, u64)]) -> CommReport {
         CommReport { key, rank, nranks, local: false, lanes: lanes.iter().copied().collect() }
@@ -475,7 +597,7 @@ mod tests {
     fn a_cut_raises_the_ranks_behind_and_tears_every_rank_down_after_all_drained() {
         let a = scripted("cut-a", vec![comm(7, 0, 2, &[(Lane::Coll, 12)])], "");
         let b = scripted("cut-b", vec![comm(7, 1, 2, &[(Lane::Coll, 10)])], "");
-        cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
+        cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap();
         assert_eq!(a.verbs(), ["nccl-hold", "nccl-drain", "nccl-down"]);
         assert_eq!(b.verbs(), ["nccl-hold", "nccl-limit", "nccl-drain", "nccl-down"]);
         assert_eq!(b.asked()[1], "nccl-limit 0000000000000007 c 12");
@@ -485,7 +607,7 @@ mod tests {
     fn a_rank_that_cannot_drain_leaves_every_communicator_up() {
         let a = scripted("drain-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
         let b = scripted("drain-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "nccl-drain");
-        let (e, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        let (e, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
         assert!(!down, "nothing torn down: {e}");
         assert!(!a.verbs().contains(&"nccl-down".to_string()) && !b.verbs().contains(&"nccl-down".to_string()));
     }
@@ -494,7 +616,7 @@ mod tests {
     fn a_failed_teardown_still_reaches_every_rank_and_asks_for_a_rebuild() {
         let a = scripted("down-a", vec![comm(7, 0, 2, &[])], "nccl-down");
         let b = scripted("down-b", vec![comm(7, 1, 2, &[])], "");
-        let (_, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        let (_, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
         assert!(down, "the caller must rebuild");
         assert_eq!(b.verbs().last().unwrap(), "nccl-down", "the other rank was torn down too");
     }
@@ -502,7 +624,7 @@ mod tests {
     #[test]
     fn a_job_missing_a_rank_is_refused_before_any_limit() {
         let a = scripted("alone", vec![comm(7, 0, 2, &[(Lane::Coll, 1)])], "");
-        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000).unwrap_err();
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &alone()).unwrap_err();
         assert!(!down && e.to_string().contains("1 of its 2 ranks"), "{e}");
         assert_eq!(a.verbs(), ["nccl-hold"]);
     }
@@ -511,7 +633,7 @@ mod tests {
     fn a_rebuild_takes_rank_0s_id_to_every_rank() {
         let a = scripted("re-a", vec![comm(9, 1, 2, &[])], "");
         let b = scripted("re-b", vec![comm(9, 0, 2, &[])], "");
-        rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap();
+        rebuild(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap();
         assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"], "rank 0 draws the id");
         assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         assert_eq!(a.asked()[2], b.asked()[3], "the same id");
@@ -521,7 +643,7 @@ mod tests {
     fn a_rebuild_failed_on_one_rank_opens_none_and_tears_every_rank_down_again() {
         let a = scripted("refail-a", vec![comm(9, 0, 2, &[])], "");
         let b = scripted("refail-b", vec![comm(9, 1, 2, &[])], "nccl-rebuild");
-        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("building NCCL communicators again"), "{e}");
         for agent in [&a, &b] {
             let verbs = agent.verbs();
@@ -538,7 +660,7 @@ mod tests {
         let dead = child.id() as i32;
         child.wait().unwrap();
         let gone = Rank { pid: dead, name: format!("hiber-test-nccl-{}-gone-b", std::process::id()) };
-        let e = rebuild(&[a.rank.clone(), gone.clone()], 1000).unwrap_err();
+        let e = rebuild(&[a.rank.clone(), gone.clone()], 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("are gone") && e.to_string().contains(&dead.to_string()), "{e}");
         assert_eq!(
             a.verbs(),
@@ -550,14 +672,14 @@ mod tests {
         // are built again. A process of the job that is gone but was no rank changes nothing.
         let b = scripted("gone-c", vec![comm(5, 0, 2, &[]), comm(6, 0, 2, &[])], "");
         let c = scripted("gone-d", vec![comm(5, 1, 2, &[])], "");
-        let e = rebuild(&[b.rank.clone(), c.rank.clone(), gone.clone()], 1000).unwrap_err();
+        let e = rebuild(&[b.rank.clone(), c.rank.clone(), gone.clone()], 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("1 of its communicators"), "{e}");
         assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-open", "nccl-fail", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         assert_eq!(b.asked()[3], "nccl-fail 0000000000000006", "not communicator 5");
         assert_eq!(c.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         let d = scripted("gone-e", vec![comm(5, 0, 2, &[])], "");
         let f = scripted("gone-f", vec![comm(5, 1, 2, &[])], "");
-        rebuild(&[d.rank.clone(), f.rank.clone(), gone], 1000).unwrap();
+        rebuild(&[d.rank.clone(), f.rank.clone(), gone], 1000, &alone()).unwrap();
         assert_eq!(d.verbs().last().unwrap(), "nccl-open");
     }
 
@@ -565,11 +687,11 @@ mod tests {
     fn a_rank_left_unopened_by_an_earlier_rebuild_is_opened_alone() {
         // Its peer opened; only it is torn down, with its communicators built.
         let a = scripted("late-a", vec![comm(9, 1, 2, &[])], "built");
-        rebuild(std::slice::from_ref(&a.rank), 1000).unwrap();
+        rebuild(std::slice::from_ref(&a.rank), 1000, &alone()).unwrap();
         assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-open"], "nothing rebuilt");
         // Not built (the agent refuses to open): the communicator's missing rank is the error.
         let b = scripted("late-b", vec![comm(9, 1, 2, &[])], "nccl-open");
-        let e = rebuild(std::slice::from_ref(&b.rank), 1000).unwrap_err();
+        let e = rebuild(std::slice::from_ref(&b.rank), 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("1 of its 2 ranks"), "{e}");
     }
 
@@ -580,7 +702,7 @@ mod tests {
         let a = scripted("mix-a", vec![comm(9, 1, 2, &[])], "built");
         let b = scripted("mix-b", vec![comm(4, 0, 2, &[])], "");
         let c = scripted("mix-c", vec![comm(4, 1, 2, &[])], "");
-        rebuild(&[a.rank.clone(), b.rank.clone(), c.rank.clone()], 1000).unwrap();
+        rebuild(&[a.rank.clone(), b.rank.clone(), c.rank.clone()], 1000, &alone()).unwrap();
         assert_eq!(a.verbs(), ["status", "nccl-list", "nccl-open"], "opened, not rebuilt");
         assert_eq!(b.verbs(), ["status", "nccl-list", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
         assert_eq!(c.verbs(), ["status", "nccl-list", "nccl-set-id", "nccl-rebuild", "nccl-open"]);
@@ -590,7 +712,7 @@ mod tests {
     fn every_rank_is_opened_even_when_one_fails_to() {
         let a = scripted("open-a", vec![comm(9, 0, 2, &[])], "nccl-open");
         let b = scripted("open-b", vec![comm(9, 1, 2, &[])], "");
-        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("letting NCCL calls through again"), "{e}");
         assert_eq!(b.verbs().last().unwrap(), "nccl-open");
     }
@@ -599,7 +721,7 @@ mod tests {
     fn no_rebuild_while_a_rank_is_held() {
         let a = scripted("held-a", vec![comm(9, 0, 2, &[])], "");
         let b = scripted("held-b", vec![comm(9, 1, 2, &[])], "closed");
-        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000).unwrap_err();
+        let e = rebuild(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
         assert!(e.to_string().contains("does not run yet"), "{e}");
         assert!(!a.verbs().contains(&"nccl-new-id".to_string()) && !a.verbs().contains(&"nccl-rebuild".to_string()));
     }
@@ -609,5 +731,145 @@ mod tests {
         let mut c = comm(3, 0, 4, &[(Lane::Coll, 2)]);
         c.local = true;
         assert_eq!(limits(&[vec![c]]).unwrap(), vec![vec![]]);
+    }
+
+    /// A coordinator on loopback for `n` hibers, and a way for each to join it.
+    fn session(n: usize) -> (String, std::thread::JoinHandle<crate::coordinator::net::Outcome>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        (addr, std::thread::spawn(move || crate::coordinator::net::serve(&l, n, "secret", Duration::from_secs(20)).unwrap()))
+    }
+
+    fn join(addr: &str, name: &str) -> crate::coordinator::net::Remote {
+        crate::coordinator::net::Remote::join(addr, "secret", name, Duration::from_secs(20), Local::default()).unwrap()
+    }
+
+    #[test]
+    fn a_communicator_of_two_hibers_is_cut_and_built_again_across_them() {
+        // Two jobs (two hosts, say), one rank each, one hiber each; a third hiber's job has
+        // no NCCL rank and passes the same phases with nothing to say.
+        let a = scripted("two-a", vec![comm(7, 0, 2, &[(Lane::Coll, 12)])], "");
+        let b = scripted("two-b", vec![comm(7, 1, 2, &[(Lane::Coll, 10)])], "");
+        let (addr, server) = session(3);
+        let run = |rank: Rank, name: &'static str| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let r = join(&addr, name);
+                r.barrier(Phase::Prepared).unwrap();
+                cut(std::slice::from_ref(&rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+                rebuild(&[rank], 1000, &r).unwrap();
+                r.barrier(Phase::Committed).unwrap();
+            })
+        };
+        let (ta, tb) = (run(a.rank.clone(), "a"), run(b.rank.clone(), "b"));
+        let c = join(&addr, "c");
+        let tracked = crate::coordinator::Tracked::new(&c);
+        tracked.barrier(Phase::Prepared).unwrap();
+        tracked.catch_up(&Phase::NCCL_CUT).unwrap();
+        tracked.catch_up(&Phase::NCCL_REBUILD).unwrap();
+        tracked.barrier(Phase::Committed).unwrap();
+        ta.join().unwrap();
+        tb.join().unwrap();
+        assert_eq!(server.join().unwrap(), crate::coordinator::net::Outcome::Done(Phase::Committed));
+        // b was two all-reduces behind a, which is on another hiber: raised all the same.
+        assert_eq!(
+            b.verbs(),
+            ["nccl-hold", "nccl-limit", "nccl-drain", "nccl-down", "status", "nccl-list", "nccl-open", "nccl-set-id", "nccl-rebuild", "nccl-open"]
+        );
+        assert_eq!(b.asked()[1], "nccl-limit 0000000000000007 c 12");
+        // Rank 0's hiber draws the id; the other's rank builds with that same id.
+        assert_eq!(
+            a.verbs(),
+            ["nccl-hold", "nccl-drain", "nccl-down", "status", "nccl-list", "nccl-open", "nccl-new-id", "nccl-set-id", "nccl-rebuild", "nccl-open"]
+        );
+        let set = |x: &ScriptedAgent| x.asked().into_iter().find(|m| m.starts_with("nccl-set-id")).unwrap();
+        assert_eq!(set(&a), set(&b));
+    }
+
+    #[test]
+    fn a_rank_of_another_hiber_that_cannot_drain_leaves_every_communicator_up() {
+        let a = scripted("xdrain-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
+        let b = scripted("xdrain-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "nccl-drain");
+        let (addr, server) = session(2);
+        let tb = {
+            let (addr, rank) = (addr.clone(), b.rank.clone());
+            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b")).unwrap_err())
+        };
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a")).unwrap_err();
+        assert!(!down && e.to_string().contains("bringing NCCL ranks to one cut"), "{e}");
+        assert!(!tb.join().unwrap().1);
+        assert!(!a.verbs().contains(&"nccl-down".to_string()) && !b.verbs().contains(&"nccl-down".to_string()));
+        drop(server);
+    }
+
+    #[test]
+    fn after_an_abort_the_hibers_build_their_ranks_again_together() {
+        // Both cut; then b's hiber fails (its dump, say) and says so. a, waiting at the next
+        // barrier, is told to abort; both undo, which builds the communicator again across
+        // them in the coordinator's undo round.
+        let a = scripted("undo-a", vec![comm(9, 0, 2, &[])], "");
+        let b = scripted("undo-b", vec![comm(9, 1, 2, &[])], "");
+        let (addr, server) = session(2);
+        let tb = {
+            let (addr, rank) = (addr.clone(), b.rank.clone());
+            std::thread::spawn(move || {
+                let r = join(&addr, "b");
+                cut(std::slice::from_ref(&rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+                r.fail("injected: the dump failed");
+                rebuild(&[rank], 1000, &r)
+            })
+        };
+        let r = join(&addr, "a");
+        cut(std::slice::from_ref(&a.rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+        let e = r.barrier(Phase::Quiesced).unwrap_err();
+        assert!(e.0.contains("injected: the dump failed"), "{}", e.0);
+        rebuild(std::slice::from_ref(&a.rank), 1000, &r).unwrap();
+        tb.join().unwrap().unwrap();
+        drop(r);
+        assert!(matches!(server.join().unwrap(), crate::coordinator::net::Outcome::Aborted(why) if why.contains("'b' failed")));
+        for x in [&a, &b] {
+            assert_eq!(x.verbs().last().unwrap(), "nccl-open", "{:?}", x.verbs());
+            assert!(x.verbs().contains(&"nccl-rebuild".to_string()));
+        }
+    }
+
+    #[test]
+    fn a_hiber_that_went_away_leaves_the_others_ranks_torn_down_with_a_reason() {
+        let a = scripted("away-a", vec![comm(9, 0, 2, &[])], "");
+        let b = scripted("away-b", vec![comm(9, 1, 2, &[])], "");
+        let (addr, server) = session(2);
+        let tb = {
+            let (addr, rank) = (addr.clone(), b.rank.clone());
+            std::thread::spawn(move || {
+                let r = join(&addr, "b");
+                cut(&[rank], 1000, &r).map_err(|(e, _)| e).unwrap();
+                // Its hiber dies here: the connection ends.
+            })
+        };
+        let r = join(&addr, "a");
+        cut(std::slice::from_ref(&a.rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+        tb.join().unwrap();
+        assert!(r.barrier(Phase::Quiesced).is_err());
+        let e = rebuild(std::slice::from_ref(&a.rank), 1000, &r).unwrap_err();
+        assert!(e.to_string().contains("1 of its 2 ranks"), "{e}");
+        // Its open alone was refused (never built); nothing was built.
+        let verbs = a.verbs();
+        assert!(!verbs.contains(&"nccl-set-id".to_string()) && !verbs.contains(&"nccl-rebuild".to_string()), "{verbs:?}");
+        drop(r);
+        assert!(matches!(server.join().unwrap(), crate::coordinator::net::Outcome::Aborted(_)));
+    }
+
+    #[test]
+    fn reports_travel_as_json_unchanged() {
+        let c = comm(0xfedc_ba98_7654_3210, 3, 8, &[(Lane::Coll, 5), (Lane::Send(2), 7), (Lane::Recv(4), 1)]);
+        assert_eq!(CommReport::from_json(&c.to_json()), Some(c.clone()));
+        let all = vec![
+            serde_json::json!({"ranks": reports_json(&[vec![c.clone()]])}),
+            serde_json::Value::Null,
+            serde_json::json!({"ranks": reports_json(&[vec![], vec![c.clone()]])}),
+        ];
+        let (ranks, offset) = gathered_ranks(&all, 2, "ranks").unwrap();
+        assert_eq!((ranks.len(), offset), (3, 1), "participant 1 sent nothing; 2's ranks follow 0's");
+        assert!(gathered_ranks(&[serde_json::json!({"ranks": [[{"key": 1}]]})], 0, "ranks").is_err());
     }
 }

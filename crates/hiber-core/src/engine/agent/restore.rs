@@ -146,7 +146,7 @@ impl AgentRestore {
 }
 
 impl RestoreSession for AgentRestore {
-    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+    fn restore(&mut self, pids: &[RestoredPid], peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let t0 = Instant::now();
         let handle = self.loading.take().ok_or_else(|| fail("device memory restored twice", None))?;
         let (mut loaded, create_s, load_s, times) = handle.join().unwrap_or_else(|_| Err(fail("the device memory loader panicked", None)))?;
@@ -196,6 +196,6 @@ impl RestoreSession for AgentRestore {
         }
         // The ranks of an NCCL job build their communicators again, all at once.
         let all: Vec<i32> = pids.iter().map(|r| r.pid).collect();
-        super::nccl::rebuild(&super::nccl_down(&all), self.timeout_ms)
+        super::nccl::rebuild(&super::nccl_down(&all), self.timeout_ms, peers)
     }
 }

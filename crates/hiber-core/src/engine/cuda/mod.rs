@@ -475,7 +475,7 @@ impl CheckpointSession for DriverCheckpoint {
 
     /// Locks every process in parallel: ranks that wait on each other must all be locked
     /// within one timeout.
-    fn quiesce(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn quiesce(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let (e, timeout) = (&self.engine, self.engine.lock_timeout_ms);
         e.parallel(&self.pids, |pid| e.api.lock(pid, timeout).map_err(|err| DriverEngine::driver_fail("lock", pid, &err)))
     }
@@ -514,7 +514,7 @@ impl CheckpointSession for DriverCheckpoint {
         Ok(serde_json::to_value(section).expect("section serializes"))
     }
 
-    fn resume(&mut self, _sink: &dyn ImageSink) -> Result<(), EngineError> {
+    fn resume(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let e = &self.engine;
         // A process that died during the checkpoint has nothing left to undo.
         let alive: Vec<i32> = self.pids.iter().copied().filter(|&p| e.api.alive(p)).collect();
@@ -531,7 +531,7 @@ struct DriverRestore {
 }
 
 impl RestoreSession for DriverRestore {
-    fn restore(&mut self, pids: &[RestoredPid]) -> Result<(), EngineError> {
+    fn restore(&mut self, pids: &[RestoredPid], _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let mut targets = Vec::new();
         for p in &self.section.processes {
             let now = pids

@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use super::*;
+use crate::coordinator::Local;
 use crate::engine::CheckpointSession;
 
 const H100: &str = "NVIDIA H100 80GB HBM3";
@@ -143,7 +144,7 @@ fn session(e: &DriverEngine, tree: &[ProcessInfo]) -> Box<dyn CheckpointSession>
 fn captured(e: &DriverEngine) -> serde_json::Value {
     let tree = [proc_info(10, 1, true)];
     let mut s = session(e, &tree);
-    s.quiesce(&NoFiles).unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
     s.capture(&tree).unwrap()
 }
 
@@ -154,7 +155,7 @@ fn checkpoint_then_resume_round_trip() {
     let tree = vec![proc_info(10, 1, true), proc_info(11, 2, true), proc_info(12, 3, false)];
     let mut s = session(&e, &tree);
     assert_eq!(s.pids(), &[10, 11], "only processes holding NVIDIA files are claimed");
-    s.quiesce(&NoFiles).unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
     let v = s.capture(&tree).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Checkpointed);
     let section: Section = serde_json::from_value(v.clone()).unwrap();
@@ -162,7 +163,7 @@ fn checkpoint_then_resume_round_trip() {
     assert_eq!(section.processes[1].ns_pid, 2);
     assert_eq!(section.processes[0].gpus, vec![UUID_A.to_string()]);
     assert_eq!(section.processes[0].memory_bytes, 1 << 30);
-    s.resume(&NoFiles).unwrap();
+    s.resume(&NoFiles, &Local::default()).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
     // Restore maps namespace PIDs onto the new host PIDs.
@@ -170,7 +171,7 @@ fn checkpoint_then_resume_round_trip() {
     d2.states.lock().unwrap().values_mut().for_each(|s| *s = ProcessState::Checkpointed);
     let e2 = engine(&d2);
     let mut r = e2.begin_restore(&v, &DeviceRestoreOptions::default()).unwrap();
-    r.restore(&[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }]).unwrap();
+    r.restore(&[RestoredPid { ns_pid: 1, pid: 20 }, RestoredPid { ns_pid: 2, pid: 21 }], &Local::default()).unwrap();
     assert_eq!(d2.state_of(20), ProcessState::Running);
     assert_eq!(d2.state_of(21), ProcessState::Running);
 }
@@ -180,9 +181,9 @@ fn a_process_that_died_is_not_resumed() {
     let d = Arc::new(FakeDriver::new(&[10, 11]));
     let e = engine(&d);
     let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
-    s.quiesce(&NoFiles).unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
     d.states.lock().unwrap().remove(&11);
-    s.resume(&NoFiles).unwrap();
+    s.resume(&NoFiles, &Local::default()).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
 }
 
@@ -199,12 +200,12 @@ fn failed_lock_is_rolled_back_by_resume() {
     let d = Arc::new(d);
     let e = engine(&d);
     let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
-    let err = s.quiesce(&NoFiles).unwrap_err();
+    let err = s.quiesce(&NoFiles, &Local::default()).unwrap_err();
     assert!(err.to_string().contains("lock of process 11"), "{err}");
     assert_eq!(err.cuda_result(), Some(600), "the CUresult is kept, not only its text");
     assert!(err.hint().unwrap().contains("keeps running"));
     assert_eq!(d.state_of(10), ProcessState::Locked, "the other lock went through");
-    s.resume(&NoFiles).unwrap();
+    s.resume(&NoFiles, &Local::default()).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
 }
@@ -216,11 +217,11 @@ fn failed_checkpoint_is_rolled_back_by_resume() {
     let d = Arc::new(d);
     let e = engine(&d);
     let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
-    s.quiesce(&NoFiles).unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
     let err = s.capture(&[]).unwrap_err();
     assert!(err.hint().unwrap().contains("managed/UVM"), "{err}");
     assert!(std::error::Error::source(&err).is_some_and(|c| c.to_string().contains("CUDA_ERROR_NOT_SUPPORTED")), "the chain keeps the cause");
-    s.resume(&NoFiles).unwrap();
+    s.resume(&NoFiles, &Local::default()).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert_eq!(d.state_of(11), ProcessState::Running);
     let log = d.log.lock().unwrap().join(";");
@@ -275,7 +276,7 @@ fn a_restore_onto_other_gpus_passes_the_whole_permutation() {
     let opts = DeviceRestoreOptions { gpu_map: vec![("1".into(), "0".into())], ..Default::default() };
     let mut session = e.begin_restore(&v, &opts).unwrap();
     d.states.lock().unwrap().insert(10, ProcessState::Checkpointed);
-    session.restore(&[RestoredPid { ns_pid: 1, pid: 10 }]).unwrap();
+    session.restore(&[RestoredPid { ns_pid: 1, pid: 10 }], &Local::default()).unwrap();
     assert_eq!(d.state_of(10), ProcessState::Running);
     assert!(d.log.lock().unwrap().contains(&"pairs 2".to_string()), "{:?}", d.log.lock().unwrap());
 }
