@@ -594,7 +594,7 @@ impl CheckpointSession for AgentCheckpoint {
         // Ranks of an NCCL job first stop at one point of their collectives, all of them,
         // and let their communicators go: only then can each quiesce on its own.
         if !self.nccl.is_empty() {
-            if let Err((e, down)) = nccl::cut(&self.nccl, self.timeout_ms, peers) {
+            if let Err((e, down)) = nccl::cut(&self.nccl, self.timeout_ms, peers, std::env::var(nccl::NET_OPT_IN).is_ok_and(|v| v == "1")) {
                 self.nccl_down = down;
                 return Err(e);
             }

@@ -97,10 +97,16 @@ fn reports_json(ranks: &[Vec<CommReport>]) -> serde_json::Value {
     ranks.iter().map(|r| r.iter().map(CommReport::to_json).collect::<Vec<_>>()).collect::<Vec<_>>().into()
 }
 
+/// Every participant's ranks (each process a list), where this participant's begin, and the
+/// participant of each.
+type Gathered = (Vec<Vec<CommReport>>, usize, Vec<usize>);
+
 /// The ranks of every participant, one list after another in the participants' order, from
-/// what each sent under `field` (null: none), and where this participant's begin.
-fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<(Vec<Vec<CommReport>>, usize), EngineError> {
+/// what each sent under `field` (null: none), where this participant's begin, and the
+/// participant of each.
+fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<Gathered, EngineError> {
     let mut out = Vec::new();
+    let mut owners = Vec::new();
     let mut offset = 0;
     for (i, v) in all.iter().enumerate() {
         if i == me {
@@ -111,9 +117,36 @@ fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<(
         for p in procs {
             let comms = p.as_array().and_then(|c| c.iter().map(CommReport::from_json).collect::<Option<Vec<_>>>());
             out.push(comms.ok_or_else(|| fail(format!("participant {i} sent an unreadable NCCL communicator"), None))?);
+            owners.push(i);
         }
     }
-    Ok((out, offset))
+    Ok((out, offset, owners))
+}
+
+/// Set to 1, `HIBER_NCCL_NET` lets hiber cut communicators that go over NCCL's network
+/// transport (see [`network_transport`]), to try them.
+pub const NET_OPT_IN: &str = "HIBER_NCCL_NET";
+
+const NET_REASON: &str = "after hiber builds such a communicator again, its ranks fault a few steps later (CUDA \
+     'unspecified launch failure'; H100, NCCL 2.28.9, socket transport, 2026-11-25), so it is not cut yet";
+
+/// Why the communicators of `ranks` (one job's) would go over NCCL's network transport, if
+/// they would: their ranks are hosts of their own to NCCL (`NCCL_HOSTID`), or have its
+/// peer-to-peer and shared-memory transports both off. Ranks of one host otherwise talk
+/// through the GPUs and shared memory.
+fn network_transport(ranks: &[Rank]) -> Option<String> {
+    let var = |pid, key| crate::proctree::env_var(pid, key);
+    let off = |pid, key| var(pid, key).is_some_and(|v| v.trim() == "1");
+    ranks.iter().find_map(|r| {
+        let why = if let Some(id) = var(r.pid, "NCCL_HOSTID") {
+            format!("sets NCCL_HOSTID={id}")
+        } else if off(r.pid, "NCCL_P2P_DISABLE") && off(r.pid, "NCCL_SHM_DISABLE") {
+            "turns NCCL's peer-to-peer and shared-memory transports off".to_string()
+        } else {
+            return None;
+        };
+        Some(format!("NCCL rank process {} {why}, so its communicators go over NCCL's network transport: {NET_REASON}", r.pid))
+    })
 }
 
 /// One step that every participant passes together: this one's `mine` (or its failure) goes
@@ -220,12 +253,20 @@ pub struct Rank {
 /// point, each participant tearing its own down once every rank of every participant has
 /// drained. `Err` with `true` when some were torn down (the caller must [`rebuild`] them),
 /// `false` when the job runs on untouched.
-pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Result<(), (EngineError, bool)> {
+///
+/// Communicators over NCCL's network transport (ranks of several participants, or of one
+/// job as hosts of their own) are refused before anything is held unless `network` (see
+/// [`NET_OPT_IN`]).
+pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bool) -> Result<(), (EngineError, bool)> {
     let untouched = |e| (e, false);
     let started = std::time::Instant::now();
+    let net_hint = Some("the application keeps running; HIBER_NCCL_NET=1 tries it anyway");
     // Holding: a failure here or on another participant leaves every rank as it was (the
     // connections end, and with them the holds).
     let held = (|| {
+        if let Some(why) = network_transport(ranks).filter(|_| !network) {
+            return Err(fail(why, net_hint));
+        }
         let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
         // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
         for c in &conns {
@@ -248,7 +289,16 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Result<(
     let all = agree(peers, Phase::NcclHeld, mine).map_err(untouched)?;
     let held = started.elapsed();
     // Every participant computes the same limits from the same reports, and raises its own.
-    let (everyone, offset) = gathered_ranks(&all, peers.index(), "ranks").map_err(untouched)?;
+    let (everyone, offset, owners) = gathered_ranks(&all, peers.index(), "ranks").map_err(untouched)?;
+    if !network {
+        // Every participant finds the same, and all stop here, untouched.
+        if let Some(key) = members(&everyone).iter().find(|(_, m)| m.iter().any(|(i, _)| owners[*i] != owners[m[0].0])).map(|(k, _)| *k) {
+            return Err(untouched(fail(
+                format!("NCCL communicator {key:016x} has ranks in the jobs of several hibers, so it goes over NCCL's network transport: {NET_REASON}"),
+                net_hint,
+            )));
+        }
+    }
     let limits = limits(&everyone).map_err(|m| {
         untouched(fail(m, Some("checkpoint every rank of an NCCL job together: from the job's root process, or each job through `hiber coordinate`")))
     })?;
@@ -367,7 +417,7 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
         serde_json::json!({ "ranks": reports_json(&left), "gone": !gone.is_empty(), "opened": opened })
     });
     let all = agree(peers, Phase::NcclListed, mine)?;
-    let (everyone, offset) = gathered_ranks(&all, peers.index(), "ranks")?;
+    let (everyone, offset, _) = gathered_ranks(&all, peers.index(), "ranks")?;
     let any_gone = all.iter().any(|v| v.get("gone").and_then(|g| g.as_bool()) == Some(true));
     let opened_anywhere: BTreeSet<&str> = all.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| k.as_str()).collect();
     let here = |g: usize| (offset..offset + todo.len()).contains(&g).then(|| &conns[todo[g - offset]]);
@@ -597,7 +647,7 @@ mod tests {
     fn a_cut_raises_the_ranks_behind_and_tears_every_rank_down_after_all_drained() {
         let a = scripted("cut-a", vec![comm(7, 0, 2, &[(Lane::Coll, 12)])], "");
         let b = scripted("cut-b", vec![comm(7, 1, 2, &[(Lane::Coll, 10)])], "");
-        cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap();
+        cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone(), true).unwrap();
         assert_eq!(a.verbs(), ["nccl-hold", "nccl-drain", "nccl-down"]);
         assert_eq!(b.verbs(), ["nccl-hold", "nccl-limit", "nccl-drain", "nccl-down"]);
         assert_eq!(b.asked()[1], "nccl-limit 0000000000000007 c 12");
@@ -607,7 +657,7 @@ mod tests {
     fn a_rank_that_cannot_drain_leaves_every_communicator_up() {
         let a = scripted("drain-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
         let b = scripted("drain-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "nccl-drain");
-        let (e, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
+        let (e, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone(), true).unwrap_err();
         assert!(!down, "nothing torn down: {e}");
         assert!(!a.verbs().contains(&"nccl-down".to_string()) && !b.verbs().contains(&"nccl-down".to_string()));
     }
@@ -616,7 +666,7 @@ mod tests {
     fn a_failed_teardown_still_reaches_every_rank_and_asks_for_a_rebuild() {
         let a = scripted("down-a", vec![comm(7, 0, 2, &[])], "nccl-down");
         let b = scripted("down-b", vec![comm(7, 1, 2, &[])], "");
-        let (_, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone()).unwrap_err();
+        let (_, down) = cut(&[a.rank.clone(), b.rank.clone()], 1000, &alone(), true).unwrap_err();
         assert!(down, "the caller must rebuild");
         assert_eq!(b.verbs().last().unwrap(), "nccl-down", "the other rank was torn down too");
     }
@@ -624,7 +674,7 @@ mod tests {
     #[test]
     fn a_job_missing_a_rank_is_refused_before_any_limit() {
         let a = scripted("alone", vec![comm(7, 0, 2, &[(Lane::Coll, 1)])], "");
-        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &alone()).unwrap_err();
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &alone(), true).unwrap_err();
         assert!(!down && e.to_string().contains("1 of its 2 ranks"), "{e}");
         assert_eq!(a.verbs(), ["nccl-hold"]);
     }
@@ -756,7 +806,7 @@ mod tests {
             std::thread::spawn(move || {
                 let r = join(&addr, name);
                 r.barrier(Phase::Prepared).unwrap();
-                cut(std::slice::from_ref(&rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+                cut(std::slice::from_ref(&rank), 1000, &r, true).map_err(|(e, _)| e).unwrap();
                 rebuild(&[rank], 1000, &r).unwrap();
                 r.barrier(Phase::Committed).unwrap();
             })
@@ -793,9 +843,9 @@ mod tests {
         let (addr, server) = session(2);
         let tb = {
             let (addr, rank) = (addr.clone(), b.rank.clone());
-            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b")).unwrap_err())
+            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b"), true).unwrap_err())
         };
-        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a")).unwrap_err();
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a"), true).unwrap_err();
         assert!(!down && e.to_string().contains("bringing NCCL ranks to one cut"), "{e}");
         assert!(!tb.join().unwrap().1);
         assert!(!a.verbs().contains(&"nccl-down".to_string()) && !b.verbs().contains(&"nccl-down".to_string()));
@@ -814,13 +864,13 @@ mod tests {
             let (addr, rank) = (addr.clone(), b.rank.clone());
             std::thread::spawn(move || {
                 let r = join(&addr, "b");
-                cut(std::slice::from_ref(&rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+                cut(std::slice::from_ref(&rank), 1000, &r, true).map_err(|(e, _)| e).unwrap();
                 r.fail("injected: the dump failed");
                 rebuild(&[rank], 1000, &r)
             })
         };
         let r = join(&addr, "a");
-        cut(std::slice::from_ref(&a.rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+        cut(std::slice::from_ref(&a.rank), 1000, &r, true).map_err(|(e, _)| e).unwrap();
         let e = r.barrier(Phase::Quiesced).unwrap_err();
         assert!(e.0.contains("injected: the dump failed"), "{}", e.0);
         rebuild(std::slice::from_ref(&a.rank), 1000, &r).unwrap();
@@ -842,12 +892,12 @@ mod tests {
             let (addr, rank) = (addr.clone(), b.rank.clone());
             std::thread::spawn(move || {
                 let r = join(&addr, "b");
-                cut(&[rank], 1000, &r).map_err(|(e, _)| e).unwrap();
+                cut(&[rank], 1000, &r, true).map_err(|(e, _)| e).unwrap();
                 // Its hiber dies here: the connection ends.
             })
         };
         let r = join(&addr, "a");
-        cut(std::slice::from_ref(&a.rank), 1000, &r).map_err(|(e, _)| e).unwrap();
+        cut(std::slice::from_ref(&a.rank), 1000, &r, true).map_err(|(e, _)| e).unwrap();
         tb.join().unwrap();
         assert!(r.barrier(Phase::Quiesced).is_err());
         let e = rebuild(std::slice::from_ref(&a.rank), 1000, &r).unwrap_err();
@@ -868,8 +918,38 @@ mod tests {
             serde_json::Value::Null,
             serde_json::json!({"ranks": reports_json(&[vec![], vec![c.clone()]])}),
         ];
-        let (ranks, offset) = gathered_ranks(&all, 2, "ranks").unwrap();
+        let (ranks, offset, owners) = gathered_ranks(&all, 2, "ranks").unwrap();
         assert_eq!((ranks.len(), offset), (3, 1), "participant 1 sent nothing; 2's ranks follow 0's");
+        assert_eq!(owners, [0, 2, 2]);
         assert!(gathered_ranks(&[serde_json::json!({"ranks": [[{"key": 1}]]})], 0, "ranks").is_err());
+    }
+
+    #[test]
+    fn communicators_over_the_network_transport_are_refused_before_anything_is_held() {
+        // Ranks of two hibers: both find it in the gathered counts, and neither drains.
+        let a = scripted("net-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
+        let b = scripted("net-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "");
+        let (addr, server) = session(2);
+        let tb = {
+            let (addr, rank) = (addr.clone(), b.rank.clone());
+            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b"), false).unwrap_err())
+        };
+        let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a"), false).unwrap_err();
+        assert!(!down && e.to_string().contains("jobs of several hibers") && e.hint().unwrap().contains("HIBER_NCCL_NET=1"), "{e}");
+        assert!(!tb.join().unwrap().1);
+        assert_eq!(a.verbs(), ["nccl-hold"]);
+        assert_eq!(b.verbs(), ["nccl-hold"]);
+        drop(server);
+        // One job whose ranks are hosts of their own to NCCL: refused before any connection.
+        let mut child = std::process::Command::new("sleep").arg("30").env("NCCL_HOSTID", "elsewhere").spawn().unwrap();
+        let rank = Rank { pid: child.id() as i32, name: "hiber-test-nccl-no-agent".into() };
+        // Its environment reads empty until its exec is through.
+        while crate::proctree::env_var(rank.pid, "NCCL_HOSTID").is_none() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (e, down) = cut(std::slice::from_ref(&rank), 1000, &alone(), false).unwrap_err();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(!down && e.to_string().contains("NCCL_HOSTID=elsewhere"), "{e}");
     }
 }
