@@ -1412,8 +1412,9 @@ def nccl_socket_ranks_in_one_job_leave_running(m):
     """The same two ranks, each a host of its own to NCCL (its socket transport), started
     together in one job by a shell loop and checkpointed by one hiber with --leave-running
     (HIBER_NCCL_NET=1: hiber refuses such communicators by default): they train on, on the
-    uninterrupted trajectory. Fails with the code of 3f3497a (H100, 2026-11-25): a rank faults ('unspecified launch
-    failure') a few steps after the rebuild, which is why the default refuses."""
+    uninterrupted trajectory. Fails with the code of 3f3497a (H100, 2026-11-25): a rank
+    faults ('unspecified launch failure') a few steps after the rebuild, which is why the
+    default refuses."""
     steps = "400"
     ref_init = f"/tmp/hiber-suite-xref1-{os.getpid()}"
     Path(ref_init).unlink(missing_ok=True)
