@@ -15,7 +15,7 @@
 //!   **abort** is the same undo after a failure.
 //!
 //! The journal is advanced at every phase, and a [`Coordinator`] may hold the session at a
-//! barrier after each (a job of several hosts, later). Every step that changes the
+//! barrier after each (jobs of several hibers: `hiber coordinate`). Every step that changes the
 //! application is undone on failure, so a failed checkpoint leaves the application running
 //! as it was and no partial image behind.
 

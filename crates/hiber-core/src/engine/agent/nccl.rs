@@ -19,12 +19,20 @@
 //! through (`nccl-open`) before every rank's rebuild succeeded; when one fails, every rank
 //! is torn down again, to be rebuilt together by `hiber recover`.
 //!
-//! Every rank of a communicator must be in the job: one that spans hosts needs hibers on
-//! each of them, coordinated (`hiber coordinate`), which the cut does not drive yet. The
-//! coordinator's exchange (an all-gather at a barrier) carries what it will need: step 1's
-//! reports from every host, from which each computes the same [`limits`] and raises its
-//! own ranks' lanes; a barrier after step 3; and at the rebuild, each communicator's fresh
-//! unique id from the host of its rank 0.
+//! Every rank of a communicator must be in the job, or in the jobs of other hibers held
+//! together with this one by a coordinator (`hiber coordinate`). Each step that needs every
+//! rank is then a phase of the coordinator ([`Phase::NCCL_CUT`], [`Phase::NCCL_REBUILD`]):
+//! each participant's counts are gathered (`nccl_held`) and every participant computes the
+//! same [`limits`] and raises its own ranks' lanes; no participant tears down before all
+//! drained (`nccl_drained`); at the rebuild, the torn-down ranks are gathered
+//! (`nccl_listed`), the participant of each communicator's rank 0 draws its id
+//! (`nccl_ids`), and none lets calls through before all built (`nccl_built`). A failure on
+//! one participant fails the step everywhere with the same reason (`agree`). With one
+//! hiber the phases are plain barriers (where faults may be injected).
+//!
+//! Communicators over NCCL's network transport (ranks in several hibers' jobs, or ranks that
+//! are hosts of their own to NCCL) are refused unless [`NET_OPT_IN`]: after a rebuild their
+//! ranks fault a few steps later (gpu/RESULTS.md, 2026-11-25).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -124,7 +132,7 @@ fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<G
 }
 
 /// Set to 1, `HIBER_NCCL_NET` lets hiber cut communicators that go over NCCL's network
-/// transport (see [`network_transport`]), to try them.
+/// transport (see `network_transport`), to try them.
 pub const NET_OPT_IN: &str = "HIBER_NCCL_NET";
 
 const NET_REASON: &str = "after hiber builds such a communicator again, its ranks fault a few steps later (CUDA \
