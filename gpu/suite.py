@@ -1376,12 +1376,7 @@ def nccl_two_jobs_one_cut_coordinated(m):
     above does: the cut, the undo round and the rebuild all pass, then a rank faults a few
     steps later (the network transport's fault, not the coordination's)."""
     steps = "700"
-    ref_init = f"/tmp/hiber-suite-xref-{os.getpid()}"
-    Path(ref_init).unlink(missing_ok=True)
-    ref_procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    ref_out = [p.communicate(timeout=300) for p in ref_procs]
-    ref = [(p.step, p.checksum) for p in parse_progress(ref_out[0][0])]
-    assert len(ref) == int(steps) and "verify ok" in ref_out[0][0], f"reference run: {ref_out[0][0][-300:]} {ref_out[0][1][-1500:]}"
+    ref = xhost_reference(steps, "two")
     init = f"/tmp/hiber-suite-xinit-{os.getpid()}"
     Path(init).unlink(missing_ok=True)
     jobs = ("nx0", "nx1")
@@ -1406,6 +1401,63 @@ def nccl_two_jobs_one_cut_coordinated(m):
         Path(init).unlink(missing_ok=True)
 
 
+def xhost_reference(steps, tag):
+    """The uninterrupted trajectory of the two socket-transport ranks, outside hiber."""
+    ref_init = f"/tmp/hiber-suite-xref-{tag}-{os.getpid()}"
+    Path(ref_init).unlink(missing_ok=True)
+    procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    out = [p.communicate(timeout=300) for p in procs]
+    ref = [(p.step, p.checksum) for p in parse_progress(out[0][0])]
+    assert len(ref) == int(steps) and "verify ok" in out[0][0], f"reference run: {out[0][0][-300:]} {out[0][1][-1500:]}"
+    return ref
+
+
+def xhost_one_job(job, steps):
+    """Both socket-transport ranks in one job, started by a shell loop (each rank's lines
+    prefixed `r0 `/`r1 `), at step 40. Returns the rendezvous file."""
+    init = f"/tmp/hiber-suite-xinit-{job}-{os.getpid()}"
+    Path(init).unlink(missing_ok=True)
+    cmd = " ".join(xhost_cmd(init, steps))
+    loop = f"for r in 0 1; do RANK=$r NCCL_HOSTID=hiber-suite-host$r {cmd} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
+    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID")}
+    hiber("run", "--name", job, "--", "sh", "-c", loop, env=env)
+    wait(f"{job} to reach step 40", 180, lambda: len(progress(job, "r0 ")) > 40)
+    return init
+
+
+def xhost_trains_on(m, job, ref, n):
+    at = progress(job, "r0 ")[-1][0]
+    try:
+        wait(f"{job} to reach step {at + n}", 120, lambda: all(progress(job, r) and progress(job, r)[-1][0] >= at + n for r in ("r0 ", "r1 ")))
+    finally:
+        m["said"] = [l[-240:] for l in log(job).splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+    want = dict(ref)
+    for r in ("r0 ", "r1 "):
+        bad = [(s, c) for s, c in progress(job, r) if want.get(s) != c]
+        assert not bad, f"{r}left the trajectory at {bad[:3]}"
+
+
+@scenario
+@exclusive
+def nccl_network_transport_refused_before_anything_stops(m):
+    """Two ranks of one job over NCCL's socket transport (each a host of its own to NCCL):
+    `hiber checkpoint` refuses them, naming the reason and HIBER_NCCL_NET, before anything is
+    held, and the job trains on, on the uninterrupted trajectory."""
+    steps = "400"
+    ref = xhost_reference(steps, "refused")
+    job = "nxrefused"
+    init = xhost_one_job(job, steps)
+    try:
+        p = hiber("checkpoint", job, "--leave-running", "--out", image_of(job), check=False)
+        m["refusal"] = p.stderr.strip().splitlines()[:2]
+        assert p.returncode != 0 and "network transport" in p.stderr and "HIBER_NCCL_NET" in p.stderr, f"{p.returncode}: {p.stderr[-600:]}"
+        assert not Path(image_of(job)).exists()
+        xhost_trains_on(m, job, ref, 40)
+    finally:
+        hiber("rm", "-f", job, check=False)
+        Path(init).unlink(missing_ok=True)
+
+
 @scenario
 @exclusive
 def nccl_socket_ranks_in_one_job_leave_running(m):
@@ -1416,33 +1468,15 @@ def nccl_socket_ranks_in_one_job_leave_running(m):
     faults ('unspecified launch failure') a few steps after the rebuild, which is why the
     default refuses."""
     steps = "400"
-    ref_init = f"/tmp/hiber-suite-xref1-{os.getpid()}"
-    Path(ref_init).unlink(missing_ok=True)
-    ref_procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    ref_out = [p.communicate(timeout=300) for p in ref_procs]
-    ref = [(p.step, p.checksum) for p in parse_progress(ref_out[0][0])]
-    assert len(ref) == int(steps), f"reference run: {ref_out[0][1][-800:]}"
-    init = f"/tmp/hiber-suite-xinit1-{os.getpid()}"
-    Path(init).unlink(missing_ok=True)
-    cmd = " ".join(xhost_cmd(init, steps))
-    loop = f"for r in 0 1; do RANK=$r NCCL_HOSTID=hiber-suite-host$r {cmd} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
+    ref = xhost_reference(steps, "one")
     job = "nx1job"
-    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID")}
-    hiber("run", "--name", job, "--", "sh", "-c", loop, env=env)
-    wait(f"{job} to reach step 40", 180, lambda: len(progress(job, "r0 ")) > 40)
-    ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", image_of(job), env=dict(ENV, HIBER_NCCL_NET="1"))
-    m["paused_s"] = round(ck["paused_seconds"] or 0, 2)
-    at = progress(job, "r0 ")[-1][0]
+    init = xhost_one_job(job, steps)
     try:
-        wait(f"{job} to reach step {at + 40}", 120, lambda: progress(job, "r0 ") and progress(job, "r0 ")[-1][0] >= at + 40 and progress(job, "r1 ")[-1][0] >= at + 40)
+        ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", image_of(job), env=dict(ENV, HIBER_NCCL_NET="1"))
+        m["paused_s"] = round(ck["paused_seconds"] or 0, 2)
+        xhost_trains_on(m, job, ref, 40)
     finally:
-        text = log(job)
-        m["said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
-    want = dict(ref)
-    for r in ("r0 ", "r1 "):
-        bad = [(s, c) for s, c in progress(job, r) if want.get(s) != c]
-        assert not bad, f"{r}left the trajectory at {bad[:3]}"
-    Path(init).unlink(missing_ok=True)
+        Path(init).unlink(missing_ok=True)
 
 
 def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
