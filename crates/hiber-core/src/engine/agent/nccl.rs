@@ -268,7 +268,7 @@ pub struct Rank {
 pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bool) -> Result<(), (EngineError, bool)> {
     let untouched = |e| (e, false);
     let started = std::time::Instant::now();
-    let net_hint = Some("the application keeps running; HIBER_NCCL_NET=1 tries it anyway");
+    let net_hint = Some("HIBER_NCCL_NET=1 tries it anyway, at the risk of that fault");
     // Holding: a failure here or on another participant leaves every rank as it was (the
     // connections end, and with them the holds).
     let held = (|| {
