@@ -147,6 +147,11 @@ impl<'a> Checkpoint<'a> {
         if !self.sessions.is_empty() {
             self.ctx.phase("quiescing GPU processes");
         }
+        // Without NCCL ranks of its own, it passes the cut's phases first: the other
+        // participants' ranks are held until it has.
+        if self.sessions.iter().all(|(_, s)| s.collectives().is_empty()) {
+            coord.catch_up(&Phase::NCCL_CUT)?;
+        }
         for (_, s) in &mut self.sessions {
             s.quiesce(&self.sink, coord)?;
         }

@@ -34,7 +34,9 @@
 //! rebuild's (`nccl_listed`, `nccl_ids`, `nccl_built`), which bring back the communicators
 //! a cut tore down on every host. Each such phase gathers from those still connected
 //! (null in the place of one that left); a participant with nothing to undo just closes
-//! its connection. A participant that fails says so (`failed`) and stays for the round;
+//! its connection. A phase of the undo already under way when the abort comes (a rebuild
+//! after `--leave-running`) goes on in the round with those who reached it: a participant
+//! waiting there skips the abort and gets its answer. A participant that fails says so (`failed`) and stays for the round;
 //! one that goes away is out of it, and the communicators it had ranks of cannot be built
 //! again (their ranks elsewhere say so and wait for `hiber recover`). The round ends when
 //! every participant has left, or at a phase's deadline.
@@ -240,8 +242,15 @@ impl Remote {
             return match recv::<Down>(reader, MAX_DOWN_LINE) {
                 Ok(Some(Down::Go(p))) if p == phase => Ok(None),
                 Ok(Some(Down::Gathered { phase: p, data })) if p == phase => Ok(Some(data)),
-                // In the undo round: the abort this one knows of already.
+                // In the undo round: the abort this one knows of already. Or an abort during
+                // a phase of the undo (a rebuild of NCCL communicators): the coordinator goes
+                // on with it in the undo round, and answers there.
                 Ok(Some(Down::Abort(_))) if self.aborted.load(SeqCst) => continue,
+                Ok(Some(Down::Abort(why))) if phase.in_undo() => {
+                    tracing::warn!(%why, ?phase, "the session aborted; this phase goes on in the undo round");
+                    self.aborted.store(true, SeqCst);
+                    continue;
+                }
                 Ok(Some(Down::Abort(why))) => {
                     self.aborted.store(true, SeqCst);
                     Err(BarrierError(format!("another participant failed, so this one aborts too: {why}")))
@@ -376,20 +385,27 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
     }
     let mut pending = early.into_iter();
     // After welcome, an abort is followed by the undo round.
-    // `gone`: a participant known to have left, which the round does not wait for.
-    let abort_without = |conns: &[(String, TcpStream)], why: String, gone: Option<usize>| {
+    // `gone`: a participant known to have left, which the round does not wait for. `carry`:
+    // the phase under way, when it is one of the undo's (a rebuild of NCCL communicators),
+    // with who reached it: the round goes on with it rather than making them start over.
+    let abort_from = |conns: &[(String, TcpStream)], why: String, gone: Option<usize>, carry: Option<Carried>| {
         for (_, s) in conns {
             let _ = send(s, &Down::Abort(why.clone()));
         }
-        undo_round(conns, gone, &rx, timeout);
+        undo_round(conns, gone, carry, &rx, timeout);
         Ok(Outcome::Aborted(why))
     };
-    let abort = |conns: &[(String, TcpStream)], why: String| abort_without(conns, why, None);
     loop {
         let deadline = std::time::Instant::now() + timeout;
         let mut phase: Option<Phase> = None;
         let mut reached = vec![false; participants];
         let mut data: Vec<Option<serde_json::Value>> = vec![None; participants];
+        let carried = |phase: Option<Phase>, reached: &[bool], data: &[Option<serde_json::Value>]| {
+            phase.filter(|p| p.in_undo()).map(|p| Carried { phase: p, reached: reached.to_vec(), data: data.to_vec() })
+        };
+        let abort = |conns: &[(String, TcpStream)], why: String, phase: Option<Phase>, reached: &[bool], data: &[Option<serde_json::Value>]| {
+            abort_from(conns, why, None, carried(phase, reached, data))
+        };
         while reached.iter().any(|r| !r) {
             let heard = match pending.next() {
                 Some(h) => h,
@@ -397,7 +413,13 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
                     Ok(h) => h,
                     Err(_) => {
                         let late: Vec<&str> = conns.iter().zip(&reached).filter(|(_, r)| !**r).map(|((n, _), _)| n.as_str()).collect();
-                        return abort(&conns, format!("{} did not reach {} within {} s", late.join(", "), next_name(phase), timeout.as_secs()));
+                        return abort(
+                            &conns,
+                            format!("{} did not reach {} within {} s", late.join(", "), next_name(phase), timeout.as_secs()),
+                            phase,
+                            &reached,
+                            &data,
+                        );
                     }
                 },
             };
@@ -407,15 +429,25 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
                     match phase {
                         None => phase = Some(got),
                         Some(p) if p == got => {}
-                        Some(p) => return abort(&conns, format!("participant '{name}' reached {got:?} while the others reached {p:?}")),
+                        Some(p) => {
+                            return abort(&conns, format!("participant '{name}' reached {got:?} while the others reached {p:?}"), phase, &reached, &data)
+                        }
                     }
-                    if std::mem::replace(&mut reached[i], true) {
-                        return abort(&conns, format!("participant '{name}' reported {got:?} twice"));
+                    if reached[i] {
+                        return abort(&conns, format!("participant '{name}' reported {got:?} twice"), phase, &reached, &data);
                     }
+                    reached[i] = true;
                     data[i] = d;
                 }
-                Heard::Lost(i, why) => return abort_without(&conns, format!("participant '{}' {why} before {}", conns[i].0, next_name(phase)), Some(i)),
-                Heard::Failed(i, why) => return abort(&conns, format!("participant '{}' failed: {why}", conns[i].0)),
+                Heard::Lost(i, why) => {
+                    return abort_from(
+                        &conns,
+                        format!("participant '{}' {why} before {}", conns[i].0, next_name(phase)),
+                        Some(i),
+                        carried(phase, &reached, &data),
+                    )
+                }
+                Heard::Failed(i, why) => return abort(&conns, format!("participant '{}' failed: {why}", conns[i].0), phase, &reached, &data),
                 Heard::Joined(..) => {}
             }
         }
@@ -427,18 +459,18 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         if sent > 0 && sent < participants {
             // A host that skipped an exchange the others made would go on without its part.
             let silent: Vec<&str> = conns.iter().zip(&data).filter(|(_, d)| d.is_none()).map(|((n, _), _)| n.as_str()).collect();
-            return abort(&conns, format!("{} passed {p:?} without the data the others exchanged there", silent.join(", ")));
+            return abort(&conns, format!("{} passed {p:?} without the data the others exchanged there", silent.join(", ")), None, &reached, &data);
         }
         let answer = if sent > 0 { Down::Gathered { phase: p, data: data.into_iter().flatten().collect() } } else { Down::Go(p) };
         // Encoded once for all (it may be megabytes), and within what a participant reads.
         let line = encode(&answer);
         if line.len() as u64 > MAX_DOWN_LINE {
-            return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()));
+            return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()), None, &[], &[]);
         }
         for (i, (name, s)) in conns.iter().enumerate() {
             if let Err(e) = (&*s).write_all(&line) {
                 // Those told already hear the abort at their next phase.
-                return abort_without(&conns, format!("participant '{name}' could not be told to go on past {p:?}: {e}"), Some(i));
+                return abort_from(&conns, format!("participant '{name}' could not be told to go on past {p:?}: {e}"), Some(i), None);
             }
         }
         tracing::info!(phase = ?p, "every participant passed");
@@ -448,14 +480,21 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
     }
 }
 
+/// A phase of the undo under way when the coordinator aborted: who reached it, with what.
+struct Carried {
+    phase: Phase,
+    reached: Vec<bool>,
+    data: Vec<Option<serde_json::Value>>,
+}
+
 /// After an abort: the participants still connected pass the phases of their undo
 /// ([`Phase::in_undo`]) together, each hearing what every other one there sent (null in the
 /// place of one that left or has nothing to undo). Returns once every participant has left,
 /// or when a phase's deadline passes.
-fn undo_round(conns: &[(String, TcpStream)], gone: Option<usize>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+fn undo_round(conns: &[(String, TcpStream)], gone: Option<usize>, carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
     let n = conns.len();
     let mut live: Vec<bool> = (0..n).map(|i| Some(i) != gone).collect();
-    undo_phases(conns, &mut live, rx, timeout);
+    undo_phases(conns, &mut live, carry, rx, timeout);
     // Every connection ends here (its reader thread would keep it open): a participant
     // still waiting hears that the session is over.
     for (_, s) in conns {
@@ -463,13 +502,14 @@ fn undo_round(conns: &[(String, TcpStream)], gone: Option<usize>, rx: &std::sync
     }
 }
 
-fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], mut carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
     let n = conns.len();
     loop {
         let deadline = std::time::Instant::now() + timeout;
-        let mut phase: Option<Phase> = None;
-        let mut reached = vec![false; n];
-        let mut data: Vec<Option<serde_json::Value>> = vec![None; n];
+        let (mut phase, mut reached, mut data) = match carry.take() {
+            Some(c) => (Some(c.phase), c.reached, c.data),
+            None => (None, vec![false; n], vec![None; n]),
+        };
         while live.iter().zip(&reached).any(|(l, r)| *l && !*r) {
             let Ok(heard) = rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) else {
                 tracing::warn!("the undo round ended at its deadline");
@@ -493,7 +533,9 @@ fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], rx: &std::sync:
             }
         }
         let Some(p) = phase else { return };
-        let line = encode(&Down::Gathered { phase: p, data: data.into_iter().map(Option::unwrap_or_default).collect() });
+        // What one that left sent is not passed on: its part will not happen.
+        let data = data.into_iter().zip(live.iter()).map(|(d, l)| if *l { d.unwrap_or_default() } else { serde_json::Value::Null }).collect();
+        let line = encode(&Down::Gathered { phase: p, data });
         for (i, (_, s)) in conns.iter().enumerate() {
             if reached[i] && live[i] && (&*s).write_all(&line).is_err() {
                 live[i] = false;
@@ -802,6 +844,37 @@ mod tests {
             assert!(!all[*index].is_null());
             assert_eq!(ids.iter().filter(|v| !v.is_null()).count(), 2);
         }
+    }
+
+    #[test]
+    fn a_phase_of_the_undo_under_way_at_an_abort_goes_on_in_the_undo_round() {
+        // a and b are rebuilding (nccl_listed) when c goes away: they are answered there and
+        // go on with the next phase, rather than starting over out of step.
+        let (addr, server) = coordinator(3);
+        let parts: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|name| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", name, Duration::from_secs(20), Local::default()).unwrap();
+                    r.barrier(Phase::Prepared).unwrap();
+                    let listed = r.exchange(Phase::NcclListed, serde_json::json!(name)).unwrap();
+                    let ids = r.exchange(Phase::NcclIds, serde_json::json!(name)).unwrap();
+                    (listed, ids, r.barrier(Phase::Committed).is_err())
+                })
+            })
+            .collect();
+        let c = Remote::join(&addr, "secret", "c", Duration::from_secs(20), Local::default()).unwrap();
+        c.barrier(Phase::Prepared).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(c);
+        for p in parts {
+            let (listed, ids, aborted) = p.join().unwrap();
+            assert_eq!(listed.iter().filter(|v| !v.is_null()).count(), 2, "{listed:?}");
+            assert_eq!(ids.iter().filter(|v| !v.is_null()).count(), 2, "{ids:?}");
+            assert!(aborted, "the operation itself is aborted");
+        }
+        assert!(matches!(server.join().unwrap(), Outcome::Aborted(why) if why.contains("'c'")));
     }
 
     #[test]

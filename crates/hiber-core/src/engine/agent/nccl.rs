@@ -289,7 +289,7 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bo
     })();
     let (conns, reports, mine) = match held {
         Ok((conns, reports)) => {
-            let mine = serde_json::json!({ "ranks": reports_json(&reports) });
+            let mine = serde_json::json!({ "ranks": reports_json(&reports), "network": network });
             (conns, reports, Ok(mine))
         }
         Err(e) => (Vec::new(), Vec::new(), Err(e)),
@@ -298,6 +298,8 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bo
     let held = started.elapsed();
     // Every participant computes the same limits from the same reports, and raises its own.
     let (everyone, offset, owners) = gathered_ranks(&all, peers.index(), "ranks").map_err(untouched)?;
+    // One hiber that does not try the network transport decides for all (each sees the same).
+    let network = network && all.iter().all(|v| v.get("network").and_then(|n| n.as_bool()) != Some(false));
     if !network {
         // Every participant finds the same, and all stop here, untouched.
         if let Some(key) = members(&everyone).iter().find(|(_, m)| m.iter().any(|(i, _)| owners[*i] != owners[m[0].0])).map(|(k, _)| *k) {
@@ -424,10 +426,10 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
         let left: Vec<Vec<CommReport>> = todo.iter().map(|&i| reports[i].clone()).collect();
         serde_json::json!({ "ranks": reports_json(&left), "gone": !gone.is_empty(), "opened": opened })
     });
-    let all = agree(peers, Phase::NcclListed, mine)?;
-    let (everyone, offset, _) = gathered_ranks(&all, peers.index(), "ranks")?;
-    let any_gone = all.iter().any(|v| v.get("gone").and_then(|g| g.as_bool()) == Some(true));
-    let opened_anywhere: BTreeSet<&str> = all.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| k.as_str()).collect();
+    let listed = agree(peers, Phase::NcclListed, mine)?;
+    let (everyone, offset, _) = gathered_ranks(&listed, peers.index(), "ranks")?;
+    let any_gone = listed.iter().any(|v| v.get("gone").and_then(|g| g.as_bool()) == Some(true));
+    let opened_anywhere: BTreeSet<&str> = listed.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| k.as_str()).collect();
     let here = |g: usize| (offset..offset + todo.len()).contains(&g).then(|| &conns[todo[g - offset]]);
     let (mut keys, mut broken): (Members, Members) = members(&everyone).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
     keys.retain(|k, _| !opened_anywhere.contains(format!("{k:016x}").as_str()));
@@ -507,10 +509,19 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fail("an NCCL rebuild thread panicked", None)))).collect()
         });
-        results.into_iter().collect::<Result<(), _>>().map(|()| serde_json::Value::Null)
+        results.into_iter().collect::<Result<(), _>>().map(|()| serde_json::json!({ "built": todo.len() }))
     })();
-    // No rank, here or anywhere, submits work before every rank has its communicators.
-    if let Err(e) = agree(peers, Phase::NcclBuilt, built) {
+    // No rank, here or anywhere, submits work before every rank has its communicators. A
+    // participant with ranks to build that says nothing here (it left, in the undo round)
+    // did not build them.
+    let built = agree(peers, Phase::NcclBuilt, built).and_then(|done| {
+        let silent = listed.iter().zip(&done).position(|(l, d)| l.get("ranks").and_then(|r| r.as_array()).is_some_and(|r| !r.is_empty()) && d.is_null());
+        match silent {
+            Some(i) => Err(fail(format!("participant {i} of the coordinated NCCL job left before its ranks built their communicators"), None)),
+            None => Ok(()),
+        }
+    });
+    if let Err(e) = built {
         // Ranks whose creation finished would submit work that a rank without communicators
         // never joins: every rank goes back to torn down, to be rebuilt together.
         for c in &todo {
@@ -948,6 +959,19 @@ mod tests {
         assert_eq!(a.verbs(), ["nccl-hold"]);
         assert_eq!(b.verbs(), ["nccl-hold"]);
         drop(server);
+        // One hiber told to try it and the other not: both refuse, neither drains.
+        let c = scripted("net-c", vec![comm(8, 0, 2, &[(Lane::Coll, 3)])], "");
+        let d = scripted("net-d", vec![comm(8, 1, 2, &[(Lane::Coll, 3)])], "");
+        let (addr, server) = session(2);
+        let td = {
+            let (addr, rank) = (addr.clone(), d.rank.clone());
+            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "d"), false).unwrap_err())
+        };
+        let (e, down) = cut(std::slice::from_ref(&c.rank), 1000, &join(&addr, "c"), true).unwrap_err();
+        assert!(!down && e.to_string().contains("jobs of several hibers"), "{e}");
+        assert!(!td.join().unwrap().1);
+        assert_eq!((c.verbs(), d.verbs()), (vec!["nccl-hold".to_string()], vec!["nccl-hold".to_string()]));
+        drop(server);
         // One job whose ranks are hosts of their own to NCCL: refused before any connection.
         let mut child = std::process::Command::new("sleep").arg("30").env("NCCL_HOSTID", "elsewhere").spawn().unwrap();
         let rank = Rank { pid: child.id() as i32, name: "hiber-test-nccl-no-agent".into() };
@@ -959,5 +983,40 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         assert!(!down && e.to_string().contains("NCCL_HOSTID=elsewhere"), "{e}");
+    }
+
+    #[test]
+    fn a_hiber_lost_during_the_rebuild_leaves_the_others_building_in_the_undo_round() {
+        // a and b share a communicator; c has no rank. After the cut, c's hiber dies while a
+        // and b build again: the coordinator aborts, and their rebuild goes on in the undo
+        // round, where it began, to the end.
+        let a = scripted("lost-a", vec![comm(9, 0, 2, &[])], "");
+        let b = scripted("lost-b", vec![comm(9, 1, 2, &[])], "");
+        let (addr, server) = session(3);
+        let run = |rank: Rank, name: &'static str| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let r = join(&addr, name);
+                cut(std::slice::from_ref(&rank), 1000, &r, true).map_err(|(e, _)| e).unwrap();
+                let rebuilt = rebuild(&[rank], 1000, &r);
+                (rebuilt, r.barrier(Phase::Committed))
+            })
+        };
+        let (ta, tb) = (run(a.rank.clone(), "a"), run(b.rank.clone(), "b"));
+        let c = join(&addr, "c");
+        let tracked = crate::coordinator::Tracked::new(&c);
+        tracked.catch_up(&Phase::NCCL_CUT).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(tracked);
+        drop(c);
+        for t in [ta, tb] {
+            let (rebuilt, committed) = t.join().unwrap();
+            rebuilt.unwrap();
+            assert!(committed.is_err(), "the cut as a whole was aborted");
+        }
+        for x in [&a, &b] {
+            assert_eq!(x.verbs().last().unwrap(), "nccl-open", "{:?}", x.verbs());
+        }
+        assert!(matches!(server.join().unwrap(), crate::coordinator::net::Outcome::Aborted(_)));
     }
 }
