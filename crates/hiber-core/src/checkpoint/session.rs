@@ -148,14 +148,14 @@ impl<'a> Checkpoint<'a> {
             self.ctx.phase("quiescing GPU processes");
         }
         // Without NCCL ranks of its own, it passes the cut's phases first: the other
-        // participants' ranks are held until it has.
+        // participants' ranks are held until it has. (A session with ranks passes them in
+        // its quiesce, or fails it.)
         if self.sessions.iter().all(|(_, s)| s.collectives().is_empty()) {
             coord.catch_up(&Phase::NCCL_CUT)?;
         }
         for (_, s) in &mut self.sessions {
             s.quiesce(&self.sink, coord)?;
         }
-        coord.catch_up(&Phase::NCCL_CUT)?;
         self.devices += start.elapsed();
         self.advance(journal::Phase::DevicesQuiesced)
     }

@@ -82,16 +82,25 @@ fn read_reports(conn: &Conn) -> Result<Vec<CommReport>, EngineError> {
     }
 }
 
+/// A communicator's key as it travels between hibers (JSON numbers are not safe past 2^53).
+fn key_hex(key: u64) -> String {
+    format!("{key:016x}")
+}
+
+fn key_of(hex: &str) -> Option<u64> {
+    u64::from_str_radix(hex, 16).ok()
+}
+
 impl CommReport {
     fn to_json(&self) -> serde_json::Value {
         let lanes: serde_json::Map<String, serde_json::Value> = self.lanes.iter().map(|(l, n)| (l.to_string(), (*n).into())).collect();
-        serde_json::json!({"key": format!("{:016x}", self.key), "rank": self.rank, "nranks": self.nranks, "local": self.local, "lanes": lanes})
+        serde_json::json!({"key": key_hex(self.key), "rank": self.rank, "nranks": self.nranks, "local": self.local, "lanes": lanes})
     }
 
     fn from_json(v: &serde_json::Value) -> Option<CommReport> {
         let lanes = v.get("lanes")?.as_object()?.iter().map(|(l, n)| Some((l.parse().ok()?, n.as_u64()?))).collect::<Option<_>>()?;
         Some(CommReport {
-            key: u64::from_str_radix(v.get("key")?.as_str()?, 16).ok()?,
+            key: key_of(v.get("key")?.as_str()?)?,
             rank: i32::try_from(v.get("rank")?.as_i64()?).ok()?,
             nranks: i32::try_from(v.get("nranks")?.as_i64()?).ok()?,
             local: v.get("local")?.as_bool()?,
@@ -419,7 +428,7 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
     if done.iter().any(|d| *d) {
         tracing::info!(ranks = done.iter().filter(|d| **d).count(), "NCCL communicators built by an earlier rebuild opened");
     }
-    let opened: BTreeSet<String> = reports.iter().zip(&done).filter(|(_, d)| **d).flat_map(|(r, _)| r.iter().map(|c| format!("{:016x}", c.key))).collect();
+    let opened: BTreeSet<String> = reports.iter().zip(&done).filter(|(_, d)| **d).flat_map(|(r, _)| r.iter().map(|c| key_hex(c.key))).collect();
     // From here on, only the ranks not done: `conns[todo[j]]` is this participant's j-th.
     let todo: Vec<usize> = (0..conns.len()).filter(|&i| !done[i]).collect();
     let mine = listed.map(|()| {
@@ -429,11 +438,11 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
     let listed = agree(peers, Phase::NcclListed, mine)?;
     let (everyone, offset, _) = gathered_ranks(&listed, peers.index(), "ranks")?;
     let any_gone = listed.iter().any(|v| v.get("gone").and_then(|g| g.as_bool()) == Some(true));
-    let opened_anywhere: BTreeSet<&str> = listed.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| k.as_str()).collect();
+    let opened_anywhere: BTreeSet<u64> = listed.iter().filter_map(|v| v.get("opened")?.as_array()).flatten().filter_map(|k| key_of(k.as_str()?)).collect();
     let here = |g: usize| (offset..offset + todo.len()).contains(&g).then(|| &conns[todo[g - offset]]);
     let (mut keys, mut broken): (Members, Members) = members(&everyone).into_iter().partition(|(key, m)| incomplete(*key, m).is_none());
-    keys.retain(|k, _| !opened_anywhere.contains(format!("{k:016x}").as_str()));
-    broken.retain(|k, _| !opened_anywhere.contains(format!("{k:016x}").as_str()));
+    keys.retain(|k, _| !opened_anywhere.contains(k));
+    broken.retain(|k, _| !opened_anywhere.contains(k));
     if let Some((key, m)) = broken.iter().next() {
         if !any_gone {
             let why = incomplete(*key, m).unwrap_or_default();
@@ -479,20 +488,20 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
             let (root, _) = members.iter().find(|(_, c)| c.rank == 0).expect("a whole communicator has its rank 0");
             let Some(root) = here(*root) else { continue };
             match root.call::<Reply>(&Request::NcclNewId { key: *key }, None)? {
-                Reply::NcclId { id, .. } => ids.insert(format!("{key:016x}"), id.into()),
+                Reply::NcclId { id, .. } => ids.insert(key_hex(*key), id.into()),
                 other => return Err(fail(format!("agent of process {}: unexpected {other:?}", root.pid), None)),
             };
         }
         Ok(serde_json::json!({ "ids": ids }))
     })();
     let all = agree(peers, Phase::NcclIds, ids)?;
-    let ids: BTreeMap<&str, &str> =
-        all.iter().filter_map(|v| v.get("ids")?.as_object()).flatten().filter_map(|(k, v)| Some((k.as_str(), v.as_str()?))).collect();
+    let ids: BTreeMap<u64, &str> =
+        all.iter().filter_map(|v| v.get("ids")?.as_object()).flatten().filter_map(|(k, v)| Some((key_of(k)?, v.as_str()?))).collect();
     let todo: Vec<&Conn> = todo.iter().map(|&i| &conns[i]).collect();
     let timeout_ms = timeout.as_millis() as u64;
     let built = (|| {
         for (key, members) in &keys {
-            let id = ids.get(format!("{key:016x}").as_str()).ok_or_else(|| fail(format!("no unique id came for NCCL communicator {key:016x}"), None))?;
+            let id = ids.get(key).ok_or_else(|| fail(format!("no unique id came for NCCL communicator {key:016x}"), None))?;
             for c in members.iter().filter_map(|(g, _)| here(*g)) {
                 c.call::<Reply>(&Request::NcclSetId { key: *key, id: id.to_string() }, None)?;
             }
