@@ -1479,6 +1479,82 @@ def nccl_socket_ranks_in_one_job_leave_running(m):
         Path(init).unlink(missing_ok=True)
 
 
+NCCL_REINIT = REPO / "gpu/programs/nccl_reinit.py"
+
+
+def reinit_pair(m, key, flags, agent_job=None):
+    """Both ranks of nccl_reinit.py over the socket transport, as plain processes or (with
+    AGENT_JOB) as one `hiber run` job with the agent and no checkpoint: M[KEY] gets the last
+    step each rank reached and what it said on failure. True if both ran to `done`."""
+    d = f"/tmp/hiber-suite-reinit-{key}-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    cmd = ["python3", str(NCCL_REINIT), "--dir", d, "--steps", "120", "--every", "15", "--mib", "16", *flags]
+    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID")}
+    try:
+        if agent_job is None:
+            procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), NCCL_HOSTID=f"hiber-suite-host{r}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+        else:
+            loop = f"for r in 0 1; do RANK=$r NCCL_HOSTID=hiber-suite-host$r {' '.join(cmd)} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
+            hiber("run", "--name", agent_job, "--", "sh", "-c", loop, env=env)
+            wait(f"{agent_job} to end", 240, lambda: state_of(agent_job) != "running")
+            text = log(agent_job)
+            outs = ["\n".join(l[3:] for l in text.splitlines() if l.startswith(f"r{r} ")) for r in (0, 1)]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    m[key] = []
+    for out in outs:
+        steps = [l for l in out.splitlines() if l.startswith("step ")]
+        m[key].append({"last": steps[-1] if steps else None, "done": "done" in out.splitlines(),
+                       "said": [l[-200:] for l in out.splitlines() if "rror" in l or "WARN" in l or "WRONG" in l][-3:]})
+    return all(r["done"] for r in m[key])
+
+
+@scenario
+@exclusive
+def nccl_socket_reinit_without_hiber(m):
+    """The control for the network-transport fault: two ranks over NCCL's socket transport
+    on the one GPU end their communicator and make it again themselves every 20 steps,
+    through NCCL's own API, with no hiber: on the main thread, on a thread that exits (as the
+    agent does), with ncclCommDestroy, and then as a job under the agent (which then rebuilds
+    nothing). Every all-reduce's sum is checked. Where these fault too, the fault is NCCL's
+    or the driver's, not the cut's."""
+    ok = {}
+    ok["abort"] = reinit_pair(m, "abort", ["--how", "abort"])
+    ok["abort_thread"] = reinit_pair(m, "abort_thread", ["--how", "abort", "--thread"])
+    ok["destroy"] = reinit_pair(m, "destroy", ["--how", "destroy"])
+    ok["agent_abort_thread"] = reinit_pair(m, "agent_abort_thread", ["--how", "abort", "--thread"], agent_job="reinit-agent")
+    m["ok"] = ok
+    assert all(ok.values()), f"ranks faulted: {[k for k, v in ok.items() if not v]}"
+
+
+@scenario
+@exclusive
+def nccl_socket_ranks_failed_cut_trains_on(m):
+    """The bisection of the network-transport fault: the two socket-transport ranks of one
+    job, checkpointed by one hiber (HIBER_NCCL_NET=1) made to fail at each phase of
+    SUITE_XHOST_FAIL_AT (default `quiesced`: the communicators torn down and the memory
+    taken, then everything handed back and built again, with neither the driver's checkpoint
+    nor CRIU in between; then `captured`: the driver's checkpoint too). After each the job
+    trains 40 more steps on the uninterrupted trajectory."""
+    steps = "600"
+    ref = xhost_reference(steps, "failed")
+    job = "nxfailed"
+    init = xhost_one_job(job, steps)
+    try:
+        for phase in os.environ.get("SUITE_XHOST_FAIL_AT", "quiesced,captured").split(","):
+            p = hiber("checkpoint", job, "--leave-running", "--out", image_of(job) + "-" + phase, check=False,
+                      env=dict(ENV, HIBER_NCCL_NET="1", HIBER_FAIL_AT=phase, HIBER_LOG="hiber_core=info"))
+            m[f"failed_at_{phase}"] = [l.strip()[-200:] for l in p.stderr.splitlines() if "nccl" in l.lower() or "rror" in l][-5:]
+            assert p.returncode != 0, f"the checkpoint failed at {phase}"
+            xhost_trains_on(m, job, ref, 40)
+            m[f"passed_{phase}"] = True
+    finally:
+        hiber("rm", "-f", job, check=False)
+        Path(init).unlink(missing_ok=True)
+
+
 def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
     def train_on(n):
         at = max(progress(j)[-1][0] for j in jobs)
