@@ -64,13 +64,16 @@ def unique_id(gen):
         uid = UniqueId()
         check(nccl.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         with open(path + ".tmp", "wb") as f:
-            f.write(bytes(uid.internal))
+            # (Not bytes(uid.internal): a c_char array field reads as a string, cut at its
+            # first NUL.)
+            f.write(ctypes.string_at(ctypes.addressof(uid), 128))
         os.rename(path + ".tmp", path)
         return uid
     while not os.path.exists(path):
         time.sleep(0.01)
     uid = UniqueId()
-    uid.internal = open(path, "rb").read()
+    raw = open(path, "rb").read()
+    ctypes.memmove(ctypes.addressof(uid), raw, len(raw))
     return uid
 
 
