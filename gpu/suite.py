@@ -1345,9 +1345,11 @@ def xhost_env(rank):
     host of its own to NCCL (NCCL_HOSTID), which then connects them through its socket
     transport over loopback as it would two hosts, rather than through the GPU (two ranks of
     one host may not share a GPU, and one GPU is all this scenario needs)."""
-    return dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(rank),
-                NCCL_HOSTID=f"hiber-suite-host{rank}", NCCL_DEBUG="WARN",
-                **dict(kv.split("=", 1) for kv in filter(None, os.environ.get("SUITE_XHOST_ENV", "").split(","))))
+    env = dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(rank),
+               NCCL_HOSTID=f"hiber-suite-host{rank}", NCCL_DEBUG="WARN")
+    # SUITE_XHOST_ENV (K=V,K=V) adds to these or replaces them.
+    env.update(kv.split("=", 1) for kv in filter(None, os.environ.get("SUITE_XHOST_ENV", "").split(",")))
+    return env
 
 
 def xhost_cmd(init, steps):
@@ -1597,6 +1599,9 @@ def nccl_socket_ranks_failed_cut_trains_on(m):
             assert p.returncode != 0, f"the checkpoint failed at {phase}"
             xhost_trains_on(m, job, ref, 40)
             m[f"passed_{phase}"] = True
+    except AssertionError:
+        (OUT / f"{job}-stdout.log").write_text(log(job)[-2_000_000:])
+        raise
     finally:
         hiber("rm", "-f", job, check=False)
         Path(init).unlink(missing_ok=True)
