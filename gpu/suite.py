@@ -1347,8 +1347,15 @@ def xhost_env(rank):
     one host may not share a GPU, and one GPU is all this scenario needs)."""
     env = dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(rank),
                NCCL_HOSTID=f"hiber-suite-host{rank}", NCCL_DEBUG="WARN")
-    # SUITE_XHOST_ENV (K=V,K=V) adds to these or replaces them.
-    env.update(kv.split("=", 1) for kv in filter(None, os.environ.get("SUITE_XHOST_ENV", "").split(",")))
+    # SUITE_XHOST_ENV (K=V,K=V) adds to these or replaces them; a piece without `=` belongs
+    # to the value before it (NCCL_DEBUG_SUBSYS=INIT,NET).
+    pairs = []
+    for piece in filter(None, os.environ.get("SUITE_XHOST_ENV", "").split(",")):
+        if "=" in piece or not pairs:
+            pairs.append(piece.split("=", 1))
+        else:
+            pairs[-1][1] += "," + piece
+    env.update(pairs)
     return env
 
 
