@@ -585,6 +585,44 @@ def no_agent_pinned_host_memory(m):
     pinned_round_trip(m, False)
 
 
+def xid_lines():
+    """The driver's Xid reports in the kernel log (empty where dmesg cannot be read)."""
+    p = subprocess.run(["dmesg"], capture_output=True, text=True)
+    return [l for l in p.stdout.splitlines() if "Xid" in l]
+
+
+@scenario
+@exclusive
+def driver_restore_keeps_time_slicing(m):
+    """Two processes share the GPU by time-slicing: B steps all along while A runs a kernel
+    of 3 s, so the GPU must switch away from A's context in the middle of it. First with no
+    checkpoint; then after a --leave-running checkpoint of A, with the agent and without.
+    The two ranks of nccl_socket_ranks_failed_cut_trains_on share the GPU the same way
+    (their kernels spin until the other's run), and after the driver's checkpoint and restore
+    both faulted with Xid 109 (CTX SWITCH TIMEOUT), H100, driver 580.159.04: this asks
+    whether any restored context can still be switched away from."""
+    xids = len(xid_lines())
+    run_job("slice-b", program("counter"), "--mib", "256", "--steps", "20000", "--interval-ms", "2", agent=True)
+    try:
+        for case, agent, ckpt in (("control", True, False), ("agent", True, True), ("no_agent", False, True)):
+            job = "slice-" + case
+            run_job(job, program("counter"), "--mib", "256", "--steps", "300", "--spin-at", "150", "--spin-ms", "3000", agent=agent)
+            wait_step(job, 40)
+            if ckpt:
+                ck = hiber_json("checkpoint", job, "--leave-running", "--out", image_of(job))
+                m[f"{case}_paused_s"] = round(ck["paused_seconds"] or 0, 2)
+            b_at = progress("slice-b")[-1][0]
+            wait(f"{job} to finish", 120, lambda: state_of(job) != "running")
+            new = xid_lines()[xids:]
+            m[f"{case}_xid"] = [l[-160:] for l in new]
+            m[f"{case}_b_steps_meanwhile"] = progress("slice-b")[-1][0] - b_at
+            assert state_of("slice-b") == "running", f"B ended as {state_of('slice-b')}: {log('slice-b')[-300:]}"
+            assert_verified(job)
+            assert not new, f"{case}: {new}"
+    finally:
+        hiber("rm", "-f", "slice-b", check=False)
+
+
 def free_mib():
     out = sh("nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits").stdout
     return int(out.strip().splitlines()[0])
