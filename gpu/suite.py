@@ -621,6 +621,18 @@ def driver_restore_keeps_time_slicing(m):
             assert not new, f"{case}: {new}"
     finally:
         hiber("rm", "-f", "slice-b", check=False)
+    # Both processes restored: a job of two (counter --fork), checkpointed --leave-running;
+    # the parent's 3 s kernel must give the GPU to the child, both contexts restored ones.
+    job = "slice-fork"
+    hiber("run", "--name", job, "--", program("counter"), "--fork", "--mib", "512", "--steps", "400", "--interval-ms", "5", "--spin-at", "250", "--spin-ms", "3000")
+    wait_step(job, 40)
+    ck = hiber_json("checkpoint", job, "--leave-running", "--out", image_of(job))
+    m["fork_paused_s"] = round(ck["paused_seconds"] or 0, 2)
+    wait(f"{job} to finish", 120, lambda: state_of(job) != "running")
+    new = xid_lines()[xids:]
+    m["fork_xid"] = [l[-160:] for l in new]
+    assert_verified(job)
+    assert not new, f"fork: {new}"
 
 
 def free_mib():
@@ -1505,7 +1517,9 @@ def xhost_one_job(job, steps):
 def xhost_trains_on(m, job, ref, n):
     at = progress(job, "r0 ")[-1][0]
     try:
-        wait(f"{job} to reach step {at + n}", 120, lambda: all(progress(job, r) and progress(job, r)[-1][0] >= at + n for r in ("r0 ", "r1 ")))
+        # (A rank that faults ends the job: no need to wait the whole limit.)
+        wait(f"{job} to reach step {at + n}", 120, lambda: all(progress(job, r) and progress(job, r)[-1][0] >= at + n for r in ("r0 ", "r1 ")) or state_of(job) != "running")
+        assert state_of(job) == "running", f"{job} ended as {state_of(job)} before step {at + n}"
     finally:
         m["said"] = [l[-240:] for l in log(job).splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
     want = dict(ref)
