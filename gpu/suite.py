@@ -38,7 +38,8 @@ HIBER = str(CARRY / "bin" / "hiber")
 OUT = Path(os.environ.get("OUT") or "/tmp/hiber-gpu-out")
 # A worker of a parallel run (SUITE_JOBS) gets a state directory of its own.
 STATE = Path(os.environ.get("SUITE_STATE") or "/tmp/hiber-gpu-state")
-BUILD = Path("/tmp/hiber-gpu-build")
+# Two suites at once on one machine (SUITE_ONLY groups) each need a build directory of their own.
+BUILD = Path(os.environ.get("SUITE_BUILD") or "/tmp/hiber-gpu-build")
 ENV = dict(os.environ, HIBER_STATE=str(STATE), HIBER_CRIU=str(CARRY / "bin" / "criu"), PYTHONUNBUFFERED="1")
 ONLY = set(filter(None, os.environ.get("SUITE_ONLY", "").split(",")))
 TRAIN = REPO / "gpu/programs/train.py"
@@ -1507,8 +1508,12 @@ def xhost_one_job(job, steps):
     init = f"/tmp/hiber-suite-xinit-{job}-{os.getpid()}"
     Path(init).unlink(missing_ok=True)
     cmd = " ".join(xhost_cmd(init, steps))
-    loop = f"for r in 0 1; do RANK=$r NCCL_HOSTID=hiber-suite-host$r {cmd} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
-    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID")}
+    # SUITE_XHOST_SPREAD=1 puts rank r on GPU r (two GPUs): the shape of two hosts, one GPU
+    # each, rather than two ranks sharing one GPU.
+    spread = os.environ.get("SUITE_XHOST_SPREAD") == "1"
+    gpu = "LOCAL_RANK=$r " if spread else ""
+    loop = f"for r in 0 1; do RANK=$r {gpu}NCCL_HOSTID=hiber-suite-host$r {cmd} 2>&1 | sed -u -n \"s/^/r$r /p\" & done; wait"
+    env = {k: v for k, v in xhost_env(0).items() if k not in ("RANK", "NCCL_HOSTID") + (("LOCAL_RANK",) if spread else ())}
     hiber("run", "--name", job, "--", "sh", "-c", loop, env=env)
     wait(f"{job} to reach step 40", 180, lambda: len(progress(job, "r0 ")) > 40)
     return init
