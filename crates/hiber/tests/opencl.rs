@@ -333,6 +333,64 @@ fn hiber_killed_after_the_release_recovers() {
     assert!(!PathBuf::from(&image).exists(), "no image from the interrupted checkpoint");
 }
 
+/// A process the engine claimed that ends during the checkpoint (killed while hiber waits
+/// at the `captured` barrier, after its device state was taken): the checkpoint fails, with
+/// `--leave-running` and when it would stop the job, rather than commit an image whose
+/// device state has no process to go back into; no image is left, and the rest of the job
+/// runs on to its own check on an uninterrupted run's trajectory.
+#[test]
+fn a_process_that_ends_during_the_checkpoint_fails_it() {
+    let h = Hiber::new("ocl-ended");
+    let bin = program(&h, "stencil");
+    let args = ["1500", "4096", "0", "10"];
+    let want = reference(&bin, &args);
+    let cmd = format!("{b} {a} >/dev/null 2>&1 & {b} {a} >/dev/null 2>&1 & {b} {a}; wait", b = bin.display(), a = args.join(" "));
+    let out = h.command(&["run", "--name", "ke", "--", "sh", "-c", &cmd]).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1").output().unwrap();
+    assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
+    h.wait_step("ke", 20);
+    let root = h.pid_of("ke");
+    let children = || -> Vec<i32> {
+        std::fs::read_to_string(format!("/proc/{root}/task/{root}/children")).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    };
+    // The two in the background, started first; the third prints the job's progress.
+    let mut background = children();
+    background.sort_unstable();
+    assert_eq!(background.len(), 3, "three programs under the shell: {background:?}");
+    for (victim, mode) in background[..2].iter().zip(["--leave-running", "--stop"]) {
+        let image = h.images_dir().join(format!("ke{victim}")).display().to_string();
+        let mut argv = vec!["checkpoint", "ke", "--out", &image];
+        if mode == "--leave-running" {
+            argv.push(mode);
+        }
+        let hiber = h
+            .command(&argv)
+            .env("HIBER_PAUSE_AT", "captured")
+            .env("HIBER_PAUSE_MS", "1500")
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        wait("hiber to wait at the captured barrier", Duration::from_secs(30), || {
+            std::fs::read_dir(h.state.join("journal"))
+                .ok()
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("\"captured\"")))
+        });
+        // SAFETY: kill has no memory preconditions; the PID is a child of the job's shell.
+        assert_eq!(unsafe { libc::kill(*victim, libc::SIGKILL) }, 0);
+        let out = hiber.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{mode}: the checkpoint must fail once a claimed process ended: {err}");
+        assert!(err.contains(&format!("process {victim} ")) && err.contains("ended during the checkpoint"), "{mode}: {err}");
+        assert!(!PathBuf::from(&image).exists(), "{mode}: no image");
+        assert_eq!(h.state_of("ke"), "running", "{mode}: the job runs on");
+    }
+    h.assert_verified("ke", Duration::from_secs(120));
+    assert_continues(&want, &h.progress("ke"), 1);
+}
+
 /// A program that enqueues without pause (so a checkpoint nearly always catches a thread
 /// waiting at the layer's gate inside an enqueue), checkpointed with --leave-running three
 /// times: every call after each replay must reach the new objects, which its own check of

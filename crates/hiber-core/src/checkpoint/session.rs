@@ -226,13 +226,34 @@ impl<'a> Checkpoint<'a> {
             external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
             skip_network_lock: loopback_only_network(&self.tree),
         };
+        // Every process an engine claimed must still be there once CRIU has the tree: one
+        // that ended since it was claimed (a rank killed mid-checkpoint) would leave device
+        // state in the image with no process to go back into.
+        let claimed: Vec<(i32, u64, String)> = self
+            .sessions
+            .iter()
+            .flat_map(|(_, s)| s.pids().to_vec())
+            .filter_map(|pid| self.tree.iter().find(|p| p.pid == pid))
+            .map(|p| (p.pid, p.start_time, p.comm.clone()))
+            .collect();
         let (ctx, leave_running, dest) = (self.ctx, self.req.leave_running, &self.req.dest);
         let root = (self.req.pid, self.tree[0].start_time);
         let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
         let mut commit_error: Option<CheckpointError> = None;
         ctx.phase("dumping process state (CRIU)");
         let dumped = ctx.criu.dump(&opts, &mut |script| {
-            if script != "post-dump" || leave_running {
+            if script != "post-dump" {
+                return Ok(());
+            }
+            // Refusing the notification fails the dump, and CRIU resumes the tree.
+            let still_there = |&&(pid, start, _): &&(i32, u64, String)| proctree::stat(pid).is_ok_and(|s| s.start_time == start) && proctree::alive(pid);
+            if let Some((pid, _, comm)) = claimed.iter().find(|c| !still_there(c)) {
+                let e = CheckpointError::Exited { pid: *pid, comm: comm.clone() };
+                let msg = e.to_string();
+                commit_error = Some(e);
+                return Err(msg);
+            }
+            if leave_running {
                 return Ok(());
             }
             ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");

@@ -183,17 +183,23 @@ impl Coordinator for Local {
 }
 
 /// A coordinator that fails the barrier of the phase named in `$HIBER_FAIL_AT`, or holds
-/// hiber forever at the one named in `$HIBER_PAUSE_AT` (for fault-injection tests of whole
-/// hiber commands, which kill it there), else passes every barrier.
+/// hiber at the one named in `$HIBER_PAUSE_AT` (for fault-injection tests of whole hiber
+/// commands): for `$HIBER_PAUSE_MS` milliseconds and then goes on (a test does something to
+/// the application meanwhile), or without it for ever (a test kills hiber there); else
+/// passes every barrier.
 pub fn from_env() -> Local {
     let phase = |var: &str| std::env::var(var).ok().and_then(|v| serde_json::from_value::<Phase>(serde_json::Value::String(v)).ok());
+    let pause_ms = std::env::var("HIBER_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok());
     match (phase("HIBER_FAIL_AT"), phase("HIBER_PAUSE_AT")) {
         (Some(at), _) => Local::with_hook(move |p| if p == at { Err(BarrierError(format!("injected failure at {p:?} (HIBER_FAIL_AT)"))) } else { Ok(()) }),
         (None, Some(at)) => Local::with_hook(move |p| {
             if p == at {
                 eprintln!("hiber: paused at {p:?} (HIBER_PAUSE_AT)");
-                loop {
-                    std::thread::park();
+                match pause_ms {
+                    Some(ms) => std::thread::sleep(std::time::Duration::from_millis(ms)),
+                    None => loop {
+                        std::thread::park();
+                    },
                 }
             }
             Ok(())
