@@ -1337,20 +1337,18 @@ def nccl_ddp_stop_and_restore(m):
     assert got[0][0] == before[-1][0] + 1, f"resumes at {got[0][0]}, after {before[-1][0]}"
 
 
-@scenario
-@exclusive
-def nccl_rank_killed_during_checkpoint_fails_the_other(m):
-    """The fault case: rank 1 of a two-rank DDP job is killed while hiber holds the job
-    after the NCCL cut (HIBER_PAUSE_AT=quiesced), then hiber itself, then `hiber recover`
-    runs. The surviving rank gets its memory back, and since its communicators cannot be
-    built again without its peer, its NCCL calls fail as after a peer's death in NCCL
-    instead of waiting for ever: PyTorch raises, the rank ends, and so does the job. The
-    ranks are started by a plain shell loop that waits for both (torchrun would stop the
-    survivor itself as soon as a worker dies, which hides what hiber does)."""
+def rank_killed(m, job, hiber_dies):
+    """Rank 1 of a two-rank DDP job is killed while hiber holds the job after the NCCL cut
+    (HIBER_PAUSE_AT=quiesced). The surviving rank gets its memory back, and since its
+    communicators cannot be built again without its peer, its NCCL calls fail as after a
+    peer's death in NCCL instead of waiting for ever: PyTorch raises, the rank ends, and so
+    does the job. The ranks are started by a plain shell loop that waits for both (torchrun
+    would stop the survivor itself as soon as a worker dies, which hides what hiber does).
+    HIBER_DIES: hiber is killed too, and `hiber recover` undoes the checkpoint."""
     need_two_gpus()
-    job = "ncdie"
-    loop = ("for r in 0 1; do RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 "
-            f"python3 {DDP} --steps 100000 --interval-ms 10 & done; wait")
+    port = 29533 if hiber_dies else 29534
+    loop = ("for r in 0 1; do RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d "
+            f"python3 {DDP} --steps 100000 --interval-ms 10 & done; wait") % port
     run_job(job, "sh", "-c", loop, agent=None)
     wait_step(job, 30, 180)
     ranks = {}
@@ -1362,7 +1360,12 @@ def nccl_rank_killed_during_checkpoint_fails_the_other(m):
         except OSError:
             pass
     assert set(ranks) == {0, 1}, f"two ranks: {ranks}"
-    p = subprocess.Popen([HIBER, "checkpoint", job, "--leave-running", "--out", image_of(job)], env=dict(ENV, HIBER_PAUSE_AT="quiesced"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A stopping checkpoint writes the memory before the agents release it, which is what
+    # `hiber recover` loads back; with --leave-running hiber holds the only copy until it
+    # hands it back, and a hiber killed then takes it along (the README says so).
+    argv = [HIBER, "checkpoint", job, "--out", image_of(job)] + ([] if hiber_dies else ["--leave-running"])
+    env = dict(ENV, HIBER_PAUSE_AT="quiesced", **({} if hiber_dies else {"HIBER_PAUSE_MS": "4000"}))
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def held():
             # This checkpoint's own journal entry (other scenarios run beside this one).
@@ -1376,12 +1379,18 @@ def nccl_rank_killed_during_checkpoint_fails_the_other(m):
             return False
         wait("hiber to hold the job after the cut", 120, held)
         os.kill(ranks[1], 9)
+        if hiber_dies:
+            p.kill()
+        out, err = p.communicate(timeout=180)
     finally:
         p.kill()
-        p.wait()
-    r = hiber("recover", check=False)
-    m["recover"] = (r.stdout + r.stderr).strip()[-500:]
-    assert "are gone" in r.stdout + r.stderr and "panicked" not in r.stderr, m["recover"]
+    if hiber_dies:
+        r = hiber("recover", check=False)
+        m["recover"] = (r.stdout + r.stderr).strip()[-500:]
+        assert "are gone" in r.stdout + r.stderr and "panicked" not in r.stderr, m["recover"]
+    else:
+        m["checkpoint"] = err.strip().splitlines()[-3:]
+        assert p.returncode != 0 and "panicked" not in err, f"the checkpoint fails once a rank is gone: {p.returncode} {err[-800:]}"
     t0 = time.time()
     wait(f"{job} to end", 180, lambda: state_of(job) != "running")
     m["ended_after_s"] = round(time.time() - t0, 1)
@@ -1389,6 +1398,23 @@ def nccl_rank_killed_during_checkpoint_fails_the_other(m):
     tail = (STATE / "jobs" / job / "stderr.log").read_text(errors="replace")[-2000:]
     m["rank0_error"] = [line for line in tail.splitlines() if "NCCL" in line or "Error" in line][-3:]
     assert not Path(image_of(job)).exists(), "no image of the interrupted checkpoint"
+
+
+@scenario
+@exclusive
+def nccl_rank_killed_during_checkpoint_fails_the_other(m):
+    """The fault case: rank 1 killed during a --leave-running checkpoint, which hiber then
+    carries on with: the checkpoint fails, no image, and rank 0 ends as after a peer's death."""
+    rank_killed(m, "ncdie", hiber_dies=False)
+
+
+@scenario
+@exclusive
+def nccl_rank_and_hiber_killed_recover_fails_the_other(m):
+    """The double fault: rank 1 killed during a stopping checkpoint, then hiber itself, then
+    `hiber recover`: rank 0 gets its memory back from the partial image and ends as after a
+    peer's death."""
+    rank_killed(m, "ncdie2", hiber_dies=True)
 
 
 def xhost_env(rank):
@@ -1563,7 +1589,9 @@ def nccl_socket_ranks_in_one_job_leave_running(m):
     uninterrupted trajectory. Fails with the code of 3f3497a (H100, 2026-11-25): a rank
     faults ('unspecified launch failure') a few steps after the rebuild, which is why the
     default refuses."""
-    steps = "400"
+    # Long enough for 40 steps after the checkpoint returns: with a GPU per rank the job
+    # ran through 400 steps while hiber wrote the image (H100 x2, 227f4d6).
+    steps = "1200"
     ref = xhost_reference(steps, "one")
     job = "nx1job"
     init = xhost_one_job(job, steps)
