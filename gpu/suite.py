@@ -764,6 +764,53 @@ def agent_hiber_killed_after_handover_recovers(m):
     assert progress("victim")[-1][0] == 399 and progress("victim")[-1][0] > before
 
 
+def keepers_of(job):
+    """PIDs of `hiber __keep` processes that keep memory for a process of JOB."""
+    mine = {f"{pid}:".encode() for pid in tree_of(job_pid(job))}
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if b"__keep" in args and any(a.startswith(t) for a in args for t in mine):
+            out.append(int(d.name))
+    return out
+
+
+@scenario
+def agent_hiber_killed_before_the_hand_back_recovers(m):
+    """SIGKILL hiber during a --leave-running checkpoint, held after the driver's checkpoint
+    (HIBER_PAUSE_AT=captured): the agent has released the job's memory and nothing of it is
+    on disk; the keeper hiber started holds a reference to each allocation, and `hiber
+    recover` hands them back as they are. The job runs on intact and verifies every word,
+    and the keeper is gone."""
+    hiber("run", "--name", "kept", "--", program("counter"), "--mib", "2048", "--steps", "400", "--interval-ms", "10")
+    wait_step("kept", 30)
+    img = image_of("kept")
+    p = subprocess.Popen([HIBER, "checkpoint", "kept", "--leave-running", "--out", img], env=dict(ENV, HIBER_PAUSE_AT="captured"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait("hiber to hold after the driver's checkpoint", 60,
+             lambda: any('"captured"' in f.read_text(errors="replace") for f in (STATE / "journal").glob("*.json")))
+        m["keepers"] = len(keepers_of("kept"))
+    finally:
+        p.kill()
+        p.wait()
+    before = progress("kept")[-1][0]
+    time.sleep(1)
+    assert progress("kept")[-1][0] == before, "the job waits at the agent's gate"
+    r = hiber("recover", check=False)
+    m["recover"] = (r.stdout + r.stderr).strip()[-400:]
+    assert r.returncode == 0 and "lost" not in m["recover"], m["recover"]
+    assert not Path(img).exists(), "no image from the interrupted checkpoint"
+    assert_verified("kept")
+    assert progress("kept")[-1][0] == 399
+    time.sleep(3)
+    left = keepers_of("kept")
+    assert m["keepers"] == 1 and not left, f"one keeper during the checkpoint ({m['keepers']}), none after ({left})"
+
+
 @scenario
 def agent_checkpoint_restore_chain(m):
     """The preemption loop on the GPU, with the agent: the job, then each restored copy,
@@ -1360,9 +1407,9 @@ def rank_killed(m, job, hiber_dies):
         except OSError:
             pass
     assert set(ranks) == {0, 1}, f"two ranks: {ranks}"
-    # A stopping checkpoint writes the memory before the agents release it, which is what
-    # `hiber recover` loads back; with --leave-running hiber holds the only copy until it
-    # hands it back, and a hiber killed then takes it along (the README says so).
+    # With HIBER_DIES, a stopping checkpoint: it writes the memory before the agents release
+    # it, and `hiber recover` loads that back (a --leave-running one's memory comes back from
+    # the keeper instead: agent_hiber_killed_before_the_hand_back_recovers).
     argv = [HIBER, "checkpoint", job, "--out", image_of(job)] + ([] if hiber_dies else ["--leave-running"])
     env = dict(ENV, HIBER_PAUSE_AT="quiesced", **({} if hiber_dies else {"HIBER_PAUSE_MS": "4000"}))
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

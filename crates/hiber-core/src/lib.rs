@@ -17,6 +17,7 @@ pub mod engine;
 pub mod image;
 pub mod jobs;
 pub mod journal;
+pub mod keeper;
 pub mod launch;
 pub mod proctree;
 pub mod restore;

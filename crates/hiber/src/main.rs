@@ -48,6 +48,9 @@ enum Command {
     /// A job's shim: hiber runs itself so, with a task on stdin (see hiber_core::launch).
     #[command(name = hiber_core::launch::SHIM_COMMAND, hide = true)]
     Shim,
+    /// A checkpoint's keeper of device memory (see hiber_core::keeper).
+    #[command(name = hiber_core::keeper::KEEP_COMMAND, hide = true)]
+    Keep { targets: Vec<String> },
 }
 
 fn main() {
@@ -57,6 +60,14 @@ fn main() {
         // SAFETY: this process was started by spawn_shim as `hiber __shim`, and nothing of
         // it owns a descriptor above 2 yet.
         std::process::exit(unsafe { hiber_core::launch::shim_main(std::io::stdin()) });
+    }
+    if let Command::Keep { targets } = &cli.command {
+        // What the keeper inherited above stdio (hiber's own descriptors of the driver, say)
+        // must not outlive hiber in it.
+        // SAFETY: this process was started by Keeper::start as `hiber __keep`, and nothing of
+        // it owns a descriptor above 2 yet.
+        unsafe { hiber_core::sys::close_from_except(3, &[]) };
+        std::process::exit(hiber_core::keeper::main(targets));
     }
     let filter = if cli.verbose { "debug" } else { "warn" };
     tracing_subscriber::fmt()
@@ -81,7 +92,7 @@ fn main() {
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
                 Command::Coordinate(a) => commands::coordinate::run(a),
-                Command::Recover | Command::Workload(_) | Command::Shim => unreachable!("handled above"),
+                Command::Recover | Command::Workload(_) | Command::Shim | Command::Keep { .. } => unreachable!("handled above"),
             }
         }
     };

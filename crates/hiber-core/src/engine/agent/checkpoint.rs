@@ -150,6 +150,9 @@ pub(super) struct AgentCheckpoint {
     nccl_down: bool,
     /// What `prepare` took, while the application ran.
     staging_seconds: f64,
+    /// With `--leave-running`: holds a reference to what the agents release until they have
+    /// it back, so that a hiber killed meanwhile does not free it (`hiber recover`).
+    keeper: Option<crate::keeper::Keeper>,
 }
 
 impl AgentCheckpoint {
@@ -173,6 +176,28 @@ impl AgentCheckpoint {
             nccl,
             nccl_down: false,
             staging_seconds: 0.0,
+            keeper: None,
+        }
+    }
+
+    /// Gives the keeper a reference to each allocation of `held` (process `pid`), before
+    /// the agent lets its own go. Without a keeper, or if it fails, the checkpoint goes on
+    /// as before: hiber then holds the only reference until the hand-back.
+    fn keep(&self, pid: i32, held: &[Held]) {
+        let Some(k) = &self.keeper else { return };
+        let Some(start) = k.start_of(pid) else { return };
+        let kept = crate::keeper::Conn::open(pid, start).and_then(|c| held.iter().try_for_each(|h| c.hold(h.id, h.fd.as_fd())));
+        if let Err(e) = kept {
+            tracing::warn!(pid, error = %e, "the keeper holds none of this process's memory: a hiber killed before the hand-back would lose it");
+        }
+    }
+
+    /// Process `pid` has its memory back: the keeper lets its references go.
+    fn unkeep(&self, pid: i32) {
+        let Some(k) = &self.keeper else { return };
+        let Some(start) = k.start_of(pid) else { return };
+        if let Err(e) = crate::keeper::Conn::open(pid, start).and_then(|c| c.done()) {
+            tracing::debug!(pid, error = %e, "the keeper did not take the end of its hold");
         }
     }
 
@@ -266,6 +291,7 @@ impl AgentCheckpoint {
                 direct_s = copied.elapsed().as_secs_f64(),
                 "device memory taken"
             );
+            self.keep(pid, &held);
             conn.call::<Reply>(&Request::Release, None)?;
             conn.wait_closed();
             Ok((written, copies, placed))
@@ -280,7 +306,10 @@ impl AgentCheckpoint {
             // Otherwise the agent gets back whatever it released and opens its gate; if
             // even that fails, the memory stays with the session for resume.
             Err(e) => match give_back_on(&conn, &held) {
-                Ok(()) => Err((e, Vec::new())),
+                Ok(()) => {
+                    self.unkeep(pid);
+                    Err((e, Vec::new()))
+                }
                 Err(_) => Err((e, held)),
             },
         }
@@ -490,6 +519,19 @@ impl AgentCheckpoint {
         }
     }
 
+    /// Starts the keeper for the processes `pids` (this hiber's own binary, `hiber __keep`),
+    /// while the application runs.
+    fn start_keeper(&mut self, pids: &[i32]) {
+        let targets: Vec<(i32, u64)> = pids.iter().filter_map(|&pid| crate::proctree::stat(pid).ok().map(|s| (pid, s.start_time))).collect();
+        if targets.is_empty() {
+            return;
+        }
+        match std::env::current_exe().and_then(|exe| crate::keeper::Keeper::start(&exe, &targets)) {
+            Ok(k) => self.keeper = Some(k),
+            Err(e) => tracing::warn!(error = %e, "no keeper: a hiber killed between the release and the hand-back would lose the job's device memory"),
+        }
+    }
+
     /// Loads the fingerprint kernel on each GPU where the processes `pids` hold memory (on
     /// every GPU when NVML cannot say).
     fn warm_fingerprints(&self, pids: &[i32]) {
@@ -577,6 +619,7 @@ impl CheckpointSession for AgentCheckpoint {
         self.warm_fingerprints(&pids);
         // Copies let the application run again before the data reaches the disk.
         if self.opts.leave_running {
+            self.start_keeper(&pids);
             let (total, held) = match self.to_copy(&busy, sink) {
                 Some(copy) => (copy.values().sum(), Some(copy)),
                 None => (busy.iter().map(|t| t.status.tracked_bytes).sum(), self.held_by_gpu(&pids)),
@@ -777,6 +820,11 @@ impl CheckpointSession for AgentCheckpoint {
                     first.get_or_insert(e);
                 }
             }
+        }
+        // The keeper lets go of what is back where it belongs (or whose process is gone),
+        // and keeps what `hiber recover` may still need.
+        for t in self.targets.iter().filter(|t| !not_back.contains(&t.pid)) {
+            self.unkeep(t.pid);
         }
         first.map_or(Ok(()), Err)
     }

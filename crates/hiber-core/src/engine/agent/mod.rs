@@ -360,7 +360,14 @@ impl AgentEngine {
                 other => return Err(fail(format!("agent of process {pid}: unexpected {other:?}"), None)),
             }
         }
+        // The keeper of a `--leave-running` checkpoint holds the very allocations the agent
+        // released: handed back as they are, nothing to load.
+        let keeper = crate::proctree::stat(pid).ok().and_then(|s| crate::keeper::Conn::open(pid, s.start_time).ok());
         for (id, size, gpu) in released {
+            if let Some(fd) = keeper.as_ref().and_then(|k| k.take(id).ok().flatten()) {
+                conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
+                continue;
+            }
             let prefix = chunk_prefix(ns_pid, id);
             let dir = dirs.iter().find(|d| d.join(format!("{prefix}.00000")).exists()).ok_or_else(|| {
                 fail(
@@ -376,6 +383,9 @@ impl AgentEngine {
             device::load(&self.gpus, &[(&mem, prefix)], dir, sums.as_ref(), None).map_err(|e| fail(format!("loading device memory back: {e}"), None))?;
             let fd = mem.export_fd().map_err(|e| cuda_fail(&self.gpus, "exporting device memory", e))?;
             conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
+        }
+        if let Some(k) = keeper {
+            let _ = k.done();
         }
         Ok(Some(conn))
     }
