@@ -14,9 +14,12 @@
 //! process (`hiber-keep-PID-START`). A connection carries one request and one descriptor at
 //! a time ([`hiber_wire::socket`]): `hold ID` with a descriptor (answered `ok`), `take ID`
 //! (answered `fd` with the descriptor, or `none`), `done` (the process has its memory back:
-//! its descriptors go, answered `ok`). Only root and the keeper's own user may connect. The
-//! keeper exits once every process is done or gone (it checks every two seconds): memory
-//! of a process that ended is of no use to anyone.
+//! its descriptors go, answered `ok`). Only root and the keeper's own user may connect, and
+//! hiber talks only to a keeper run by root or its own user (the names can be guessed from
+//! /proc; another user's socket of that name is refused). The keeper exits once every
+//! process is done or gone (it checks every two seconds): memory of a process that ended is
+//! of no use to anyone; and once hiber is gone while it holds nothing (hiber killed before
+//! the agents released anything).
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
@@ -32,6 +35,12 @@ pub const KEEP_COMMAND: &str = "__keep";
 
 /// How often the keeper looks for processes that are gone.
 const WATCH: Duration = Duration::from_secs(2);
+/// How long hiber waits for the keeper to start.
+const START: Duration = Duration::from_secs(5);
+/// How long hiber waits for an answer inside the job's pause.
+pub const IN_PAUSE: Duration = Duration::from_secs(1);
+/// How long `hiber recover` waits for an answer.
+pub const AT_REST: Duration = Duration::from_secs(10);
 
 /// The socket the keeper listens on for process `pid` (started at `start`).
 pub fn name(pid: i32, start: u64) -> String {
@@ -57,13 +66,26 @@ impl Keeper {
             .stderr(Stdio::null())
             .process_group(0)
             .spawn()?;
-        let mut line = String::new();
-        let stdout = child.stdout.take().ok_or_else(|| io::Error::other("no pipe from the keeper"))?;
-        BufReader::new(stdout).read_line(&mut line)?;
-        if line.trim() != "ready" {
+        let Some(stdout) = child.stdout.take() else {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(io::Error::other(format!("the keeper did not start ({})", line.trim())));
+            return Err(io::Error::other("no pipe from the keeper"));
+        };
+        // Its first line, within START: a keeper that hangs must not hold the checkpoint.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = tx.send(BufReader::new(stdout).read_line(&mut line).map(|_| line));
+        });
+        let line = match rx.recv_timeout(START) {
+            Ok(Ok(line)) => line,
+            Ok(Err(e)) => format!("reading its answer: {e}"),
+            Err(_) => format!("no answer in {} s", START.as_secs()),
+        };
+        if line.trim() != "ready" {
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            return Err(io::Error::other(format!("the keeper did not start: {} ({status})", line.trim())));
         }
         Ok(Keeper { child, targets: targets.to_vec() })
     }
@@ -98,9 +120,19 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn open(pid: i32, start: u64) -> io::Result<Conn> {
+    /// Connects to the keeper of `pid`, which must run as root or as this process's user;
+    /// each answer is awaited at most `timeout`.
+    pub fn open(pid: i32, start: u64, timeout: Duration) -> io::Result<Conn> {
         let sock = socket::connect(&name(pid, start))?;
-        socket::set_recv_timeout(&sock, Some(Duration::from_secs(10)))?;
+        // SAFETY: geteuid has no preconditions.
+        let own = unsafe { libc::geteuid() };
+        match socket::peer_uid(&sock)? {
+            uid if uid == 0 || uid == own => {}
+            uid => {
+                return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("the socket {} belongs to uid {uid}, not to a keeper", name(pid, start))))
+            }
+        }
+        socket::set_recv_timeout(&sock, Some(timeout))?;
         Ok(Conn { sock })
     }
 
@@ -162,6 +194,8 @@ pub fn main(args: &[String]) -> i32 {
         }
     }
     let held: Held = Arc::new(Mutex::new(targets.iter().map(|&(pid, _)| (pid, HashMap::new())).collect()));
+    // SAFETY: getppid has no preconditions.
+    let hiber = unsafe { libc::getppid() };
     println!("ready");
     // Nothing more goes to hiber's pipe, which may be gone with hiber.
     for (pid, _, listener) in listeners {
@@ -187,7 +221,9 @@ pub fn main(args: &[String]) -> i32 {
             let start = targets.iter().find(|(p, _)| p == pid).map(|(_, s)| *s);
             crate::proctree::stat(*pid).is_ok_and(|s| Some(s.start_time) == start) && crate::proctree::alive(*pid)
         });
-        if h.is_empty() {
+        // SAFETY: getppid has no preconditions.
+        let orphaned = unsafe { libc::getppid() } != hiber;
+        if h.is_empty() || (orphaned && h.values().all(HashMap::is_empty)) {
             return 0;
         }
     }

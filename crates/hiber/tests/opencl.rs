@@ -365,7 +365,7 @@ fn a_process_that_ends_during_the_checkpoint_fails_it() {
         let hiber = h
             .command(&argv)
             .env("HIBER_PAUSE_AT", "captured")
-            .env("HIBER_PAUSE_MS", "1500")
+            .env("HIBER_PAUSE_MS", "4000")
             .stderr(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .spawn()

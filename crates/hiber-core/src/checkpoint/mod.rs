@@ -86,7 +86,7 @@ impl CheckpointError {
             CheckpointError::Image(ImageError::OutputExists(_)) => "choose another --out, or `hiber rm` the old image".into(),
             CheckpointError::Parent { .. } => "name an image from `hiber ls` with --parent, or checkpoint in full with --no-parent".into(),
             CheckpointError::Engine(e) => return e.hint().map(String::from),
-            CheckpointError::Exited { .. } => "the rest of the application runs on; see the job's log for why that process ended".into(),
+            CheckpointError::Exited { .. } => "see the job's log for why that process ended, then checkpoint again".into(),
             CheckpointError::Resume { .. } => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
             CheckpointError::Criu(e) => match e.errno() {
                 Some(libc::ENOSPC) => "the disk filled up during the dump; free some space or choose another --out".into(),

@@ -226,13 +226,13 @@ impl<'a> Checkpoint<'a> {
             external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
             skip_network_lock: loopback_only_network(&self.tree),
         };
-        // Every process an engine claimed must still be there once CRIU has the tree: one
-        // that ended since it was claimed (a rank killed mid-checkpoint) would leave device
+        // Every process whose device state an engine took must still be there once CRIU has
+        // the tree: one that ended since (a rank killed mid-checkpoint) would leave device
         // state in the image with no process to go back into.
         let claimed: Vec<(i32, u64, String)> = self
             .sessions
             .iter()
-            .flat_map(|(_, s)| s.pids().to_vec())
+            .flat_map(|(_, s)| s.stateful())
             .filter_map(|pid| self.tree.iter().find(|p| p.pid == pid))
             .map(|p| (p.pid, p.start_time, p.comm.clone()))
             .collect();

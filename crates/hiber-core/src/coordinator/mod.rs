@@ -189,7 +189,13 @@ impl Coordinator for Local {
 /// passes every barrier.
 pub fn from_env() -> Local {
     let phase = |var: &str| std::env::var(var).ok().and_then(|v| serde_json::from_value::<Phase>(serde_json::Value::String(v)).ok());
-    let pause_ms = std::env::var("HIBER_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok());
+    let pause_ms = std::env::var("HIBER_PAUSE_MS").ok().and_then(|v| {
+        let ms = v.parse::<u64>().ok();
+        if ms.is_none() {
+            eprintln!("hiber: HIBER_PAUSE_MS={v:?} is not a number of milliseconds: a pause holds for ever");
+        }
+        ms
+    });
     match (phase("HIBER_FAIL_AT"), phase("HIBER_PAUSE_AT")) {
         (Some(at), _) => Local::with_hook(move |p| if p == at { Err(BarrierError(format!("injected failure at {p:?} (HIBER_FAIL_AT)"))) } else { Ok(()) }),
         (None, Some(at)) => Local::with_hook(move |p| {

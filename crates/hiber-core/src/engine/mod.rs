@@ -172,6 +172,14 @@ pub trait CheckpointSession: Send {
     /// The host PIDs the session claimed (recorded in the journal before anything changes).
     fn pids(&self) -> &[i32];
 
+    /// The claimed processes whose state goes into the image, which a restore needs back:
+    /// one of them that ends during the checkpoint fails it. All by default; the agent's
+    /// leaves out processes it tracks nothing for (a DataLoader worker forked after CUDA,
+    /// which may end with its epoch).
+    fn stateful(&self) -> Vec<i32> {
+        self.pids().to_vec()
+    }
+
     /// Whether the session's checkpoint takes the device files of its processes away
     /// before the dump (the driver's does). The preflight checks the device files of the
     /// processes no such session claimed.

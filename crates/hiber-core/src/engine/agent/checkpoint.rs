@@ -186,9 +186,10 @@ impl AgentCheckpoint {
     fn keep(&self, pid: i32, held: &[Held]) {
         let Some(k) = &self.keeper else { return };
         let Some(start) = k.start_of(pid) else { return };
-        let kept = crate::keeper::Conn::open(pid, start).and_then(|c| held.iter().try_for_each(|h| c.hold(h.id, h.fd.as_fd())));
+        // Inside the pause: a keeper that does not answer at once is not waited for.
+        let kept = crate::keeper::Conn::open(pid, start, crate::keeper::IN_PAUSE).and_then(|c| held.iter().try_for_each(|h| c.hold(h.id, h.fd.as_fd())));
         if let Err(e) = kept {
-            tracing::warn!(pid, error = %e, "the keeper holds none of this process's memory: a hiber killed before the hand-back would lose it");
+            tracing::warn!(pid, error = %e, "the keeper could not take all of this process's memory: a hiber killed before the hand-back would lose what it lacks");
         }
     }
 
@@ -196,7 +197,7 @@ impl AgentCheckpoint {
     fn unkeep(&self, pid: i32) {
         let Some(k) = &self.keeper else { return };
         let Some(start) = k.start_of(pid) else { return };
-        if let Err(e) = crate::keeper::Conn::open(pid, start).and_then(|c| c.done()) {
+        if let Err(e) = crate::keeper::Conn::open(pid, start, crate::keeper::IN_PAUSE).and_then(|c| c.done()) {
             tracing::debug!(pid, error = %e, "the keeper did not take the end of its hold");
         }
     }
@@ -526,7 +527,8 @@ impl AgentCheckpoint {
         if targets.is_empty() {
             return;
         }
-        match std::env::current_exe().and_then(|exe| crate::keeper::Keeper::start(&exe, &targets)) {
+        // hiber's own binary, also when it was replaced on disk since it started.
+        match crate::keeper::Keeper::start(std::path::Path::new("/proc/self/exe"), &targets) {
             Ok(k) => self.keeper = Some(k),
             Err(e) => tracing::warn!(error = %e, "no keeper: a hiber killed between the release and the hand-back would lose the job's device memory"),
         }
@@ -604,6 +606,10 @@ impl CheckpointSession for AgentCheckpoint {
 
     fn restores_peer_access(&self) -> bool {
         true
+    }
+
+    fn stateful(&self) -> Vec<i32> {
+        self.targets.iter().filter(|t| t.busy()).map(|t| t.pid).collect()
     }
 
     fn prepare(&mut self, sink: &dyn ImageSink) {
@@ -807,6 +813,12 @@ impl CheckpointSession for AgentCheckpoint {
                 first.get_or_insert(e);
             }
         }
+        // The keeper lets go of what is back where it belongs (or whose process is gone),
+        // and keeps what `hiber recover` may still need; before the rebuild, which may take
+        // up to the quiesce timeout.
+        for t in self.targets.iter().filter(|t| !not_back.contains(&t.pid)) {
+            self.unkeep(t.pid);
+        }
         // Every rank runs again (its gate open, its NCCL calls waiting): now the
         // communicators can be built again, by all ranks at once.
         // (A rank whose memory is not back cannot take part: the others would wait for it,
@@ -820,11 +832,6 @@ impl CheckpointSession for AgentCheckpoint {
                     first.get_or_insert(e);
                 }
             }
-        }
-        // The keeper lets go of what is back where it belongs (or whose process is gone),
-        // and keeps what `hiber recover` may still need.
-        for t in self.targets.iter().filter(|t| !not_back.contains(&t.pid)) {
-            self.unkeep(t.pid);
         }
         first.map_or(Ok(()), Err)
     }

@@ -362,18 +362,28 @@ impl AgentEngine {
         }
         // The keeper of a `--leave-running` checkpoint holds the very allocations the agent
         // released: handed back as they are, nothing to load.
-        let keeper = crate::proctree::stat(pid).ok().and_then(|s| crate::keeper::Conn::open(pid, s.start_time).ok());
+        let keeper = crate::proctree::stat(pid).ok().and_then(|s| crate::keeper::Conn::open(pid, s.start_time, crate::keeper::AT_REST).ok());
         for (id, size, gpu) in released {
-            if let Some(fd) = keeper.as_ref().and_then(|k| k.take(id).ok().flatten()) {
-                conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
-                continue;
+            let mut unanswered = None;
+            match keeper.as_ref().map(|k| k.take(id)) {
+                Some(Ok(Some(fd))) => {
+                    conn.call::<Reply>(&Request::Load { id }, Some(&fd))?;
+                    continue;
+                }
+                Some(Err(e)) => unanswered = Some(e),
+                Some(Ok(None)) | None => {}
             }
             let prefix = chunk_prefix(ns_pid, id);
-            let dir = dirs.iter().find(|d| d.join(format!("{prefix}.00000")).exists()).ok_or_else(|| {
-                fail(
+            let dir = dirs.iter().find(|d| d.join(format!("{prefix}.00000")).exists()).ok_or_else(|| match &unanswered {
+                // It may still hold it: nothing is lost yet.
+                Some(e) => fail(
+                    format!("the keeper of process {pid}'s device memory did not hand back allocation {id} ({e})"),
+                    Some("the application waits at the agent's gate; run `hiber recover` again"),
+                ),
+                None => fail(
                     format!("the device memory of process {pid} (allocation {id}, {} MiB) was only in the hiber that died; it is lost", size >> 20),
                     Some("the application cannot continue on the GPU; stop it and restore an earlier image"),
-                )
+                ),
             })?;
             // A finished image has checksums for the chunks; a partial one does not yet.
             let image = crate::image::Image::open(dir).ok();
