@@ -310,14 +310,7 @@ fn hiber_killed_after_the_release_recovers() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    wait("hiber to hold at the quiesced barrier", Duration::from_secs(30), || {
-        std::fs::read_dir(h.state.join("journal"))
-            .ok()
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("quiesced")))
-    });
+    h.wait_journal("quiesced", "hiber to hold at the quiesced barrier");
     std::thread::sleep(Duration::from_millis(300));
     hiber.kill().unwrap();
     hiber.wait().unwrap();
@@ -370,14 +363,7 @@ fn a_process_that_ends_during_the_checkpoint_fails_it() {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        wait("hiber to wait at the captured barrier", Duration::from_secs(30), || {
-            std::fs::read_dir(h.state.join("journal"))
-                .ok()
-                .into_iter()
-                .flatten()
-                .flatten()
-                .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("\"captured\"")))
-        });
+        h.wait_journal("\"captured\"", "hiber to wait at the captured barrier");
         // SAFETY: kill has no memory preconditions; the PID is a child of the job's shell.
         assert_eq!(unsafe { libc::kill(*victim, libc::SIGKILL) }, 0);
         let out = hiber.wait_with_output().unwrap();

@@ -127,6 +127,18 @@ impl Hiber {
         log
     }
 
+    /// Waits until a checkpoint's journal entry mentions `needle` (the phase it reached).
+    pub fn wait_journal(&self, needle: &str, what: &str) {
+        wait(what, Duration::from_secs(30), || {
+            std::fs::read_dir(self.state.join("journal"))
+                .ok()
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains(needle)))
+        });
+    }
+
     pub fn images_dir(&self) -> PathBuf {
         self.state.join("images")
     }
