@@ -129,6 +129,9 @@ pub struct CheckpointReport {
     pub paused: Option<Duration>,
     /// CRIU's own figures of the dump.
     pub criu: Option<crate::criu::DumpStats>,
+    /// How long each step inside the pause took, in order (engine quiesce, capture, CRIU's
+    /// dump, engine resume).
+    pub steps: Vec<(String, Duration)>,
 }
 
 /// Refuses targets that cannot or must not be checkpointed, before anything is touched.

@@ -36,6 +36,8 @@ pub struct Checkpoint<'a> {
     quiesce_start: Option<Instant>,
     paused: Option<Duration>,
     criu: Option<crate::criu::DumpStats>,
+    /// Where the pause went, step by step ("agent quiesce", "criu dump", ...).
+    steps: Vec<(String, Duration)>,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -121,6 +123,7 @@ impl<'a> Checkpoint<'a> {
             quiesce_start: None,
             paused: None,
             criu: None,
+            steps: Vec::new(),
         })
     }
 
@@ -153,8 +156,11 @@ impl<'a> Checkpoint<'a> {
         if self.sessions.iter().all(|(_, s)| s.collectives().is_empty()) {
             coord.catch_up(&Phase::NCCL_CUT)?;
         }
-        for (_, s) in &mut self.sessions {
-            s.quiesce(&self.sink, coord)?;
+        for (kind, s) in &mut self.sessions {
+            let t = Instant::now();
+            let r = s.quiesce(&self.sink, coord);
+            self.steps.push((format!("{} quiesce", kind.name()), t.elapsed()));
+            r?;
         }
         self.devices += start.elapsed();
         self.advance(journal::Phase::DevicesQuiesced)
@@ -167,7 +173,10 @@ impl<'a> Checkpoint<'a> {
             self.ctx.phase("checkpointing GPU state");
         }
         for (kind, s) in &mut self.sessions {
-            let state = s.capture(&self.tree)?;
+            let t = Instant::now();
+            let state = s.capture(&self.tree);
+            self.steps.push((format!("{} capture", kind.name()), t.elapsed()));
+            let state = state?;
             self.sections.push(DeviceSection { engine: kind.name().into(), version: kind.section_version(), state });
         }
         self.devices += start.elapsed();
@@ -278,6 +287,7 @@ impl<'a> Checkpoint<'a> {
                 msg
             })
         });
+        self.steps.push(("criu dump".into(), dump_start.elapsed()));
         if let Some(e) = commit_error {
             return Err(e);
         }
@@ -333,7 +343,10 @@ impl<'a> Checkpoint<'a> {
         }
         let mut failed = None;
         for (kind, s) in self.sessions.iter_mut().rev() {
-            if let Err(e) = s.resume(&self.sink, coord) {
+            let t = Instant::now();
+            let r = s.resume(&self.sink, coord);
+            self.steps.push((format!("{} resume", kind.name()), t.elapsed()));
+            if let Err(e) = r {
                 tracing::error!(engine = kind.name(), error = %e, "could not resume device state");
                 failed.get_or_insert(e);
             }
@@ -347,6 +360,12 @@ impl<'a> Checkpoint<'a> {
         match failed {
             None => {
                 self.paused = self.quiesce_start.map(|t| t.elapsed());
+                if let Some(p) = self.paused {
+                    let mut steps: Vec<String> = self.steps.iter().map(|(n, d)| format!("{n} {:.3}s", d.as_secs_f64())).collect();
+                    let between = p.saturating_sub(self.steps.iter().map(|(_, d)| *d).sum());
+                    steps.push(format!("between the steps {:.3}s", between.as_secs_f64()));
+                    tracing::info!(paused_s = p.as_secs_f64(), steps = %steps.join(", "), "where the pause went");
+                }
                 Ok(())
             }
             Some(e) => {
@@ -403,6 +422,7 @@ impl<'a> Checkpoint<'a> {
             shared_bytes: self.sink.shared().1,
             paused: self.paused,
             criu: self.criu,
+            steps: self.steps,
         }
     }
 }

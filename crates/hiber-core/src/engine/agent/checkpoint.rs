@@ -207,6 +207,7 @@ impl AgentCheckpoint {
     /// [`CheckpointSession::resume`] to hand back (or save for `hiber recover`).
     fn take(&self, t: &Target, sink: &dyn ImageSink, barrier: Option<&AllQuiesced>) -> Result<Taken, (EngineError, Vec<Held>)> {
         let pid = t.pid;
+        let asked = Instant::now();
         let gate = ArriveOrFail { barrier, arrived: std::cell::Cell::new(false) };
         let conn = connect(pid, &t.name).map_err(|e| (e, Vec::new()))?;
         // The agent bounds its wait for calls in flight; a kernel still running when it
@@ -280,6 +281,10 @@ impl AgentCheckpoint {
                 let _one = self.saving.lock().unwrap_or_else(|e| e.into_inner());
                 device::save(&self.gpus, &direct, None, sink).map_err(|e| fail(format!("writing device memory: {e}"), None))?
             };
+            let released = Instant::now();
+            self.keep(pid, &held);
+            conn.call::<Reply>(&Request::Release, None)?;
+            conn.wait_closed();
             tracing::info!(
                 pid,
                 device_mib = placed.device >> 20,
@@ -287,14 +292,13 @@ impl AgentCheckpoint {
                 direct_mib = placed.direct >> 20,
                 unchanged_mib = placed.unchanged >> 20,
                 zeros_mib = placed.zeros >> 20,
+                quiesce_s = (quiesced - asked).as_secs_f64(),
                 fingerprint_s = (fingerprinted - quiesced).as_secs_f64(),
                 copy_s = (copied - fingerprinted).as_secs_f64(),
-                direct_s = copied.elapsed().as_secs_f64(),
+                direct_s = (released - copied).as_secs_f64(),
+                release_s = released.elapsed().as_secs_f64(),
                 "device memory taken"
             );
-            self.keep(pid, &held);
-            conn.call::<Reply>(&Request::Release, None)?;
-            conn.wait_closed();
             Ok((written, copies, placed))
         })();
         // A take that failed before its quiesce releases the others now, not after its undo.
@@ -762,6 +766,7 @@ impl CheckpointSession for AgentCheckpoint {
     fn resume(&mut self, sink: &dyn ImageSink, peers: &dyn Coordinator) -> Result<(), EngineError> {
         let mut first = None;
         let mut not_back = Vec::new();
+        let start = Instant::now();
         // Every process gets its memory back before any resumes: one that opened memory of
         // another through CUDA IPC maps it again as it resumes (hiber-agent's `ipc`).
         let mut to_resume: Vec<(i32, Conn)> = Vec::new();
@@ -807,12 +812,14 @@ impl CheckpointSession for AgentCheckpoint {
                 }
             }
         }
+        let loaded = start.elapsed().as_secs_f64();
         for (pid, conn) in to_resume {
             if let Err(e) = conn.call::<Reply>(&Request::Resume, None) {
                 not_back.push(pid);
                 first.get_or_insert(e);
             }
         }
+        tracing::info!(load_s = loaded, resume_s = start.elapsed().as_secs_f64() - loaded, "device memory handed back");
         // The keeper lets go of what is back where it belongs (or whose process is gone),
         // and keeps what `hiber recover` may still need; before the rebuild, which may take
         // up to the quiesce timeout.
