@@ -229,6 +229,10 @@ class Hiber:
         # hiber's own view of the pause, and CRIU's figures of its part of it.
         r = json.loads(out)
         self.figures = {k: r[k] for k in ("paused_seconds", "devices_seconds", "criu_frozen_seconds", "criu_memdump_seconds", "criu_memwrite_seconds") if r.get(k) is not None}
+        # Where the pause went, step by step (each engine's quiesce, capture and resume,
+        # CRIU's dump).
+        for st in r.get("pause_steps") or []:
+            self.figures["step_" + st["step"].replace(" ", "_") + "_s"] = st["seconds"]
         if r.get("criu_memory_bytes") is not None:
             self.figures["criu_memory_gib"] = r["criu_memory_bytes"] / (1 << 30)
         return rss  # hiber returns once the image is fsync'd and renamed into place
@@ -363,19 +367,32 @@ CONTENDERS = {"hiber": lambda: Hiber(agent=True), "hiber-no-agent": lambda: Hibe
 
 
 def agent_figures(img):
-    """From a hiber image's agent section: where the device memory was while the job was
-    stopped (GiB copied on the GPU, to host memory, written before the release), the time
-    the host staging area took to make ready beforehand, and the quiesce-to-release time."""
+    """From a hiber image's device sections: where the agent's device memory was while the
+    job was stopped (GiB copied on the GPU, to host memory, written before the release), the
+    time the host staging area took to make ready beforehand, the quiesce-to-release time,
+    and the device memory left to the driver's checkpoint (what NVML still counted for the
+    processes then: the CUDA contexts' own, and what the agent passed through, also given
+    apart), which goes through host memory and CRIU's dump inside the pause."""
     try:
         m = json.loads((img / "manifest.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+    out = {}
     for d in m.get("devices", []):
+        s = d["state"]
         if d["engine"] == "agent":
-            s, p = d["state"], d["state"].get("placed", {})
-            return {"agent_device_gib": p.get("device", 0) / (1 << 30), "agent_host_gib": p.get("host", 0) / (1 << 30), "agent_direct_gib": p.get("direct", 0) / (1 << 30),
-                    "agent_unchanged_gib": p.get("unchanged", 0) / (1 << 30), "agent_zeros_gib": p.get("zeros", 0) / (1 << 30), "agent_staging_s": s.get("staging_seconds", 0.0), "agent_quiesce_s": s["quiesce_seconds"]}
-    return {}
+            p = s.get("placed", {})
+            out.update({"agent_device_gib": p.get("device", 0) / (1 << 30), "agent_host_gib": p.get("host", 0) / (1 << 30), "agent_direct_gib": p.get("direct", 0) / (1 << 30),
+                        "agent_unchanged_gib": p.get("unchanged", 0) / (1 << 30), "agent_zeros_gib": p.get("zeros", 0) / (1 << 30), "agent_staging_s": s.get("staging_seconds", 0.0),
+                        "agent_quiesce_s": s["quiesce_seconds"],
+                        "agent_passthrough_gib": sum(q.get("passthrough", {}).get("bytes", 0) for q in s.get("processes", [])) / (1 << 30)})
+            kinds = [f"{q.get('comm')}: " + ", ".join(f"{n} {k}" for k, n in q.get("passthrough", {}).get("kinds", {}).items()) for q in s.get("processes", []) if q.get("passthrough", {}).get("calls")]
+            if kinds:
+                print(f"[figures] passed through by the agent: {'; '.join(kinds)}", flush=True)
+        elif d["engine"] == "cuda":
+            out["driver_gib"] = sum(q.get("memory_bytes", 0) for q in s.get("processes", [])) / (1 << 30)
+            out["driver_checkpoint_s"] = s.get("checkpoint_seconds", 0.0)
+    return out
 
 
 def one_sample(contender, w, rep, cold=True):
@@ -383,7 +400,14 @@ def one_sample(contender, w, rep, cold=True):
     shutil.rmtree(img, ignore_errors=True)
     pid = contender.start(w)
     try:
-        wait_for(f"{w.name} to make progress", 300, lambda: (parse_progress(contender.log()) or [(-1, 0)])[-1][0] >= w.ready_step)
+        def started():
+            # A job that died on its way up (out of device memory, say) fails the sample now,
+            # with its last words, rather than after the whole wait.
+            if not Path(f"/proc/{pid}").exists():
+                raise RuntimeError(f"{w.name} ended before it made progress: " + " | ".join(contender.log().strip().splitlines()[-3:]))
+            return (parse_progress(contender.log()) or [(-1, 0)])[-1][0] >= w.ready_step
+
+        wait_for(f"{w.name} to make progress", 300, started)
         t0 = now_ms()
         rss = contender.checkpoint(pid, img)
         t1 = now_ms()

@@ -40,10 +40,18 @@ torch.manual_seed(1234)
 g = torch.Generator(device=dev)
 g.manual_seed(100 + rank)
 
-ballast = None
+ballast = ballast_sum = None
 if args.mib:
     ballast = torch.randint(-(2**31), 2**31 - 1, (args.mib << 18,), dtype=torch.int32, device=dev, generator=g)
-    ballast_sum = int(ballast.to(torch.int64).sum().item())
+
+
+def ballast_total():
+    # In slices: widened whole, a ballast of half the GPU would not fit beside itself.
+    return sum(int(c.to(torch.int64).sum().item()) for c in ballast.split(1 << 26))
+
+
+if ballast is not None:
+    ballast_sum = ballast_total()
 
 
 def bits(v):
@@ -96,7 +104,7 @@ else:
     flat = state
 other = flat.clone()
 dist.broadcast(other, 0)
-ok = torch.equal(flat, other) and (ballast is None or int(ballast.to(torch.int64).sum().item()) == ballast_sum)
+ok = torch.equal(flat, other) and (ballast is None or ballast_total() == ballast_sum)
 same = torch.tensor([int(ok)], device=dev)
 dist.all_reduce(same, op=dist.ReduceOp.MIN)
 if rank == 0 or args.init_file:
