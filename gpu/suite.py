@@ -1597,7 +1597,14 @@ def xhost_trains_on(m, job, ref, n):
     try:
         # (A rank that faults ends the job: no need to wait the whole limit.)
         wait(f"{job} to reach step {at + n}", 120, lambda: all(progress(job, r) and progress(job, r)[-1][0] >= at + n for r in ("r0 ", "r1 ")) or state_of(job) != "running")
-        assert state_of(job) == "running", f"{job} ended as {state_of(job)} before step {at + n}"
+        # A job that ran to its last step and verified on both ranks trained on too (on a
+        # fast machine the image takes longer to write than the rest of the job runs).
+        last = ref[-1][0]
+        ended_well = all(progress(job, r) and progress(job, r)[-1][0] == last for r in ("r0 ", "r1 ")) and all(
+            any(l.startswith(r + "verify ok") for l in log(job).splitlines()) for r in ("r0 ", "r1 ")
+        )
+        assert state_of(job) == "running" or ended_well, f"{job} ended as {state_of(job)} before step {at + n}"
+        m["ran_to_its_end"] = state_of(job) != "running"
     finally:
         m["said"] = [l[-240:] for l in log(job).splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
     want = dict(ref)
@@ -1636,9 +1643,10 @@ def nccl_socket_ranks_in_one_job_leave_running(m):
     uninterrupted trajectory. Fails with the code of 3f3497a (H100, 2026-11-25): a rank
     faults ('unspecified launch failure') a few steps after the rebuild, which is why the
     default refuses."""
-    # Long enough for 40 steps after the checkpoint returns: with a GPU per rank the job
-    # ran through 400 steps while hiber wrote the image (H100 x2, 227f4d6).
-    steps = "1200"
+    # With a GPU per rank the job ran through 400 steps while hiber wrote the image (2×H100,
+    # 227f4d6), and 1200 steps of the reference took longer than its 300 s beside the NCCL
+    # scenarios (0118a44): a job that ends, verified, counts as training on.
+    steps = "700"
     ref = xhost_reference(steps, "one")
     job = "nx1job"
     init = xhost_one_job(job, steps)
