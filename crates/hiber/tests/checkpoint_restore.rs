@@ -105,6 +105,12 @@ fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
     assert!(report["criu_memory_bytes"].as_u64().unwrap() >= 32 << 20, "{report}");
     let (paused, frozen) = (report["paused_seconds"].as_f64().unwrap(), report["criu_frozen_seconds"].as_f64().unwrap());
     assert!(frozen > 0.0 && paused >= frozen && paused <= report["total_seconds"].as_f64().unwrap(), "{report}");
+    // Where the pause went: with no device engine, CRIU's dump is the one step, and it holds
+    // the frozen time.
+    let steps = report["pause_steps"].as_array().unwrap();
+    assert_eq!(steps.iter().map(|s| s["step"].as_str().unwrap()).collect::<Vec<_>>(), ["criu dump"], "{report}");
+    let dump = steps[0]["seconds"].as_f64().unwrap();
+    assert!(dump >= frozen && dump <= paused, "{report}");
     let at = h.last_step("leave").unwrap();
     h.wait_step("leave", at + 5);
     h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-copy"]);

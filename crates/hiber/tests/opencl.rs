@@ -455,6 +455,13 @@ fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
     let first = h.images_dir().join("wt1").display().to_string();
     let r1 = checkpoint("wt", &first, &["--leave-running"]);
     assert_eq!(r1["shared_bytes"], 0, "a job's first image is whole: {r1}");
+    // Where the pause went, step by step, in order; together nearly all of it.
+    let steps = r1["pause_steps"].as_array().unwrap();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["opencl quiesce", "opencl capture", "criu dump", "opencl resume"], "{r1}");
+    let sum: f64 = steps.iter().map(|s| s["seconds"].as_f64().unwrap()).sum();
+    let paused = r1["paused_seconds"].as_f64().unwrap();
+    assert!(sum <= paused && paused - sum < 0.5, "the steps ({sum} s) are the pause ({paused} s): {r1}");
     h.wait_step("wt", h.last_step("wt").unwrap() + 10);
     let second = h.images_dir().join("wt2").display().to_string();
     let r2 = checkpoint("wt", &second, &["--leave-running"]);
