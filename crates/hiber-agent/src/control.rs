@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use hiber_wire::{socket, Reply, Request, Status};
 
-use crate::{cuda, gate, ipc, log, memory, nccl};
+use crate::{cuda, gate, ipc, log, memory, nccl, stack};
 
 /// How long a process waits at resume for the memory it opened through CUDA IPC to be
 /// back in its exporter (hiber hands every process its memory before it resumes any).
@@ -189,6 +189,9 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
                     // kernels would fault on it, so its calls keep waiting.
                     reply(conn, Reply::Err(format!("memory opened through CUDA IPC: {m}")))?;
                 } else {
+                    if let Some(d) = cuda::driver() {
+                        stack::restore(d);
+                    }
                     gate::open();
                     reply(conn, Reply::Ok)?;
                 }
@@ -201,11 +204,14 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
 /// Hands the device memory over: its own, then what it opened of other processes' once
 /// their exporters said they still hold it. Nothing is released when the check fails; an
 /// import that cannot be let go of leaves the imports mapped (and hiber hands the memory
-/// back).
+/// back). Once all is handed over, the kernels' stack memory is shrunk for the driver's
+/// checkpoint ([`stack`]; `Resume` sets it back).
 fn release(d: &'static cuda::Driver) -> Result<(), String> {
     ipc::check_exporters()?;
     memory::evacuate(d).map_err(|(id, r)| format!("releasing allocation {id}: CUDA error {r}"))?;
-    ipc::evacuate(d)
+    ipc::evacuate(d)?;
+    stack::lower(d);
+    Ok(())
 }
 
 fn done(r: Result<(), String>) -> Reply {

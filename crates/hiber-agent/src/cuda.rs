@@ -123,6 +123,10 @@ driver_fns! {
     ctx_pop = cuCtxPopCurrent_v2;
     primary_retain = cuDevicePrimaryCtxRetain;
     primary_release = cuDevicePrimaryCtxRelease_v2;
+    primary_state = cuDevicePrimaryCtxGetState;
+    device_count = cuDeviceGetCount;
+    ctx_get_limit = cuCtxGetLimit;
+    ctx_set_limit = cuCtxSetLimit;
     address_reserve = cuMemAddressReserve;
     address_free = cuMemAddressFree;
     create = cuMemCreate;
@@ -322,6 +326,38 @@ impl Driver {
         // SAFETY: valid out-pointer; the address is passed as the pointer-sized value it is.
         check(unsafe { (self.retain)(&mut h, va as usize as *mut c_void) })?;
         Ok(h)
+    }
+
+    /// The devices whose primary context is active (the ones the application uses; asking
+    /// creates none).
+    pub fn active_devices(&self) -> Vec<c_int> {
+        let mut n: c_int = 0;
+        // SAFETY: valid out-pointer.
+        if check(unsafe { (self.device_count)(&mut n) }).is_err() {
+            return Vec::new();
+        }
+        (0..n)
+            .filter(|&dev| {
+                let (mut flags, mut active): (std::ffi::c_uint, c_int) = (0, 0);
+                // SAFETY: valid out-pointers; the driver checks the ordinal.
+                check(unsafe { (self.primary_state)(dev, &mut flags, &mut active) }).is_ok() && active != 0
+            })
+            .collect()
+    }
+
+    /// The stack limit of the context current on this thread.
+    pub fn stack_limit(&self) -> Result<usize, CuResult> {
+        let mut v = 0usize;
+        // SAFETY: valid out-pointer.
+        check(unsafe { (self.ctx_get_limit)(&mut v, hiber_cuda_sys::CU_LIMIT_STACK_SIZE) })?;
+        Ok(v)
+    }
+
+    /// Sets the stack limit of the context current on this thread (the driver waits for
+    /// the context's work first, and resizes its local memory at once).
+    pub fn set_stack_limit(&self, v: usize) -> Result<(), CuResult> {
+        // SAFETY: plain values.
+        check(unsafe { (self.ctx_set_limit)(hiber_cuda_sys::CU_LIMIT_STACK_SIZE, v) })
     }
 
     pub fn properties(&self, h: Handle) -> Result<AllocationProp, CuResult> {

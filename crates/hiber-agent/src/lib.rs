@@ -5,7 +5,8 @@
 //! entry points ([`hooks`]) that also gates work submission ([`gate`]). When hiber
 //! checkpoints, it asks the agent over a control socket ([`control`]) to quiesce and hand
 //! over its device memory; hiber moves that memory at PCIe speed itself, and the driver's
-//! checkpoint takes only the small remainder.
+//! checkpoint takes only the small remainder, made smaller still by lowering the kernels'
+//! stack limit for its duration ([`stack`]).
 //!
 //! Rules for code in this crate: it runs inside someone else's program. It never writes to
 //! the application's stdout or stderr (only to `HIBER_AGENT_LOG`), never panics or unwinds
@@ -22,6 +23,7 @@ pub mod ipc;
 pub mod memory;
 pub mod nccl;
 pub mod sharing;
+pub mod stack;
 
 use std::io::Write;
 

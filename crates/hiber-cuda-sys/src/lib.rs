@@ -63,6 +63,9 @@ pub struct CUipcHandle {
     pub reserved: [u8; CU_IPC_HANDLE_SIZE],
 }
 
+/// `CU_LIMIT_STACK_SIZE`: the per-thread stack of kernels, whose local memory the driver
+/// reserves for every thread the device can run at once.
+pub const CU_LIMIT_STACK_SIZE: c_int = 0;
 /// `CUprocessState`.
 pub const CU_PROCESS_STATE_RUNNING: c_int = 0;
 pub const CU_PROCESS_STATE_LOCKED: c_int = 1;
@@ -211,6 +214,9 @@ pub mod fns {
     pub type cuCtxPopCurrent_v2 = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
     pub type cuCtxGetDevice = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
     pub type cuCtxSynchronize = unsafe extern "C" fn() -> CUresult;
+    pub type cuDevicePrimaryCtxGetState = unsafe extern "C" fn(CUdevice, *mut c_uint, *mut c_int) -> CUresult;
+    pub type cuCtxGetLimit = unsafe extern "C" fn(*mut usize, c_int) -> CUresult;
+    pub type cuCtxSetLimit = unsafe extern "C" fn(c_int, usize) -> CUresult;
 
     // Memory: classic allocations.
     pub type cuMemGetInfo_v2 = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
