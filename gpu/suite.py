@@ -1302,9 +1302,11 @@ def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
     40: it trains on, on the uninterrupted run's trajectory, paused for no longer than the
     checkpoint's downtime. The image is then restored twice, once with the GPUs swapped
     (0=1,1=0) and once in place: each copy goes on from the cut on the same trajectory, and
-    its ranks agree at the end."""
+    its ranks agree at the end, their stack limit as they set it."""
     need_two_gpus()
-    args = ("--mib", mib, "--interval-ms", interval)
+    # A stack limit of 4 KiB (1 GiB of local memory per rank on an H100) that no kernel
+    # reaches: the agent lowers it for the driver's checkpoint, and must set it back.
+    args = ("--mib", mib, "--interval-ms", interval, "--stack-limit", "4096")
     ref = nccl_reference(mode, steps, args)
     job = "nc" + mode[:4]
     # SUITE_NCCL_ENV=K=V,... adds to the jobs' environment (to try NCCL's settings).
@@ -1316,6 +1318,7 @@ def nccl_round_trip(m, mode, steps="600", mib="2048", interval="10"):
     ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--leave-running", "--out", img)
     m["checkpoint_s"] = round(ck["total_seconds"], 2)
     m["devices_s"] = round(ck["devices_seconds"], 3)
+    m["pause_steps"] = ck.get("pause_steps")
     assert_verified(job)
     assert_on_reference(job, ref)
     assert len(progress(job)) == int(steps), "the original ran every step"
@@ -1434,10 +1437,15 @@ def rank_killed(m, job, hiber_dies):
     if hiber_dies:
         r = hiber("recover", check=False)
         m["recover"] = (r.stdout + r.stderr).strip()[-500:]
-        assert "are gone" in r.stdout + r.stderr and "panicked" not in r.stderr, m["recover"]
+        said = r.stdout + r.stderr
+        assert "are gone" in said and "problem:" not in said and "panicked" not in r.stderr, m["recover"]
     else:
         m["checkpoint"] = err.strip().splitlines()[-3:]
         assert p.returncode != 0 and "panicked" not in err, f"the checkpoint fails once a rank is gone: {p.returncode} {err[-800:]}"
+        # Named as the rank's end, with nothing left for `hiber recover` to retry.
+        assert "ended during the checkpoint" in err and "so did its undo" not in err, err[-800:]
+        left = list((STATE / "journal").glob(f"checkpoint-*-{p.pid}.json"))
+        assert not left, f"the journal keeps the checkpoint: {left}"
     t0 = time.time()
     wait(f"{job} to end", 180, lambda: state_of(job) != "running")
     m["ended_after_s"] = round(time.time() - t0, 1)

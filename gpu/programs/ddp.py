@@ -10,8 +10,8 @@ holds `--mib` of ballast filled from its own seed.
 
 Rank 0 prints `step N checksum X t MS loss L` per step (X: the bits of the loss, or of the
 all-reduced sum, identical run to run). At the end every rank checks that the ranks'
-parameters agree bit for bit and that its ballast is what it filled in, and rank 0 prints
-`verify ok`.
+parameters agree bit for bit, that its ballast is what it filled in and (with
+`--stack-limit`) that its stack limit is what it set, and rank 0 prints `verify ok`.
 """
 import argparse
 import os
@@ -23,6 +23,7 @@ p.add_argument("--steps", type=int, default=300)
 p.add_argument("--interval-ms", type=int, default=20)
 p.add_argument("--mode", choices=("ddp", "fsdp", "allreduce"), default="ddp")
 p.add_argument("--mib", type=int, default=0)
+p.add_argument("--stack-limit", type=int, default=0, help="set the kernels' per-thread stack limit (cuCtxSetLimit) to this many bytes at the start, and check at the end that it still is at least that: hiber lowers it for its checkpoints and must set it back")
 p.add_argument("--init-file", help="rendezvous through this file (torch's FileStore) rather than torchrun's TCP store: ranks started apart, as on two hosts")
 args = p.parse_args()
 
@@ -37,6 +38,22 @@ rank = dist.get_rank()
 dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
 torch.cuda.set_device(dev)
 torch.manual_seed(1234)
+
+
+def stack_limit(set_to=None):
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    if set_to is not None:
+        assert cu.cuCtxSetLimit(0, ctypes.c_size_t(set_to)) == 0, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)"
+    v = ctypes.c_size_t()
+    assert cu.cuCtxGetLimit(ctypes.byref(v), 0) == 0, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)"
+    return v.value
+
+
+if args.stack_limit:
+    torch.zeros(1, device=dev)
+    stack_limit(args.stack_limit)
 g = torch.Generator(device=dev)
 g.manual_seed(100 + rank)
 
@@ -105,6 +122,9 @@ else:
 other = flat.clone()
 dist.broadcast(other, 0)
 ok = torch.equal(flat, other) and (ballast is None or ballast_total() == ballast_sum)
+if args.stack_limit and stack_limit() < args.stack_limit:
+    print(f"rank {rank}: stack limit {stack_limit()} B, set to {args.stack_limit} B at the start", flush=True)
+    ok = False
 same = torch.tensor([int(ok)], device=dev)
 dist.all_reduce(same, op=dist.ReduceOp.MIN)
 if rank == 0 or args.init_file:

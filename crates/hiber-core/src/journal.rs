@@ -103,6 +103,9 @@ pub struct Recovered {
     /// The image was complete: the checkpoint had in fact succeeded.
     pub image_complete: Option<PathBuf>,
     pub problems: Vec<String>,
+    /// What the recovery could not give back because processes of the job are gone: said,
+    /// but nothing a later recovery could retry.
+    pub notes: Vec<String>,
 }
 
 /// Entries left by a hiber that no longer runs.
@@ -124,7 +127,7 @@ pub fn recover(state: &StateDir, engines: &[Box<dyn DeviceEngine>]) -> Vec<Recov
 }
 
 fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) -> Recovered {
-    let mut problems = Vec::new();
+    let (mut problems, mut notes) = (Vec::new(), Vec::new());
     // CRIU may still be finishing (it outlives hiber on purpose): wait until it has let go
     // of the tree, so that device state is not touched under it. If it still holds the
     // tree, leave the entry for a later recovery.
@@ -134,6 +137,7 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
             root_running: true,
             image_complete: None,
             problems: vec!["CRIU still holds the tree after 120 s; run `hiber recover` again later".into()],
+            notes: Vec::new(),
         };
     }
     // Engines that quiesced first resume last (the agent needs the driver unlocked).
@@ -141,8 +145,10 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
         match engines.iter().find(|e| e.name() == claim.engine) {
             Some(engine) => {
                 let (alive, gone): (Vec<i32>, Vec<i32>) = claim.pids.iter().partition(|&&p| proctree::alive(p));
-                if let Err(e) = engine.recover(&alive, &gone, &[&entry.tmp_dir, &entry.dest]) {
-                    problems.push(e.to_string());
+                match engine.recover(&alive, &gone, &[&entry.tmp_dir, &entry.dest]) {
+                    Ok(()) => {}
+                    Err(e @ crate::engine::EngineError::ProcessesGone { .. }) => notes.push(e.to_string()),
+                    Err(e) => problems.push(e.to_string()),
                 }
             }
             None => problems.push(format!("engine {} is not available here to resume pids {:?}", claim.engine, claim.pids)),
@@ -151,7 +157,7 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
     if !problems.is_empty() {
         // Keep the partial image (device data may be in it) and the entry: a later
         // `hiber recover` tries again.
-        return Recovered { root_pid: entry.root_pid, root_running: proctree::alive(entry.root_pid), image_complete: None, problems };
+        return Recovered { root_pid: entry.root_pid, root_running: proctree::alive(entry.root_pid), image_complete: None, problems, notes };
     }
     let _ = fs::remove_dir_all(&entry.tmp_dir);
     let root_running = proctree::alive(entry.root_pid);
@@ -170,7 +176,7 @@ fn recover_one(path: &Path, entry: &Entry, engines: &[Box<dyn DeviceEngine>]) ->
         image_complete = None;
     }
     let _ = fs::remove_file(path);
-    Recovered { root_pid: entry.root_pid, root_running, image_complete, problems }
+    Recovered { root_pid: entry.root_pid, root_running, image_complete, problems, notes }
 }
 
 fn tracer_of(pid: i32) -> Option<i32> {
@@ -299,7 +305,11 @@ mod tests {
         }
         fn recover(&self, pids: &[i32], gone: &[i32], _: &[&Path]) -> Result<(), crate::engine::EngineError> {
             self.0.lock().unwrap().push((pids.to_vec(), gone.to_vec()));
-            Ok(())
+            if gone.is_empty() {
+                return Ok(());
+            }
+            // As the agent says when ranks' communicators cannot be built again.
+            Err(crate::engine::EngineError::ProcessesGone { engine: "recording", message: format!("process(es) {gone:?} are gone"), hint: None })
         }
         fn begin_restore(
             &self,
@@ -311,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn recover_tells_the_engine_which_processes_are_gone_zombies_included() {
+    fn recover_tells_the_engine_which_processes_are_gone_zombies_included_and_says_what_they_took() {
         let root = std::env::temp_dir().join(format!("hiber-journal-gone-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         let state = StateDir::at(&root);
@@ -345,6 +355,8 @@ mod tests {
         let rec = recover(&state, &engines);
         assert_eq!(rec.len(), 1);
         assert!(rec[0].problems.is_empty(), "{:?}", rec[0].problems);
+        assert!(rec[0].notes.len() == 1 && rec[0].notes[0].contains("are gone"), "said, as a note: {:?}", rec[0].notes);
+        assert!(stale_entries(&state).is_empty(), "processes that are gone leave nothing for a later recovery to retry");
         zombie.wait().unwrap();
         assert_eq!(*asked.lock().unwrap(), vec![(vec![me_pid], vec![reaped.id() as i32, z])], "alive, then gone");
         fs::remove_dir_all(&root).unwrap();

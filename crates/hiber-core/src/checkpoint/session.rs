@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::{check_space, log_file_id, loopback_only_network, preflight, CheckpointError, CheckpointReport, CheckpointRequest};
 use crate::coordinator::{Coordinator, Phase, Tracked};
 use crate::criu::DumpOptions;
-use crate::engine::{CheckpointOptions, CheckpointSession, EngineKind};
+use crate::engine::{CheckpointOptions, CheckpointSession, EngineError, EngineKind};
 use crate::image::{DeviceSection, FileEntry, ImageError, ImageSink, ImageWriter, Manifest, Source, FORMAT, MAGIC};
 use crate::journal::{self, Claim, Entry, Journal};
 use crate::proctree::{self, ProcessInfo};
@@ -338,6 +338,13 @@ impl<'a> Checkpoint<'a> {
     /// tore communicators down (on any participant), the rebuild's phases are passed here
     /// too, with nothing to say when no rank of this participant was torn down.
     pub fn resume(&mut self, coord: &Tracked<'_>) -> Result<(), CheckpointError> {
+        self.resume_all(coord, false)
+    }
+
+    /// [`resume`](Self::resume); in an `undo`, processes that ended while the job was held
+    /// leave nothing to retry (the others got back all they can), so that is said, not
+    /// failed on.
+    fn resume_all(&mut self, coord: &Tracked<'_>, undo: bool) -> Result<(), CheckpointError> {
         if !self.sessions.is_empty() {
             self.ctx.phase("resuming GPU processes");
         }
@@ -346,9 +353,15 @@ impl<'a> Checkpoint<'a> {
             let t = Instant::now();
             let r = s.resume(&self.sink, coord);
             self.steps.push((format!("{} resume", kind.name()), t.elapsed()));
-            if let Err(e) = r {
-                tracing::error!(engine = kind.name(), error = %e, "could not resume device state");
-                failed.get_or_insert(e);
+            match r {
+                Ok(()) => {}
+                Err(e @ EngineError::ProcessesGone { .. }) if undo => {
+                    tracing::warn!(engine = kind.name(), error = %e, "processes of the job ended while it was held");
+                }
+                Err(e) => {
+                    tracing::error!(engine = kind.name(), error = %e, "could not resume device state");
+                    failed.get_or_insert(e);
+                }
             }
         }
         if coord.passed(Phase::NcclDrained) {
@@ -380,7 +393,7 @@ impl<'a> Checkpoint<'a> {
     /// After a failed phase: undoes what the others did. The application runs as before,
     /// and the partial image and the journal go, unless the undo itself failed.
     pub fn abort(mut self, cause: &CheckpointError, coord: &Tracked<'_>) -> Result<(), CheckpointError> {
-        if let Err(e) = self.resume(coord) {
+        if let Err(e) = self.resume_all(coord, true) {
             tracing::error!(%cause, "the checkpoint failed, and so did its undo");
             return Err(match e {
                 CheckpointError::Resume { source, .. } => CheckpointError::Resume { source, after: Some(cause.to_string()) },

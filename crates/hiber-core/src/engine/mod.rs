@@ -52,6 +52,11 @@ pub enum EngineError {
     /// Anything else, said in words.
     #[error("{engine}: {message}")]
     Failed { engine: &'static str, message: String, hint: Option<String> },
+    /// Processes of the job ended while it was held: the others were given back all they
+    /// can be, and what they lost with them (communicators with those ranks) cannot be.
+    /// Nothing is left for an undo to retry; what follows is the job's own doing.
+    #[error("{engine}: {message}")]
+    ProcessesGone { engine: &'static str, message: String, hint: Option<String> },
 }
 
 impl EngineError {
@@ -61,7 +66,9 @@ impl EngineError {
 
     pub fn hint(&self) -> Option<&str> {
         match self {
-            EngineError::Cuda { hint, .. } | EngineError::Io { hint, .. } | EngineError::Failed { hint, .. } => hint.as_deref(),
+            EngineError::Cuda { hint, .. } | EngineError::Io { hint, .. } | EngineError::Failed { hint, .. } | EngineError::ProcessesGone { hint, .. } => {
+                hint.as_deref()
+            }
             EngineError::SectionVersion { .. } => Some("restore it with a newer hiber"),
         }
     }

@@ -17,6 +17,9 @@ fn report(items: &[journal::Recovered]) {
         for p in &r.problems {
             eprintln!("hiber:   problem: {p}");
         }
+        for n in &r.notes {
+            eprintln!("hiber:   note: {n}");
+        }
     }
 }
 

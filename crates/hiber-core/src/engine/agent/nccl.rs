@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use hiber_wire::{socket, Lane, Reply, Request};
 
-use super::{connect, fail};
+use super::{connect, fail, ENGINE};
 use crate::coordinator::{Coordinator, Phase};
 use crate::engine::layer::Conn;
 use crate::engine::EngineError;
@@ -474,13 +474,14 @@ pub fn rebuild(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator) -> Resu
                     .map_err(|e| fail(format!("ending NCCL communicator {key:016x} of process {}: {e}", c.pid), Some("`hiber recover` retries")))?;
             }
             let whose = if gone.is_empty() { "of another participant".to_string() } else { format!("{gone:?} of the job") };
-            lost = Some(fail(
-                format!(
+            lost = Some(EngineError::ProcessesGone {
+                engine: ENGINE,
+                message: format!(
                     "{why}: process(es) {whose} are gone, so {} of its communicators cannot be built again; their calls on the other ranks now fail, as after a peer's death in NCCL",
                     lost_keys.len()
                 ),
-                Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image"),
-            ));
+                hint: Some("the job's launcher decides what follows (torchrun stops the other ranks); restore the job from an image".into()),
+            });
         }
         // Each communicator's rank 0 draws its id, on whichever participant it is.
         let mut ids = serde_json::Map::new();

@@ -289,6 +289,18 @@ impl DriverEngine {
         }
     }
 
+    /// `driver_fail`, unless the process is gone: the driver's error for it (it answers
+    /// CUDA_ERROR_OPERATING_SYSTEM) would hide that it ended.
+    fn step_fail(&self, what: &str, pid: i32, e: &CuError) -> EngineError {
+        if self.api.alive(pid) {
+            return Self::driver_fail(what, pid, e);
+        }
+        Self::fail(
+            format!("process {pid} ended during the checkpoint (its driver {what} failed: {e})"),
+            Some("the job's other processes are given back as they were, and no image is written; the job's launcher decides what follows"),
+        )
+    }
+
     /// Runs `f` for every pid on its own thread; all are attempted, the first error wins.
     fn parallel(&self, pids: &[i32], f: impl Fn(i32) -> Result<(), EngineError> + Sync) -> Result<(), EngineError> {
         let results: Vec<Result<(), EngineError>> = std::thread::scope(|s| {
@@ -477,7 +489,7 @@ impl CheckpointSession for DriverCheckpoint {
     /// within one timeout.
     fn quiesce(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let (e, timeout) = (&self.engine, self.engine.lock_timeout_ms);
-        e.parallel(&self.pids, |pid| e.api.lock(pid, timeout).map_err(|err| DriverEngine::driver_fail("lock", pid, &err)))
+        e.parallel(&self.pids, |pid| e.api.lock(pid, timeout).map_err(|err| e.step_fail("lock", pid, &err)))
     }
 
     fn capture(&mut self, tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError> {
@@ -493,7 +505,7 @@ impl CheckpointSession for DriverCheckpoint {
             }
         }
         let start = std::time::Instant::now();
-        e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| DriverEngine::driver_fail("checkpoint", pid, &err)))?;
+        e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| e.step_fail("checkpoint", pid, &err)))?;
         let checkpoint_seconds = start.elapsed().as_secs_f64();
         let processes = self
             .pids

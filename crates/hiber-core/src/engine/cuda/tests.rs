@@ -188,6 +188,20 @@ fn a_process_that_died_is_not_resumed() {
 }
 
 #[test]
+fn a_process_that_ends_mid_checkpoint_is_named_as_ended_not_as_a_driver_error() {
+    let d = Arc::new(FakeDriver::new(&[10, 11]));
+    let e = engine(&d);
+    let mut s = session(&e, &[proc_info(10, 1, true), proc_info(11, 2, true)]);
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    d.states.lock().unwrap().remove(&11);
+    let err = s.capture(&[]).unwrap_err();
+    assert!(err.to_string().contains("process 11 ended during the checkpoint"), "{err}");
+    assert!(err.hint().unwrap().contains("no image is written"), "{err}");
+    s.resume(&NoFiles, &Local::default()).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Running, "the live process is given back");
+}
+
+#[test]
 fn a_tree_without_cuda_opens_no_session() {
     let d = Arc::new(FakeDriver::new(&[10]));
     assert!(engine(&d).begin_checkpoint(&[proc_info(10, 1, false)], CheckpointOptions::default()).unwrap().is_none());
