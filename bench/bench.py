@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     MICRO,
     carried_commit,
+    ddp_targets,
     downtime_ms,
     durable_rates,
     evaluate_targets,
@@ -395,9 +396,29 @@ def agent_figures(img):
     return out
 
 
+def gpu_used_mib():
+    """Device memory in use on each GPU (NVML), or [] where nvidia-smi does not answer."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+        return [int(v) for v in q.split()]
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return []
+
+
+# A GPU holding more than this before a sample still holds an earlier sample's job (a killed
+# process's memory is freed after it is gone, and a job the stock path left broken may hold
+# it longer): such a sample would measure hiber on a GPU without room for a copy.
+IDLE_GPU_MIB = 2048
+
+
 def one_sample(contender, w, rep, cold=True):
     img = WORK / "img"
     shutil.rmtree(img, ignore_errors=True)
+    try:
+        wait_for("the GPUs to be free of earlier samples' jobs", 60, lambda: max(gpu_used_mib(), default=0) <= IDLE_GPU_MIB)
+    except RuntimeError:
+        print(f"[warn] {w.name} {contender.name} rep {rep}: GPUs still hold {gpu_used_mib()} MiB; measured so (recorded as gpu_used_before_mib)", flush=True)
+    used_before = max(gpu_used_mib(), default=0)
     pid = contender.start(w)
     try:
         def started():
@@ -427,6 +448,7 @@ def one_sample(contender, w, rep, cold=True):
             "durable_s": (t1 - t0) / 1000,
             "image_gib": du(img) / (1 << 30),
             "ckpt_maxrss_gib": rss / (1 << 30),
+            "gpu_used_before_mib": used_before,
         }
         sample.update(agent_figures(img))
         sample.update(getattr(contender, "figures", {}))
@@ -748,6 +770,12 @@ def report(paths):
             lines.append(f"| {e['workload']} | {e['every']} | {fmt(summary(e['samples']['without']), '')} | {fmt(summary(e['samples']['with']), '')} |")
         lines.append("")
         lines.append(targets_table(periodic_targets(per)))
+        lines.append("")
+    ddp = ddp_targets(runs)
+    if ddp:
+        lines.append("Targets for a two-rank DDP job (#11):")
+        lines.append("")
+        lines.append(targets_table(ddp))
         lines.append("")
     full = full_gpu_targets(runs)
     if full:

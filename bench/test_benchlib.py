@@ -6,6 +6,7 @@ from pathlib import Path
 import bench
 from benchlib import (
     carried_commit,
+    ddp_targets,
     durable_rates,
     downtime_ms,
     evaluate_targets,
@@ -227,6 +228,23 @@ class Targets(unittest.TestCase):
         self.assertEqual(got[1], ("47 GiB: hiber restore from page cache until progress ≤ 3 s", "3.50 s", "NOT met"))
         self.assertEqual(got[2][2], "met")
         self.assertIn("50.0x", got[2][1])
+
+    def test_ddp_targets(self):
+        self.assertEqual(ddp_targets([run_with([row("32 GiB", "hiber", downtime_s=[1.0])])]), [])
+        w = "DDP 2 ranks, 30 GiB per GPU"
+        run_ = run_with([row(w, "hiber", downtime_s=[3.5, 4.6, 5.2], restore_warm_s=[3.8, 4.2, 4.6]), row(w, "stock")],
+                        [{"benchmark": "DDP 2 ranks step (torchrun)", "unit": "ms per step", "samples": {"hiber": [1.96, 1.41], "hiber-no-agent": [1.82, 1.37]}}])
+        run_["errors"] = [{"workload": w, "contender": "stock", "rep": 0, "error": "cuda_ckpt 1377 lock failed (1):\n lock of 1377 failed: 600"}]
+        got = ddp_targets([run_])
+        self.assertEqual(got[0], (f"{w}: hiber downtime (--leave-running) ≤ 2 s", "4.60 s", "NOT met"))
+        self.assertEqual(got[1], (f"{w}: hiber restore from page cache until progress ≤ 5 s", "4.20 s", "met"))
+        self.assertEqual(got[2][2], "targets absolute")
+        self.assertIn("could not checkpoint the job (1 of 1 tries; first: cuda_ckpt 1377 lock failed (1): lock of 1377 failed: 600)", got[2][1])
+        # Runs without the agent 28% apart cannot show a 1% overhead either way.
+        self.assertEqual(got[3][2], "not resolved")
+        self.assertIn("spread 28.2%", got[3][1])
+        tight = run_with([], [{"benchmark": "DDP 2 ranks step (torchrun)", "unit": "ms per step", "samples": {"hiber": [1.62, 1.63], "hiber-no-agent": [1.600, 1.604]}}])
+        self.assertEqual(ddp_targets([tight])[0][2], "NOT met")
 
     def test_throughput_is_steps_per_second_after_warmup(self):
         p = [Progress(i, 0, 1000 + 100 * i) for i in range(11)]
