@@ -771,18 +771,9 @@ def report(paths):
         lines.append("")
         lines.append(targets_table(periodic_targets(per)))
         lines.append("")
-    ddp = ddp_targets(runs)
-    if ddp:
-        lines.append("Targets for a two-rank DDP job (#11):")
-        lines.append("")
-        lines.append(targets_table(ddp))
-        lines.append("")
-    full = full_gpu_targets(runs)
-    if full:
-        lines.append("Targets on a full GPU:")
-        lines.append("")
-        lines.append(targets_table(full))
-        lines.append("")
+    for title, targets in (("Targets for a two-rank DDP job (#11):", ddp_targets(runs)), ("Targets on a full GPU:", full_gpu_targets(runs))):
+        if targets:
+            lines += [title, "", targets_table(targets), ""]
     lines.append("Runs (each measured its own ceilings):")
     lines.append("")
     for p, run_ in zip(paths, runs):
