@@ -1217,8 +1217,14 @@ fn quiet(s: MutexGuard<'static, State>) -> (MutexGuard<'static, State>, bool) {
 }
 
 /// Ends the real communicators `reals` once nothing uses them (`calm`, from [`quiet`]);
-/// otherwise leaves them, and says so.
-fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
+/// otherwise leaves them, and says so. `every`: no other real communicator is left in
+/// the process.
+///
+/// The aborts go in one NCCL group, so NCCL tears the communicators down each on a thread
+/// of its own at `ncclGroupEnd` (2.28.9 `group.cc`, `asyncJobLaunch`), and the abort
+/// flags are all set before any teardown starts: then, when `every`, the proxies' UDS
+/// threads are woken ([`nccl_uds`]) instead of each teardown waiting for their polls.
+fn end_all(reals: Vec<(usize, usize)>, calm: bool, every: bool) -> Result<(), String> {
     if !calm {
         return Err(format!(
             "{} NCCL communicators were still in use by the application's calls after {} s, and are left as they are",
@@ -1226,15 +1232,34 @@ fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
             DOWN_WAIT.as_secs()
         ));
     }
+    if reals.is_empty() {
+        return Ok(());
+    }
     let _inside = inside();
+    let grouped = real_group(false) == SUCCESS;
     let mut first = None;
-    for (h, c) in reals {
-        let r = real_abort(c as Comm);
+    for (h, c) in &reals {
+        let r = real_abort(*c as Comm);
         if r != SUCCESS {
             first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
         }
     }
+    if grouped {
+        if every {
+            let woken = crate::nccl_uds::wake(reals.len());
+            log(&format!("tearing down {} NCCL communicators, {woken} proxy threads woken", reals.len()));
+        }
+        let r = real_group(true);
+        if r != SUCCESS {
+            first.get_or_insert(format!("tearing down {} NCCL communicators: error {r}", reals.len()));
+        }
+    }
     first.map_or(Ok(()), Err)
+}
+
+/// No real communicator is left in the record.
+fn none_left(s: &State) -> bool {
+    s.comms.values().all(|e| e.real == 0)
 }
 
 fn reopen(s: &mut State) {
@@ -1380,14 +1405,15 @@ pub fn down() -> Result<(), String> {
         s.phase = Phase::Down;
         s.limits.clear();
         s.held_at.clear();
-        // Children before parents (they may share the parent's resources).
+        // Children before parents (they may share the parent's resources): NCCL's group
+        // queues them in this order.
         let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
         let (_s, calm) = quiet(s);
         (reals, calm)
     };
-    end_all(reals, calm)
+    end_all(reals, calm, true)
 }
 
 /// Ends torn-down communicator `key` for good (hiber found one of its ranks' processes
@@ -1397,7 +1423,7 @@ pub fn down() -> Result<(), String> {
 /// communicators are rebuilt and opened as usual.
 pub fn fail(key: u64) -> Result<(), String> {
     refuse_closed_gate()?;
-    let (stale, calm) = {
+    let (stale, calm, every) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("only torn-down communicators can be ended".into());
@@ -1417,10 +1443,11 @@ pub fn fail(key: u64) -> Result<(), String> {
         }
         // Calls waiting on it see it failed.
         CHANGED.notify_all();
+        let every = none_left(&s);
         let (_s, calm) = quiet(s);
-        (stale, calm)
+        (stale, calm, every)
     };
-    end_all(stale, calm)
+    end_all(stale, calm, every)
 }
 
 /// A fresh unique id (this process is rank 0 of the communicator that will use it).
@@ -1573,7 +1600,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
     let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let (creation, stale, calm) = {
+    let (creation, stale, calm, every) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
@@ -1597,12 +1624,13 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
                 }
             }
         }
+        let every = none_left(&s);
         let (_s, calm) = quiet(s);
-        (Creation { all: all.into_values().collect(), plans }, stale, calm)
+        (Creation { all: all.into_values().collect(), plans }, stale, calm, every)
     };
     // Made by an earlier rebuild nobody opened: ended before new ones are made (or left,
     // when a call still holds one).
-    if let Err(m) = end_all(stale, calm) {
+    if let Err(m) = end_all(stale, calm, every) {
         log(&m);
     }
     let outcome = std::sync::Arc::new((Mutex::new(Outcome::default()), Condvar::new()));
