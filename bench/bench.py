@@ -57,6 +57,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
+    DDP_MLP_STEP,
+    DDP_SMALL_STEP,
     MICRO,
     carried_commit,
     ddp_targets,
@@ -80,6 +82,7 @@ from benchlib import (  # noqa: E402
     targets_table,
     throughput,
     typical_gap_ms,
+    windowed_ms_per_step,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -613,14 +616,21 @@ class OverheadBenchmark:
 # the allocators' first growth) left out of its median.
 MICRO_BLOCKS, MICRO_WARMUP = 40, 5
 TORCH_STEPS, TORCH_WARMUP = 200, 20
-DDP_STEPS, DDP_WARMUP = 3000, 200
+# The two DDP steps: the suite's small model (a launch-bound step of about 1.5 ms, where the
+# agent's cost per NCCL call shows the most) and a 120M-parameter MLP (a compute-bound step
+# of about 20 ms, as in training). Each rank is pinned to CPUs of its own: unpinned, runs
+# without the agent alone were 29% apart. Steps, warm-up, steps per window.
+DDP_SMALL = (3000, 200, 200)
+DDP_MLP = (400, 50, 25)
+DDP_PIN_CPUS = 4
 
 
-def ddp_ms_per_step(log):
-    """Rank 0's mean time per step after warm-up, by its own clock (a step of the small
-    DDP model is about a millisecond: gaps in whole milliseconds would be too coarse)."""
-    t = throughput(parse_progress(log), DDP_WARMUP)
-    return 1000 / t if t else None
+def ddp_ms_per_step(steps_warmup_window):
+    """Rank 0's ms per step after warm-up: the median over windows of steps, by its own
+    clock (a hiccup moves one window, not the figure; whole-millisecond stamps are too
+    coarse for one small step)."""
+    _, warmup, window = steps_warmup_window
+    return lambda log: windowed_ms_per_step(parse_progress(log), warmup, window)
 
 
 def overhead_benchmarks(pytorch_gib, which):
@@ -633,20 +643,25 @@ def overhead_benchmarks(pytorch_gib, which):
                                      ["python3", REPO / "bench/programs/train_big.py", "--gib", str(pytorch_gib), "--steps", str(TORCH_STEPS), "--interval-ms", "0"], "done",
                                      lambda log: run_median(parse_timings(log, "step", "step_ms"), TORCH_WARMUP)))
     if "ddp" in which:
-        # Every NCCL call of the job passes through the agent: the small model makes the
-        # step short, so what the interception costs per call shows the most.
-        out.append(OverheadBenchmark("DDP 2 ranks step (torchrun)", "ms per step", torchrun(["--mode", "ddp", "--steps", str(DDP_STEPS), "--interval-ms", "0"]),
-                                     "verify ok ranks agree", ddp_ms_per_step))
+        # Every NCCL call of the job passes through the agent.
+        pin = ["--interval-ms", "0", "--pin-cpus", str(DDP_PIN_CPUS)]
+        out.append(OverheadBenchmark(DDP_SMALL_STEP, "ms per step", torchrun(["--mode", "ddp", "--steps", str(DDP_SMALL[0])] + pin),
+                                     "verify ok ranks agree", ddp_ms_per_step(DDP_SMALL)))
+        mlp = ["--hidden", "4096", "--layers", "8", "--batch", "1024"]
+        out.append(OverheadBenchmark(DDP_MLP_STEP, "ms per step", torchrun(["--mode", "ddp", "--steps", str(DDP_MLP[0])] + mlp + pin),
+                                     "verify ok ranks agree", ddp_ms_per_step(DDP_MLP)))
     return out
 
 
 def measure_overhead(reps, pytorch_gib, result, save, which=("micro", "pytorch")):
     """Each benchmark `reps` times with the agent and `reps` times without, interleaved
-    (which side goes first alternates), into result["overhead"]."""
+    (which side goes first alternates), into result["overhead"]; each rep's two runs, back
+    to back, are also kept as a pair ([with, without])."""
     for b in overhead_benchmarks(pytorch_gib, which):
-        entry = {"benchmark": b.name, "unit": b.unit, "samples": {"hiber": [], "hiber-no-agent": []}}
+        entry = {"benchmark": b.name, "unit": b.unit, "samples": {"hiber": [], "hiber-no-agent": []}, "pairs": []}
         result["overhead"].append(entry)
         for rep in range(reps):
+            pair = {}
             for agent in ((True, False) if rep % 2 == 0 else (False, True)):
                 side = "hiber" if agent else "hiber-no-agent"
                 try:
@@ -657,7 +672,10 @@ def measure_overhead(reps, pytorch_gib, result, save, which=("micro", "pytorch")
                     save()
                     continue
                 entry["samples"][side].append(round(v, 4))
+                pair[side] = round(v, 4)
                 print(f"{b.name:>24} {side:>14} rep {rep}: {v:.3f} {b.unit}", flush=True)
+            if len(pair) == 2:
+                entry["pairs"].append([pair["hiber"], pair["hiber-no-agent"]])
             save()
         shutil.rmtree(STATE, ignore_errors=True)
 

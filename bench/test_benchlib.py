@@ -6,6 +6,8 @@ from pathlib import Path
 import bench
 from benchlib import (
     carried_commit,
+    DDP_MLP_STEP,
+    DDP_SMALL_STEP,
     ddp_targets,
     durable_rates,
     downtime_ms,
@@ -14,12 +16,14 @@ from benchlib import (
     incremental_targets,
     periodic_targets,
     throughput,
+    windowed_ms_per_step,
     first_progress_after,
     merge_overhead,
     merge_rows,
     overhead_of,
     overhead_pct,
     overhead_table,
+    paired_overhead,
     Progress,
     parse_progress,
     parse_timings,
@@ -245,6 +249,49 @@ class Targets(unittest.TestCase):
         self.assertIn("spread 28.2%", got[3][1])
         tight = run_with([], [{"benchmark": "DDP 2 ranks step (torchrun)", "unit": "ms per step", "samples": {"hiber": [1.62, 1.63], "hiber-no-agent": [1.600, 1.604]}}])
         self.assertEqual(ddp_targets([tight])[0][2], "NOT met")
+
+    def test_paired_overhead_and_its_interval(self):
+        # Six pairs: the sign test's interval is the whole range (97% coverage).
+        pairs = [[20.1, 20.0], [20.0, 20.0], [19.9, 20.0], [20.2, 20.0], [20.05, 20.0], [20.0, 20.1]]
+        p = paired_overhead(pairs)
+        self.assertEqual(p["n"], 6)
+        self.assertAlmostEqual(p["median"], 0.125)
+        self.assertAlmostEqual(p["low"], -0.5)
+        self.assertAlmostEqual(p["high"], 1.0)
+        self.assertAlmostEqual(p["coverage"], 1 - 2 / 64)
+        # Eight pairs: one from each end is left out (93%).
+        p8 = paired_overhead([[100 + k, 100] for k in range(8)])
+        self.assertAlmostEqual(p8["low"], 1.0)
+        self.assertAlmostEqual(p8["high"], 6.0)
+        self.assertAlmostEqual(p8["coverage"], 1 - 2 * 9 / 256)
+        self.assertIsNone(paired_overhead([[1.0, 1.0]] * 4)["low"], "four pairs cover less than 90%")
+        self.assertIsNone(paired_overhead([]))
+
+    def test_ddp_overhead_verdicts_of_pairs(self):
+        def entry(name, pairs):
+            return {"benchmark": name, "unit": "ms per step", "pairs": pairs,
+                    "samples": {"hiber": [w for w, _ in pairs], "hiber-no-agent": [wo for _, wo in pairs]}}
+        within = entry(DDP_MLP_STEP, [[20.1, 20.0], [20.0, 20.0], [19.9, 20.0], [20.15, 20.0], [20.05, 20.0], [20.0, 20.1]])
+        above = entry(DDP_SMALL_STEP, [[1.53, 1.5], [1.54, 1.5], [1.55, 1.5], [1.56, 1.5], [1.57, 1.5], [1.58, 1.5]])
+        wide = entry(DDP_SMALL_STEP, [[1.5, 1.5], [1.6, 1.5], [1.4, 1.5], [1.5, 1.5], [1.5, 1.5], [1.5, 1.5]])
+        few = entry(DDP_MLP_STEP, [[20.0, 20.0]] * 3)
+        got = ddp_targets([run_with([], [within, above])])
+        self.assertEqual(got[0][0], f"agent overhead, {DDP_MLP_STEP} ≤ 1%")
+        self.assertEqual(got[0][2], "met")
+        self.assertIn("+0.12% (6 pairs; 97% interval -0.50% to +0.75%)", got[0][1])
+        self.assertEqual(got[1][2], "NOT met")
+        self.assertEqual(ddp_targets([run_with([], [wide])])[0][2], "not resolved")
+        self.assertEqual(ddp_targets([run_with([], [few])])[0][2], "not resolved")
+        self.assertIn("+0.12% (6 pairs", overhead_table([within]))
+
+    def test_windowed_ms_per_step(self):
+        # 10 ms a step, with one 500 ms hiccup: one window of five moves, not the median.
+        p, t = [], 1000
+        for i in range(60):
+            p.append(Progress(i, 0, t))
+            t += 500 if i == 33 else 10
+        self.assertAlmostEqual(windowed_ms_per_step(p, 10, 10), 10.0)
+        self.assertIsNone(windowed_ms_per_step(p, 55, 10))
 
     def test_throughput_is_steps_per_second_after_warmup(self):
         p = [Progress(i, 0, 1000 + 100 * i) for i in range(11)]

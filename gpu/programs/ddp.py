@@ -6,7 +6,9 @@ then prints its steps (the checksums are the same on every rank).
 
 Modes: `ddp` (DistributedDataParallel), `fsdp` (FSDP2's fully_shard: all-gathers and
 reduce-scatters), `allreduce` (a plain torch.distributed all-reduce loop). Each rank also
-holds `--mib` of ballast filled from its own seed.
+holds `--mib` of ballast filled from its own seed. The model is an MLP, one hidden layer of
+1024 by default (the suite's); `--hidden`, `--layers` and `--batch` make the benchmark's
+larger one, and `--pin-cpus` pins each rank to CPUs of its own.
 
 Rank 0 prints `step N checksum X t MS loss L` per step (X: the bits of the loss, or of the
 all-reduced sum, identical run to run). At the end every rank checks that the ranks'
@@ -25,7 +27,14 @@ p.add_argument("--mode", choices=("ddp", "fsdp", "allreduce"), default="ddp")
 p.add_argument("--mib", type=int, default=0)
 p.add_argument("--stack-limit", type=int, default=0, help="set the kernels' per-thread stack limit (cuCtxSetLimit) to this many bytes at the start, and check at the end that it still is at least that: hiber lowers it for its checkpoints and must set it back")
 p.add_argument("--init-file", help="rendezvous through this file (torch's FileStore) rather than torchrun's TCP store: ranks started apart, as on two hosts")
+p.add_argument("--hidden", type=int, default=1024, help="width of the model's hidden layers")
+p.add_argument("--layers", type=int, default=1, help="number of hidden layers (each --hidden wide)")
+p.add_argument("--batch", type=int, default=128)
+p.add_argument("--pin-cpus", type=int, default=0, help="pin each rank to this many CPUs of its own (LOCAL_RANK's block), for steadier step times in benchmarks")
 args = p.parse_args()
+if args.pin_cpus:
+    first = int(os.environ.get("LOCAL_RANK", "0")) * args.pin_cpus
+    os.sched_setaffinity(0, range(first, first + args.pin_cpus))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -75,7 +84,12 @@ def bits(v):
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)).to(dev)
+# The defaults (one hidden layer of 1024) are the suite's model, whose trajectories its
+# scenarios compare against.
+layers = [torch.nn.Linear(512, args.hidden), torch.nn.GELU()]
+for _ in range(args.layers - 1):
+    layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
+model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10)).to(dev)
 if args.mode == "ddp":
     net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
 elif args.mode == "fsdp":
@@ -92,8 +106,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05) if net is not None else None
 
 for step in range(args.steps):
     if net is not None:
-        x = torch.randn(128, 512, device=dev, generator=g)
-        y = torch.randint(0, 10, (128,), device=dev, generator=g)
+        x = torch.randn(args.batch, 512, device=dev, generator=g)
+        y = torch.randint(0, 10, (args.batch,), device=dev, generator=g)
         loss = torch.nn.functional.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
