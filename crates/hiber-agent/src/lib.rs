@@ -22,7 +22,6 @@ pub mod hooks;
 pub mod ipc;
 pub mod memory;
 pub mod nccl;
-pub mod nccl_uds;
 pub mod sharing;
 pub mod stack;
 

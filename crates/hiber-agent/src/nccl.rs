@@ -1217,14 +1217,13 @@ fn quiet(s: MutexGuard<'static, State>) -> (MutexGuard<'static, State>, bool) {
 }
 
 /// Ends the real communicators `reals` once nothing uses them (`calm`, from [`quiet`]);
-/// otherwise leaves them, and says so. `every`: no other real communicator is left in
-/// the process.
+/// otherwise leaves them, and says so.
 ///
-/// The aborts go in one NCCL group, so NCCL tears the communicators down each on a thread
-/// of its own at `ncclGroupEnd` (2.28.9 `group.cc`, `asyncJobLaunch`), and the abort
-/// flags are all set before any teardown starts: then, when `every`, the proxies' UDS
-/// threads are woken ([`nccl_uds`]) instead of each teardown waiting for their polls.
-fn end_all(reals: Vec<(usize, usize)>, calm: bool, every: bool) -> Result<(), String> {
+/// The aborts go in one NCCL group, so NCCL tears the communicators down at
+/// `ncclGroupEnd`, each on a thread of its own (2.28.9 `group.cc`, `asyncJobLaunch`): one
+/// after the other, each teardown waited for its proxy's threads, which look at the abort
+/// flag only between 500 ms polls (`proxy.cc`).
+fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
     if !calm {
         return Err(format!(
             "{} NCCL communicators were still in use by the application's calls after {} s, and are left as they are",
@@ -1245,21 +1244,12 @@ fn end_all(reals: Vec<(usize, usize)>, calm: bool, every: bool) -> Result<(), St
         }
     }
     if grouped {
-        if every {
-            let woken = crate::nccl_uds::wake(reals.len());
-            log(&format!("tearing down {} NCCL communicators, {woken} proxy threads woken", reals.len()));
-        }
         let r = real_group(true);
         if r != SUCCESS {
             first.get_or_insert(format!("tearing down {} NCCL communicators: error {r}", reals.len()));
         }
     }
     first.map_or(Ok(()), Err)
-}
-
-/// No real communicator is left in the record.
-fn none_left(s: &State) -> bool {
-    s.comms.values().all(|e| e.real == 0)
 }
 
 fn reopen(s: &mut State) {
@@ -1413,7 +1403,7 @@ pub fn down() -> Result<(), String> {
         let (_s, calm) = quiet(s);
         (reals, calm)
     };
-    end_all(reals, calm, true)
+    end_all(reals, calm)
 }
 
 /// Ends torn-down communicator `key` for good (hiber found one of its ranks' processes
@@ -1423,7 +1413,7 @@ pub fn down() -> Result<(), String> {
 /// communicators are rebuilt and opened as usual.
 pub fn fail(key: u64) -> Result<(), String> {
     refuse_closed_gate()?;
-    let (stale, calm, every) = {
+    let (stale, calm) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("only torn-down communicators can be ended".into());
@@ -1443,11 +1433,10 @@ pub fn fail(key: u64) -> Result<(), String> {
         }
         // Calls waiting on it see it failed.
         CHANGED.notify_all();
-        let every = none_left(&s);
         let (_s, calm) = quiet(s);
-        (stale, calm, every)
+        (stale, calm)
     };
-    end_all(stale, calm, every)
+    end_all(stale, calm)
 }
 
 /// A fresh unique id (this process is rank 0 of the communicator that will use it).
@@ -1600,7 +1589,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
     let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let (creation, stale, calm, every) = {
+    let (creation, stale, calm) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
@@ -1624,13 +1613,12 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
                 }
             }
         }
-        let every = none_left(&s);
         let (_s, calm) = quiet(s);
-        (Creation { all: all.into_values().collect(), plans }, stale, calm, every)
+        (Creation { all: all.into_values().collect(), plans }, stale, calm)
     };
     // Made by an earlier rebuild nobody opened: ended before new ones are made (or left,
     // when a call still holds one).
-    if let Err(m) = end_all(stale, calm, every) {
+    if let Err(m) = end_all(stale, calm) {
         log(&m);
     }
     let outcome = std::sync::Arc::new((Mutex::new(Outcome::default()), Condvar::new()));

@@ -60,9 +60,6 @@ use std::fmt;
 pub const TOKEN_ENV: &str = "HIBER_AGENT_TOKEN";
 /// Where the agent may log (never the application's stdout or stderr).
 pub const LOG_ENV: &str = "HIBER_AGENT_LOG";
-/// Set to `0` in a job's environment, the agent no longer wakes NCCL's UDS proxy threads
-/// when it tears communicators down (each teardown then waits for their polls).
-pub const NCCL_WAKE_ENV: &str = "HIBER_NCCL_WAKE";
 
 /// The abstract socket name (without the leading NUL) of the agent in process `ns_pid`.
 pub fn socket_name(token: &str, ns_pid: i32) -> String {
