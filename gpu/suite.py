@@ -112,6 +112,11 @@ def assert_verified(job, limit=300):
     wait(f"{job} to finish", limit, lambda: state_of(job) != "running")
     st, text = state_of(job), log(job)
     tail = "\n".join(text.splitlines()[-6:])
+    if st != "exited(0)":
+        # What the job said on its way out (NCCL's warnings, PyTorch's error) goes with it.
+        err = STATE / "jobs" / job / "stderr.log"
+        said = [l[-300:] for l in (err.read_text(errors="replace") if err.exists() else "").splitlines() if "WARN" in l or "rror" in l]
+        tail += "\nits stderr said:\n" + "\n".join(said[-12:])
     assert st == "exited(0)", f"{job} ended as {st}:\n{tail}"
     assert any(l.startswith("verify ok") for l in text.splitlines()), f"{job} did not verify:\n{tail}"
 
