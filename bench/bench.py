@@ -757,6 +757,11 @@ def report(paths):
     lines.append("Agent overhead while not checkpointing: each program run to its end under `hiber run` (with the agent) and")
     lines.append("`hiber run --no-agent`, interleaved; per run, the median of the program's own block times (microbenchmark,")
     lines.append(f"after {MICRO_WARMUP} of {MICRO_BLOCKS} blocks) or step times (PyTorch, after {TORCH_WARMUP} of {TORCH_STEPS} steps); medians with min–max over the runs.")
+    if any(e["benchmark"].startswith("DDP 2 ranks step,") for e in entries):
+        lines.append(f"DDP steps: each rank pinned to {DDP_PIN_CPUS} CPUs of its own; per run, rank 0's median over windows of steps after warm-up")
+        lines.append(f"(small model: {DDP_SMALL[0]} steps, windows of {DDP_SMALL[2]} after {DDP_SMALL[1]}; MLP: {DDP_MLP[0]}, windows of {DDP_MLP[2]} after {DDP_MLP[1]}).")
+        lines.append("Where runs were paired back to back, the overhead is the median over the pairs of with/without - 1, with the")
+        lines.append("sign test's interval for that median (distribution-free; its coverage is given).")
     lines.append("")
     lines.append(overhead_table(entries) if entries else "Not measured in these runs.")
     lines.append("")

@@ -341,6 +341,16 @@ class Targets(unittest.TestCase):
         self.assertEqual(got["32 GiB: stock downtime / hiber downtime ≥ 10x"], "met")
         self.assertEqual(got["agent overhead, PyTorch 8 GiB step ≤ 1%"], "met")
 
+    def test_the_recorded_ddp_runs_still_read(self):
+        # #11's runs on 2xH200 (2026-11-25): the DDP job with 30 GiB per GPU and the pinned pairs.
+        runs = [json.loads((RESULTS / f"2026-11-25-h200x2-{n}.json").read_text()) for n in ("ddp30", "ddp-overhead-pinned")]
+        got = {t: v for t, _, v in ddp_targets(runs)}
+        self.assertEqual(got["DDP 2 ranks, 30 GiB per GPU: hiber downtime (--leave-running) ≤ 2 s"], "NOT met")
+        self.assertEqual(got["DDP 2 ranks, 30 GiB per GPU: hiber restore from page cache until progress ≤ 5 s"], "met")
+        self.assertEqual(got["DDP 2 ranks, 30 GiB per GPU: the stock path"], "targets absolute")
+        self.assertEqual(got[f"agent overhead, {DDP_MLP_STEP} ≤ 1%"], "met")
+        self.assertEqual(got[f"agent overhead, {DDP_SMALL_STEP} ≤ 1%"], "not resolved")
+
 
 class CarriedCommit(unittest.TestCase):
     def test_the_carry_names_its_build_and_the_environment_overrides(self):
