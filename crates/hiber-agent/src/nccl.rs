@@ -1395,8 +1395,9 @@ pub fn down() -> Result<(), String> {
         s.phase = Phase::Down;
         s.limits.clear();
         s.held_at.clear();
-        // Children before parents (they may share the parent's resources): NCCL's group
-        // queues them in this order.
+        // Children before parents, the order a teardown without NCCL's groups needs (they
+        // may share the parent's resources). In a group they go at once: NCCL counts the
+        // users of shared resources (2.28.9 init.cc), and the last one frees them.
         let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
