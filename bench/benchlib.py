@@ -334,7 +334,6 @@ def full_gpu_targets(runs):
     ]
 
 
-DDP_STEP = "DDP 2 ranks step (torchrun)"
 DDP_SMALL_STEP = "DDP 2 ranks step, small model (torchrun, pinned)"
 DDP_MLP_STEP = "DDP 2 ranks step, 120M-parameter MLP (torchrun, pinned)"
 
