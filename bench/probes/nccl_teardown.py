@@ -7,11 +7,13 @@ teardown, from its log) and the job's longest step gap; NCCL's timestamped log
 exit. The job must still end with `verify ok`.
 
 Its run of 2026-11-25 (results/2026-11-25-h200x2-nccl-teardown.txt) compared the agent
-waking NCCL's UDS proxy threads with a datagram (HIBER_NCCL_WAKE, since removed) against
-not waking them.
+waking NCCL's UDS proxy threads with a datagram (since removed) against not waking them.
+Since then the agent wakes every NCCL proxy thread's poll through its own `poll`
+(crates/hiber-agent/src/poll.rs); `--wake both` runs one job with it and one with
+`HIBER_NCCL_WAKE=0`, which turns it off.
 
 Usage on a two-GPU machine, from the repository root with .carry/ (scripts/gpu-carry.sh):
-    python3 bench/probes/nccl_teardown.py [--checkpoints 3] [--out DIR]
+    python3 bench/probes/nccl_teardown.py [--checkpoints 3] [--wake on|off|both] [--out DIR]
 """
 import argparse
 import json
@@ -50,12 +52,12 @@ def wait(what, secs, cond):
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def one_job(checkpoints, out):
-    job = "td"
-    nccl_log = out / "nccl"
+def one_job(checkpoints, out, wake):
+    job = f"td-{wake}"
+    nccl_log = out / f"nccl-{wake}"
     nccl_log.mkdir(parents=True, exist_ok=True)
-    job_env = ["NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,PROXY", "NCCL_DEBUG_TIMESTAMP_LEVELS=INFO",
-               "NCCL_DEBUG_TIMESTAMP_FORMAT=[%T.%6f] ", f"NCCL_DEBUG_FILE={nccl_log}/%p.log", f"HIBER_AGENT_LOG={out}/agent.log"]
+    job_env = [f"HIBER_NCCL_WAKE={1 if wake == 'on' else 0}", "NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,PROXY", "NCCL_DEBUG_TIMESTAMP_LEVELS=INFO",
+               "NCCL_DEBUG_TIMESTAMP_FORMAT=[%T.%6f] ", f"NCCL_DEBUG_FILE={nccl_log}/%p.log", f"HIBER_AGENT_LOG={out}/agent-{wake}.log"]
     argv = ["env", *job_env, "python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "gpu/programs/ddp.py"),
             "--mode", "ddp", "--steps", "3000", "--interval-ms", "10"]
     p = hiber("run", "--name", job, "--", *argv)
@@ -76,7 +78,7 @@ def one_job(checkpoints, out):
         wait("steps after the checkpoint", 60, lambda: len(steps(job)) > before + 40)
         prog = steps(job)
         gap = max((b.t_ms - a.t_ms for a, b in zip(prog[before - 5:], prog[before - 4:])), default=None)
-        rows.append({"checkpoint": i, "rc": p.returncode, "seconds": round(took, 2), **figures, "longest_step_gap_ms": gap})
+        rows.append({"wake": wake, "checkpoint": i, "rc": p.returncode, "seconds": round(took, 2), **figures, "longest_step_gap_ms": gap})
         if p.returncode != 0:
             rows[-1]["error"] = p.stderr.strip()[-600:]
         print(json.dumps(rows[-1]), flush=True)
@@ -85,11 +87,11 @@ def one_job(checkpoints, out):
     wait(f"{job} to end", 240, lambda: (STATE / "jobs" / job / "exit.json").exists())
     log = (STATE / "jobs" / job / "stdout.log").read_text()
     verified = "verify ok ranks agree" in log.splitlines()
-    print(json.dumps({"job_verified": verified, "exit": (STATE / "jobs" / job / "exit.json").read_text().strip()}), flush=True)
+    print(json.dumps({"wake": wake, "job_verified": verified, "exit": (STATE / "jobs" / job / "exit.json").read_text().strip()}), flush=True)
     hiber("rm", "-f", job)
     # NCCL's account of each teardown: the aborts, and the proxy threads' exits.
     keep = re.compile(r"Abort|Destroy|exit|Service thread|UDS|commReclaim|Proxy Progress")
-    with open(out / "nccl-teardown.txt", "w") as f:
+    with open(out / f"nccl-teardown-{wake}.txt", "w") as f:
         for path in sorted(nccl_log.glob("*.log")):
             for line in path.read_text(errors="replace").splitlines():
                 if keep.search(line):
@@ -101,14 +103,18 @@ def one_job(checkpoints, out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoints", type=int, default=3)
+    ap.add_argument("--wake", choices=["on", "off", "both"], default="both")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hiber-probe-out"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    for wake in (["off", "on"] if a.wake == "both" else [a.wake]):
+        shutil.rmtree(STATE, ignore_errors=True)
+        _, verified = one_job(a.checkpoints, out, wake)
+        ok = ok and verified
     shutil.rmtree(STATE, ignore_errors=True)
-    _, verified = one_job(a.checkpoints, out)
-    shutil.rmtree(STATE, ignore_errors=True)
-    sys.exit(0 if verified else 1)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

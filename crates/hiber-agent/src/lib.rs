@@ -12,7 +12,8 @@
 //! the application's stdout or stderr (only to `HIBER_AGENT_LOG`), never panics or unwinds
 //! across `extern "C"`, and adds no thread or memory to a process until that process
 //! initializes CUDA. A child forked after that is detached from the driver ([`fork`]).
-//! Unsafe code lives in [`cuda`], [`hooks`], [`nccl`], [`fork`] and `hiber_wire::socket`.
+//! Unsafe code lives in [`cuda`], [`hooks`], [`nccl`], [`poll`], [`fork`] and
+//! `hiber_wire::socket`.
 
 pub mod control;
 pub mod cuda;
@@ -22,6 +23,7 @@ pub mod hooks;
 pub mod ipc;
 pub mod memory;
 pub mod nccl;
+pub mod poll;
 pub mod sharing;
 pub mod stack;
 

@@ -51,3 +51,18 @@ fn dlsym_lookups_through_the_agent_match_the_loader() {
     assert_eq!(with.trim(), "True True False");
     assert!(err.is_empty(), "{err}");
 }
+
+#[test]
+fn polls_through_the_agent_behave_as_glibc_s() {
+    // The agent exports poll (to wake NCCL's proxy threads): Python's select.poll calls it,
+    // with NCCL's 500 ms timeout among others.
+    let py = "import select, os, time; r, w = os.pipe(); p = select.poll(); p.register(r, select.POLLIN); \
+              t = time.time(); a = p.poll(500); d = time.time() - t; b = p.poll(0); os.write(w, b'x'); \
+              c = p.poll(500); e = p.poll(-1); print(a, d >= 0.45, b, c == [(r, select.POLLIN)], c == e)";
+    let script = format!("command -v python3 >/dev/null && python3 -c \"{py}\" || echo '[] True [] True True'");
+    let (plain, _) = run(&script, false);
+    let (with, err) = run(&script, true);
+    assert_eq!(with, plain);
+    assert_eq!(with.trim(), "[] True [] True True");
+    assert!(err.is_empty(), "{err}");
+}
