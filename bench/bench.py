@@ -239,6 +239,8 @@ class Hiber:
             self.figures["step_" + st["step"].replace(" ", "_") + "_s"] = st["seconds"]
         if r.get("criu_memory_bytes") is not None:
             self.figures["criu_memory_gib"] = r["criu_memory_bytes"] / (1 << 30)
+        # 1 where CRIU wrote into hiber's staging area in memory (--leave-running).
+        self.figures["criu_staged"] = 1.0 if r.get("criu_staged") else 0.0
         return rss  # hiber returns once the image is fsync'd and renamed into place
 
     def kill(self, job="bw"):

@@ -123,6 +123,26 @@ pub fn private_dev_shm() -> io::Result<()> {
     Ok(())
 }
 
+/// Mounts a new tmpfs at `target` with `options` (tmpfs's option string: size, mode,
+/// huge, ...), with no devices, set-id files or programs on it.
+pub fn mount_tmpfs(target: &Path, options: &str) -> io::Result<()> {
+    let t = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    let data = CString::new(options).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "options contain NUL"))?;
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: NUL-terminated strings that outlive the call; `data` is the option string
+    // tmpfs reads.
+    cvt(unsafe { libc::mount(c"tmpfs".as_ptr(), t.as_ptr(), c"tmpfs".as_ptr(), flags, data.as_ptr().cast()) })?;
+    Ok(())
+}
+
+/// Detaches the mount at `target` (lazily: files still open keep it until closed).
+pub fn umount_detach(target: &Path) -> io::Result<()> {
+    let t = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    // SAFETY: a NUL-terminated path that outlives the call.
+    cvt(unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) })?;
+    Ok(())
+}
+
 /// Waits for an advisory lock on `f` (shared or exclusive), held until `f` is closed.
 pub fn flock(f: &std::fs::File, exclusive: bool) -> io::Result<()> {
     let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };

@@ -111,6 +111,12 @@ fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
     assert_eq!(steps.iter().map(|s| s["step"].as_str().unwrap()).collect::<Vec<_>>(), ["criu dump"], "{report}");
     let dump = steps[0]["seconds"].as_f64().unwrap();
     assert!(dump >= frozen && dump <= paused, "{report}");
+    // CRIU wrote into a tmpfs of its own (the tests run as root), which is gone once the
+    // image is in place.
+    assert_eq!(report["criu_staged"], serde_json::json!(true), "{report}");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&*h.state.join("stage").to_string_lossy()), "no staging area left mounted");
+    assert_eq!(std::fs::read_dir(h.state.join("stage")).map(|d| d.count()).unwrap_or(0), 0);
     let at = h.last_step("leave").unwrap();
     h.wait_step("leave", at + 5);
     h.ok(&["restore", image.to_str().unwrap(), "--name", "leave-copy"]);

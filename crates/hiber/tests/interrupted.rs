@@ -46,6 +46,44 @@ fn sigkill_during_checkpoint_then_recover() {
     h.assert_verified("victim", Duration::from_secs(120));
 }
 
+/// The same during a `--leave-running` checkpoint, whose CRIU writes into a tmpfs of its
+/// own: the next invocation unmounts it (it holds the application's memory).
+#[test]
+fn sigkill_during_a_leave_running_dump_leaves_no_staging_area() {
+    let h = Hiber::new("sigkill-stage");
+    let pid = h.start("victim", &["cpu", "--steps", "300", "--mem-mib", "1024"]);
+    h.wait_step("victim", 5);
+    let out = h.images_dir().join("victim");
+    let mut hiber = h.command(&["checkpoint", "victim", "--leave-running", "--out", out.to_str().unwrap()]).spawn().unwrap();
+    let stages = h.state.join("stage");
+    wait("CRIU to start writing pages into its staging area", Duration::from_secs(30), || {
+        std::fs::read_dir(&stages)
+            .ok()
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| std::fs::read_dir(e.path()).ok().into_iter().flatten().flatten().any(|f| f.file_name().to_string_lossy().starts_with("pages-")))
+    });
+    hiber.kill().unwrap();
+    hiber.wait().unwrap();
+    let mounted = || std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(&*stages.to_string_lossy());
+    assert!(mounted(), "the staging area outlives the killed hiber");
+    wait("the application to run again", Duration::from_secs(60), || {
+        let now = h.last_step("victim").unwrap_or(0);
+        std::thread::sleep(Duration::from_millis(200));
+        h.last_step("victim").unwrap_or(0) > now
+    });
+    let rec = h.output(&["recover"]);
+    let text = String::from_utf8_lossy(&rec.stderr).into_owned() + &String::from_utf8_lossy(&rec.stdout);
+    assert!(rec.status.success(), "{text}");
+    assert!(text.contains("removed 1 staging area"), "{text}");
+    assert!(!mounted(), "unmounted");
+    assert_eq!(std::fs::read_dir(&stages).unwrap().count(), 0);
+    assert!(!out.exists());
+    assert!(alive(pid));
+    h.assert_verified("victim", Duration::from_secs(120));
+}
+
 /// hiber killed while a restored tree waits, stopped, for its device state (the path GPU
 /// images take; HIBER_RESTORE_STOPPED forces it for a CPU job, HIBER_PAUSE_AT holds hiber
 /// there): the job's shim kills the tree instead of leaving it stopped forever, and records

@@ -21,6 +21,7 @@
 
 pub(crate) mod preflight;
 mod session;
+pub mod stage;
 
 pub use preflight::Undumpable;
 pub use session::Checkpoint;
@@ -132,6 +133,8 @@ pub struct CheckpointReport {
     /// How long each step inside the pause took, in order (engine quiesce, capture, CRIU's
     /// dump, engine resume).
     pub steps: Vec<(String, Duration)>,
+    /// CRIU wrote into a staging area in memory (`--leave-running`; see [`stage`]).
+    pub criu_staged: bool,
 }
 
 /// Refuses targets that cannot or must not be checkpointed, before anything is touched.

@@ -38,6 +38,9 @@ pub struct Checkpoint<'a> {
     criu: Option<crate::criu::DumpStats>,
     /// Where the pause went, step by step ("agent quiesce", "criu dump", ...).
     steps: Vec<(String, Duration)>,
+    /// With `--leave-running`: CRIU's files in memory, waiting for the commit.
+    stage: Option<super::stage::Stage>,
+    criu_staged: bool,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -124,6 +127,8 @@ impl<'a> Checkpoint<'a> {
             paused: None,
             criu: None,
             steps: Vec::new(),
+            stage: None,
+            criu_staged: false,
         })
     }
 
@@ -225,7 +230,12 @@ impl<'a> Checkpoint<'a> {
         let mut manifest = self.manifest();
         let dump_start = Instant::now();
         self.dump_start = Some(dump_start);
-        let criu_dir = self.sink.criu_dir();
+        // With --leave-running, CRIU writes into memory while the application waits, and
+        // its files go into the image after the application runs again.
+        let pids: Vec<i32> = self.tree.iter().map(|p| p.pid).collect();
+        let stage = if self.req.leave_running { super::stage::Stage::open(&self.ctx.state, &pids) } else { None };
+        let criu_dir = stage.as_ref().map_or_else(|| self.sink.criu_dir(), |s| s.dir().to_path_buf());
+        self.criu_staged = stage.is_some();
         let opts = DumpOptions {
             pid: self.req.pid,
             images_dir: &criu_dir,
@@ -320,6 +330,7 @@ impl<'a> Checkpoint<'a> {
         if leave_running {
             manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
             self.manifest = Some(manifest);
+            self.stage = stage;
             coord.barrier(Phase::Dumped)?;
         }
         Ok(())
@@ -330,6 +341,12 @@ impl<'a> Checkpoint<'a> {
     pub fn commit(&mut self) -> Result<(), CheckpointError> {
         let Some(manifest) = self.manifest.take() else { return Ok(()) };
         self.ctx.phase("finishing the image (device memory, checksums, fsync)");
+        if let Some(stage) = self.stage.take() {
+            let (t, dest) = (Instant::now(), self.sink.criu_dir());
+            let bytes =
+                stage.move_into(&dest).map_err(|source| ImageError::Io { path: dest.clone(), step: "copy CRIU's files from its staging area", source })?;
+            tracing::info!(mib = bytes >> 20, seconds = t.elapsed().as_secs_f64(), "CRIU's files copied into the image");
+        }
         commit(&mut self.sink, &mut self.journal, &mut self.sessions, manifest)
     }
 
@@ -436,6 +453,7 @@ impl<'a> Checkpoint<'a> {
             paused: self.paused,
             criu: self.criu,
             steps: self.steps,
+            criu_staged: self.criu_staged,
         }
     }
 }

@@ -104,6 +104,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
             "criu_memdump_seconds": report.criu.map(|c| c.memdump.as_secs_f64()),
             "criu_memwrite_seconds": report.criu.map(|c| c.memwrite.as_secs_f64()),
             "criu_memory_bytes": report.criu.map(|c| c.bytes_written),
+            "criu_staged": report.criu_staged,
             "pause_steps": report.steps.iter().map(|(n, d)| serde_json::json!({"step": n, "seconds": d.as_secs_f64()})).collect::<Vec<_>>(),
         });
         println!("{v}");

@@ -25,6 +25,7 @@ fn report(items: &[journal::Recovered]) {
 
 pub fn recover_stale_quietly() {
     let state = StateDir::from_env();
+    hiber_core::checkpoint::stage::sweep(&state);
     if journal::stale_entries(&state).is_empty() {
         return;
     }
@@ -33,8 +34,12 @@ pub fn recover_stale_quietly() {
 
 pub fn run() -> Result<(), CliError> {
     let state = StateDir::from_env();
+    let swept = hiber_core::checkpoint::stage::sweep(&state);
     let done = journal::recover(&state, &hiber_core::engine::available());
-    if done.is_empty() {
+    if swept > 0 {
+        eprintln!("hiber: removed {swept} staging area(s) of CRIU's files left by a hiber that was killed");
+    }
+    if done.is_empty() && swept == 0 {
         println!("nothing to recover");
     }
     report(&done);
