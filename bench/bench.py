@@ -345,6 +345,14 @@ class Stock:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             os.kill(self.pid, signal.SIGKILL)
+        # And each CUDA process by name: on 2xH200 (2026-11-26) a rank the driver could not
+        # restore (801) outlived its group's kill and held 32 GiB of GPU 0 through the later
+        # samples and the suite after them.
+        for p in getattr(self, "cuda_pids", []):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.proc is not None:
             self.proc.wait()
             self.proc = None

@@ -350,6 +350,13 @@ class Targets(unittest.TestCase):
         self.assertEqual(got["DDP 2 ranks, 30 GiB per GPU: the stock path"], "targets absolute")
         self.assertEqual(got[f"agent overhead, {DDP_MLP_STEP} ≤ 1%"], "met")
         self.assertEqual(got[f"agent overhead, {DDP_SMALL_STEP} ≤ 1%"], "not resolved")
+        # 2026-11-26: the NCCL wake and CRIU's staging area (3 samples, CRIU staged in each).
+        runs[0] = json.loads((RESULTS / "2026-11-26-h200x2-ddp30-wake-stage.json").read_text())
+        rows = {t: (m, v) for t, m, v in ddp_targets(runs)}
+        self.assertEqual(rows["DDP 2 ranks, 30 GiB per GPU: hiber downtime (--leave-running) ≤ 2 s"], ("3.03 s", "NOT met"))
+        self.assertEqual(rows["DDP 2 ranks, 30 GiB per GPU: hiber restore from page cache until progress ≤ 5 s"][1], "met")
+        hiber = next(r for r in runs[0]["rows"] if r["contender"] == "hiber")
+        self.assertEqual(hiber["samples"]["criu_staged"], [1.0, 1.0, 1.0])
 
 
 class CarriedCommit(unittest.TestCase):
