@@ -111,24 +111,11 @@ fn resolve(slot: &AtomicUsize, name: &CStr) -> usize {
         None => (unsafe { dlsym(libc::RTLD_NEXT, name.as_ptr()) }) as usize,
     };
     slot.store(p, Ordering::Relaxed);
-    if p != 0 && LIBRARY_BASE.load(Ordering::Relaxed) == 0 {
-        LIBRARY_BASE.store(crate::poll::object_base(p as *const c_void), Ordering::Relaxed);
+    if p != 0 {
+        // Where NCCL's proxy threads poll from (see poll.rs); noted here, outside any poll.
+        crate::poll::note_nccl(p);
     }
     p
-}
-
-/// The load address of the library that holds the NCCL the agent wraps: 0 until the agent
-/// first called into it (set from outside any poll, so that `poll` takes no loader lock
-/// for it).
-static LIBRARY_BASE: AtomicUsize = AtomicUsize::new(0);
-
-pub(crate) fn library_base() -> usize {
-    LIBRARY_BASE.load(Ordering::Relaxed)
-}
-
-#[cfg(test)]
-pub(crate) fn set_library_base_for_tests(base: usize) {
-    LIBRARY_BASE.store(base, Ordering::Relaxed);
 }
 
 macro_rules! real {

@@ -8,25 +8,47 @@
 //! pause.
 //!
 //! So the agent exports `poll` (and glibc's fortified `__poll_chk`). A call with NCCL's
-//! timeout of 500 ms whose return address lies in the NCCL library the agent wraps also
-//! waits on an eventfd of the agent's; while the agent tears communicators down
-//! ([`waking`]), that eventfd is readable, the poll returns as if it had timed out, and
-//! NCCL's loop finds its abort flag. Nothing is written to NCCL's descriptors. Every other
-//! call goes to the kernel after one comparison of its timeout (`ppoll`, which is how
-//! glibc implements `poll` where the kernel has no `poll` call).
+//! timeout of 500 ms whose return address lies in the NCCL library the agent wraps (its
+//! address range, noted when the agent first resolves an NCCL entry point) also waits on an
+//! eventfd of the agent's; while the agent tears communicators down ([`waking`]), that
+//! eventfd is readable, the poll returns as if it had timed out, and NCCL's loop finds its
+//! abort flag. Nothing is written to NCCL's descriptors. Every other call goes to glibc's
+//! `poll` after one comparison of its timeout; the path takes no lock.
 //!
-//! `HIBER_NCCL_WAKE=0` in the application's environment turns the waking off (the
+//! Should the eventfd stop being the agent's (the application closed its number, or put
+//! another file there), the waking turns itself off rather than let NCCL's threads spin.
+//! `HIBER_NCCL_WAKE=0` in the application's environment turns it off from the start (the
 //! teardown then waits as NCCL alone does).
 
-use std::cell::Cell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// The timeout of NCCL's proxy threads' polls, in milliseconds.
 const NCCL_POLL_MS: c_int = 500;
-/// NCCL's largest poll (a proxy's connections and its listening socket: 73 + 1 in
-/// 2.28.9); a larger one is passed through unwoken.
-const MAX_FDS: usize = 255;
+/// Descriptors a poll may have on the stack (NCCL 2.28.9's largest is a proxy's 73
+/// connections and its listening socket); a larger one is copied to the heap.
+const STACK_FDS: usize = 255;
+
+type PollFn = unsafe extern "C" fn(*mut libc::pollfd, libc::nfds_t, c_int) -> c_int;
+
+/// glibc's `poll`, resolved when the agent is loaded.
+static REAL_POLL: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn resolve_at_load() {
+    if let Some(dlsym) = crate::cuda::real_dlsym() {
+        // SAFETY: glibc's dlsym, called from the agent: RTLD_NEXT finds the definition
+        // after the agent's, the C library's.
+        let p = unsafe { dlsym(libc::RTLD_NEXT, c"poll".as_ptr()) } as usize;
+        // Never the agent's own, which would call itself.
+        if p != 0 && object_range(p) != object_range(poll as *const () as usize) {
+            REAL_POLL.store(p, Ordering::Release);
+        }
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static RESOLVE_AT_LOAD: extern "C" fn() = resolve_at_load;
 
 /// `poll(2)`, for every caller.
 ///
@@ -115,10 +137,17 @@ extern "C" {
 }
 
 unsafe extern "C" fn plain_poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
-    let ts = (timeout >= 0).then(|| libc::timespec { tv_sec: (timeout / 1000).into(), tv_nsec: ((timeout % 1000) * 1_000_000).into() });
-    let tp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: the caller's own array and count (poll's contract); no signal mask, as poll.
-    unsafe { libc::ppoll(fds, n, tp, std::ptr::null()) }
+    match REAL_POLL.load(Ordering::Acquire) {
+        // SAFETY: glibc's poll (its signature is PollFn), with the caller's own arguments.
+        p if p != 0 => unsafe { std::mem::transmute::<usize, PollFn>(p)(fds, n, timeout) },
+        _ => {
+            let ts = (timeout >= 0).then(|| libc::timespec { tv_sec: (timeout / 1000).into(), tv_nsec: ((timeout % 1000) * 1_000_000).into() });
+            let tp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+            // SAFETY: the caller's own array and count (poll's contract); no signal mask,
+            // as poll.
+            unsafe { libc::ppoll(fds, n, tp, std::ptr::null()) }
+        }
+    }
 }
 
 /// glibc's check: the array must hold `n` entries.
@@ -142,14 +171,21 @@ unsafe extern "C" fn hooked_poll_chk(fds: *mut libc::pollfd, n: libc::nfds_t, ti
 }
 
 unsafe extern "C" fn hooked_poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int, caller: *const c_void) -> c_int {
-    let wake = match (n as usize <= MAX_FDS && from_nccl(caller)).then(wake_fd) {
+    let wake = match (n > 0 && from_nccl(caller as usize)).then(wake_fd) {
         Some(Some(fd)) => fd,
         // SAFETY: the caller's own arguments.
         _ => return unsafe { plain_poll(fds, n, timeout) },
     };
     let n = n as usize;
-    let mut all = [libc::pollfd { fd: -1, events: 0, revents: 0 }; MAX_FDS + 1];
-    // SAFETY: poll's contract: `fds` holds `n` entries (n <= MAX_FDS was checked).
+    let mut stack = [libc::pollfd { fd: -1, events: 0, revents: 0 }; STACK_FDS + 1];
+    let mut heap = Vec::new();
+    let all: &mut [libc::pollfd] = if n <= STACK_FDS {
+        &mut stack[..n + 1]
+    } else {
+        heap.resize(n + 1, libc::pollfd { fd: -1, events: 0, revents: 0 });
+        &mut heap[..]
+    };
+    // SAFETY: poll's contract: `fds` holds `n` entries (n > 0, so it is not null).
     let theirs = unsafe { std::slice::from_raw_parts_mut(fds, n) };
     all[..n].copy_from_slice(theirs);
     all[n] = libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 };
@@ -161,44 +197,86 @@ unsafe extern "C" fn hooked_poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeou
     for (t, a) in theirs.iter_mut().zip(&all[..n]) {
         t.revents = a.revents;
     }
-    r - c_int::from(all[n].revents != 0)
-}
-
-thread_local! {
-    /// The return address of this thread's last poll found to come from NCCL (a proxy
-    /// thread polls from one place, so dladdr runs once per thread).
-    static NCCL_CALLER: Cell<usize> = const { Cell::new(0) };
-}
-
-/// Whether `caller` lies in the library that holds the NCCL the agent wraps.
-fn from_nccl(caller: *const c_void) -> bool {
-    if NCCL_CALLER.with(Cell::get) == caller as usize {
-        return true;
+    let ours = all[n].revents;
+    if ours != 0 && !WAKING.load(Ordering::Acquire) {
+        unexpected(ours);
+    } else if ours == 0 {
+        UNEXPECTED.store(0, Ordering::Relaxed);
     }
-    let base = crate::nccl::library_base();
-    let ours = base != 0 && object_base(caller) == base;
-    if ours {
-        NCCL_CALLER.with(|c| c.set(caller as usize));
-    }
-    ours
+    r - c_int::from(ours != 0)
 }
 
-/// The load address of the object that contains `p` (0 when none does).
-pub(crate) fn object_base(p: *const c_void) -> usize {
-    // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
-    unsafe {
-        let mut info: libc::Dl_info = std::mem::zeroed();
-        if libc::dladdr(p, &mut info) == 0 {
+/// The address range of the NCCL library the agent wraps: `[lo, hi)`, both 0 until known.
+static NCCL_LO: AtomicUsize = AtomicUsize::new(0);
+static NCCL_HI: AtomicUsize = AtomicUsize::new(0);
+
+/// Notes the range of the library that holds `entry`, an NCCL entry point (once).
+pub(crate) fn note_nccl(entry: usize) {
+    if NCCL_HI.load(Ordering::Acquire) != 0 {
+        return;
+    }
+    if let Some((lo, hi)) = object_range(entry) {
+        NCCL_LO.store(lo, Ordering::Relaxed);
+        NCCL_HI.store(hi, Ordering::Release);
+    }
+}
+
+/// Whether `caller` lies in the NCCL library the agent wraps (two loads, no lock).
+fn from_nccl(caller: usize) -> bool {
+    let hi = NCCL_HI.load(Ordering::Acquire);
+    hi != 0 && (NCCL_LO.load(Ordering::Relaxed)..hi).contains(&caller)
+}
+
+/// The range that its loadable segments span, of the object that maps address `p`.
+fn object_range(p: usize) -> Option<(usize, usize)> {
+    struct Search {
+        p: usize,
+        found: Option<(usize, usize)>,
+    }
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: libc::size_t, data: *mut c_void) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info for the call, and `data` is the
+        // Search given below.
+        let (info, search) = unsafe { (&*info, &mut *data.cast::<Search>()) };
+        if info.dlpi_phdr.is_null() {
             return 0;
         }
-        info.dli_fbase as usize
+        // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
+        let headers = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
+        let spans = headers.iter().filter(|h| h.p_type == libc::PT_LOAD).map(|h| {
+            let lo = info.dlpi_addr as usize + h.p_vaddr as usize;
+            (lo, lo + h.p_memsz as usize)
+        });
+        if !spans.clone().any(|(lo, hi)| (lo..hi).contains(&search.p)) {
+            return 0;
+        }
+        search.found = spans.reduce(|(a, b), (lo, hi)| (a.min(lo), b.max(hi)));
+        1
     }
+    let mut search = Search { p, found: None };
+    // SAFETY: the callback only reads what the loader passes it and writes the Search,
+    // which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&mut search as *mut Search).cast()) };
+    search.found
 }
 
 /// This process's eventfd and its PID (a forked child makes its own): `pid << 32 | fd`.
 static WAKE: AtomicU64 = AtomicU64::new(0);
-/// 0 unread, 1 on, 2 off (`HIBER_NCCL_WAKE=0`).
+/// 0 unread, 1 on, 2 off (`HIBER_NCCL_WAKE=0`, or the eventfd was lost).
 static ENABLED: AtomicU8 = AtomicU8::new(0);
+/// Whether a teardown keeps the eventfd readable now.
+static WAKING: AtomicBool = AtomicBool::new(false);
+/// NCCL polls in a row that found the eventfd ready with no teardown under way.
+static UNEXPECTED: AtomicU32 = AtomicU32::new(0);
+
+/// The eventfd answered `revents` with no teardown under way: closed (its number now free,
+/// or another file's), or ready for someone else. A few such answers happen at the end of a
+/// teardown; more in a row, or an invalid descriptor, turn the waking off for good.
+fn unexpected(revents: i16) {
+    let lost = revents & (libc::POLLNVAL | libc::POLLERR | libc::POLLHUP) != 0;
+    if lost || UNEXPECTED.fetch_add(1, Ordering::Relaxed) >= 100 {
+        ENABLED.store(2, Ordering::Relaxed);
+    }
+}
 
 fn enabled() -> bool {
     match ENABLED.load(Ordering::Relaxed) {
@@ -243,6 +321,7 @@ pub(crate) struct Waking(Option<c_int>);
 pub(crate) fn waking() -> Waking {
     let fd = wake_fd();
     if let Some(fd) = fd {
+        WAKING.store(true, Ordering::Release);
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to this process's eventfd.
         let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
@@ -256,6 +335,7 @@ impl Drop for Waking {
             let mut v: u64 = 0;
             // SAFETY: reads 8 bytes into a live u64 (resets the counter; non-blocking).
             let _ = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+            WAKING.store(false, Ordering::Release);
         }
     }
 }
@@ -289,7 +369,10 @@ mod tests {
     fn polls_from_nccl_wake_for_a_teardown_and_others_do_not() {
         // Stand-in for NCCL's library: the C library, whose `getpid` is a caller inside it.
         let in_lib = libc::getpid as *const () as usize;
-        crate::nccl::set_library_base_for_tests(object_base(in_lib as *const c_void));
+        assert_ne!(REAL_POLL.load(Ordering::Acquire), 0, "glibc's poll, resolved at load");
+        assert!(!from_nccl(in_lib), "no NCCL noted yet");
+        note_nccl(in_lib);
+        assert!(from_nccl(in_lib) && from_nccl(libc::getppid as *const () as usize));
         let elsewhere = polls_from_nccl_wake_for_a_teardown_and_others_do_not as *const () as usize;
         let (r, w) = pipe();
 
@@ -334,6 +417,30 @@ mod tests {
         // SAFETY: a live one-entry array, its size in bytes.
         assert_eq!(unsafe { __poll_chk(p.as_mut_ptr(), 1, -1, std::mem::size_of_val(&p)) }, 1);
         assert_eq!(p[0].revents, libc::POLLIN);
+        // A poll too large for the stack is woken the same way.
+        let mut many = vec![libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 }; 600];
+        many[599] = libc::pollfd { fd: r, events: libc::POLLIN, revents: 0 };
+        {
+            let _waking = waking();
+            // SAFETY: a live array of 600 entries.
+            let n = unsafe { hooked_poll(many.as_mut_ptr(), 600, NCCL_POLL_MS, in_lib as *const c_void) };
+            assert_eq!((n, many[599].revents), (1, libc::POLLIN), "the pipe still holds a byte");
+        }
+        // SAFETY: reads the byte into a live buffer.
+        assert_eq!(unsafe { libc::read(r, b.as_mut_ptr().cast(), 1) }, 1);
+
+        // The application closes the agent's eventfd: the next NCCL poll finds it invalid
+        // and returns once, as a timeout; the waking turns off for good (no spin), and the
+        // polls after wait out their timeout as without the agent.
+        let fd = wake_fd().unwrap();
+        crate::close_fd(fd);
+        let (n, rev, took) = poll_from(in_lib, r);
+        assert_eq!((n, rev), (0, 0));
+        assert!(took < Duration::from_millis(100), "the closed descriptor answered at once: {took:?}");
+        assert!(wake_fd().is_none(), "waking is off");
+        let (n, _, took) = poll_from(in_lib, r);
+        assert_eq!(n, 0);
+        assert!(took >= Duration::from_millis(490), "{took:?}");
         crate::close_fd(r);
         crate::close_fd(w);
     }

@@ -563,16 +563,25 @@ impl Drop for Anon {
     }
 }
 
-/// What this process's memory cgroup (v2) still allows: `memory.max` less
-/// `memory.current`; `None` without a limit.
+/// What this process's memory cgroup (v2) and each of its ancestors (a slice, a pod) still
+/// allow, the least of them: `memory.max` less `memory.current`; `None` without a limit.
 pub fn cgroup_memory_left() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u64>().ok();
-    // "max" does not parse: no limit.
-    let max = read("memory.max")?;
-    Some(max.saturating_sub(read("memory.current").unwrap_or(0)))
+    let root = Path::new("/sys/fs/cgroup");
+    let mut dir = root.join(path.trim_start_matches('/'));
+    let mut least: Option<u64> = None;
+    loop {
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u64>().ok();
+        // "max" does not parse: no limit at this level.
+        if let Some(max) = read("memory.max") {
+            let left = max.saturating_sub(read("memory.current").unwrap_or(0));
+            least = Some(least.map_or(left, |l| l.min(left)));
+        }
+        if dir == root || !dir.pop() || !dir.starts_with(root) {
+            return least;
+        }
+    }
 }
 
 /// `MemAvailable` of /proc/meminfo and `MemTotal`, in bytes.
@@ -594,6 +603,16 @@ pub fn available_bytes(path: &Path) -> io::Result<u64> {
     // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
     cvt(unsafe { libc::statvfs(c.as_ptr(), &mut st) })?;
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Bytes in use on the filesystem holding `path`.
+pub fn used_bytes(path: &Path) -> io::Result<u64> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    // SAFETY: statvfs is plain old data; all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
+    cvt(unsafe { libc::statvfs(c.as_ptr(), &mut st) })?;
+    Ok((st.f_blocks as u64).saturating_sub(st.f_bfree as u64) * st.f_frsize as u64)
 }
 
 /// The kernel's `uname` release and node name.

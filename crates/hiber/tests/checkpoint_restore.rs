@@ -136,6 +136,34 @@ fn leave_running_keeps_the_original_and_the_image_restores_as_a_second_copy() {
     assert_continues(&h.progress("leave"), &copy, first);
 }
 
+/// A staging area too small for CRIU (capped at 1 MiB here; in use, memory the estimate did
+/// not see): CRIU fills it, resumes the tree, and the dump is made again into the image's
+/// directory. The checkpoint succeeds, and its image restores on the trajectory.
+#[test]
+fn a_staging_area_that_fills_falls_back_to_the_image_directory() {
+    let h = Hiber::new("stage-full");
+    let pid = h.start("full", &["cpu", "--steps", "150", "--mem-mib", "32"]);
+    h.wait_step("full", 20);
+    let image = h.images_dir().join("full");
+    let out =
+        h.command(&["checkpoint", "full", "--leave-running", "--json", "--out", image.to_str().unwrap()]).env("HIBER_CRIU_STAGE_MIB", "1").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("filled its staging area"), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["criu_staged"], serde_json::json!(false), "{report}");
+    assert!(report["criu_memory_bytes"].as_u64().unwrap() >= 32 << 20, "{report}");
+    assert!(alive(pid));
+    assert_eq!(std::fs::read_dir(h.state.join("stage")).map(|d| d.count()).unwrap_or(0), 0, "the stage is gone");
+    let at = h.last_step("full").unwrap();
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "full-copy"]);
+    h.assert_verified("full", LONG);
+    h.assert_verified("full-copy", LONG);
+    let copy = h.progress("full-copy");
+    assert!(copy[0].0 > 20 && copy[0].0 <= at + 1, "the copy resumes at the checkpoint ({})", copy[0].0);
+    assert_continues(&h.progress("full"), &copy, copy[0].0);
+}
+
 #[test]
 fn restore_after_the_original_was_killed() {
     let h = Hiber::new("killed");

@@ -233,18 +233,9 @@ impl<'a> Checkpoint<'a> {
         // With --leave-running, CRIU writes into memory while the application waits, and
         // its files go into the image after the application runs again.
         let pids: Vec<i32> = self.tree.iter().map(|p| p.pid).collect();
-        let stage = if self.req.leave_running { super::stage::Stage::open(&self.ctx.state, &pids) } else { None };
-        let criu_dir = stage.as_ref().map_or_else(|| self.sink.criu_dir(), |s| s.dir().to_path_buf());
-        self.criu_staged = stage.is_some();
-        let opts = DumpOptions {
-            pid: self.req.pid,
-            images_dir: &criu_dir,
-            work_dir: &work,
-            leave_running: self.req.leave_running,
-            external_mounts: manifest.source.mount_namespace,
-            external_files: [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect(),
-            skip_network_lock: loopback_only_network(&self.tree),
-        };
+        let mut stage = if self.req.leave_running { super::stage::Stage::open(&self.ctx.state, self.req.pid, &pids) } else { None };
+        let external_files: Vec<_> = [&manifest.source.stdout_external, &manifest.source.stderr_external].into_iter().flatten().cloned().collect();
+        let (external_mounts, skip_network_lock) = (manifest.source.mount_namespace, loopback_only_network(&self.tree));
         // Every process whose device state an engine took must still be there once CRIU has
         // the tree: one that ended since (a rank killed mid-checkpoint) would leave device
         // state in the image with no process to go back into.
@@ -260,43 +251,65 @@ impl<'a> Checkpoint<'a> {
         let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
         let mut commit_error: Option<CheckpointError> = None;
         ctx.phase("dumping process state (CRIU)");
-        let dumped = ctx.criu.dump(&opts, &mut |script| {
-            if script != "post-dump" {
-                return Ok(());
-            }
-            // Refusing the notification fails the dump, and CRIU resumes the tree.
-            let still_there = |&&(pid, start, _): &&(i32, u64, String)| proctree::stat(pid).is_ok_and(|s| s.start_time == start) && proctree::alive(pid);
-            if let Some((pid, _, comm)) = claimed.iter().find(|c| !still_there(c)) {
-                let e = CheckpointError::Exited { pid: *pid, comm: comm.clone() };
-                let msg = e.to_string();
-                commit_error = Some(e);
-                return Err(msg);
-            }
-            if leave_running {
-                return Ok(());
-            }
-            ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
-            manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
-            let committed = coord.barrier(Phase::Dumped).map_err(CheckpointError::from).and_then(|()| commit(sink, journal, sessions, manifest.clone()));
-            // Every participant committed, or none keeps its image: refusing the notification
-            // makes CRIU resume the tree instead of stopping it.
-            let committed = committed.and_then(|()| {
-                coord.barrier(Phase::Committed).map_err(|e| {
-                    let _ = std::fs::remove_dir_all(dest);
-                    CheckpointError::from(e)
+        let dumped = loop {
+            let criu_dir = stage.as_ref().map_or_else(|| sink.criu_dir(), |s| s.dir().to_path_buf());
+            let opts = DumpOptions {
+                pid: root.0,
+                images_dir: &criu_dir,
+                work_dir: &work,
+                leave_running,
+                external_mounts,
+                external_files: external_files.clone(),
+                skip_network_lock,
+            };
+            let dumped = ctx.criu.dump(&opts, &mut |script| {
+                if script != "post-dump" {
+                    return Ok(());
+                }
+                // Refusing the notification fails the dump, and CRIU resumes the tree.
+                let still_there = |&&(pid, start, _): &&(i32, u64, String)| proctree::stat(pid).is_ok_and(|s| s.start_time == start) && proctree::alive(pid);
+                if let Some((pid, _, comm)) = claimed.iter().find(|c| !still_there(c)) {
+                    let e = CheckpointError::Exited { pid: *pid, comm: comm.clone() };
+                    let msg = e.to_string();
+                    commit_error = Some(e);
+                    return Err(msg);
+                }
+                if leave_running {
+                    return Ok(());
+                }
+                ctx.phase("finishing the image (checksums, fsync) while the tree is frozen");
+                manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
+                let committed = coord.barrier(Phase::Dumped).map_err(CheckpointError::from).and_then(|()| commit(sink, journal, sessions, manifest.clone()));
+                // Every participant committed, or none keeps its image: refusing the notification
+                // makes CRIU resume the tree instead of stopping it.
+                let committed = committed.and_then(|()| {
+                    coord.barrier(Phase::Committed).map_err(|e| {
+                        let _ = std::fs::remove_dir_all(dest);
+                        CheckpointError::from(e)
+                    })
+                });
+                if committed.is_ok() {
+                    if let Some(j) = journal {
+                        let _ = j.update(|e| e.cut_passed = true);
+                    }
+                }
+                committed.map_err(|e| {
+                    let msg = e.to_string();
+                    commit_error = Some(e);
+                    msg
                 })
             });
-            if committed.is_ok() {
-                if let Some(j) = journal {
-                    let _ = j.update(|e| e.cut_passed = true);
+            // A staging area too small after all (memory CRIU found beyond the estimate): CRIU
+            // resumed the tree, and the dump is made again into the image's directory.
+            match (&dumped, &stage) {
+                (Err(e), Some(s)) if commit_error.is_none() && s.filled(&work.join("dump.log")) => {
+                    tracing::warn!(error = %e, "CRIU filled its staging area; dumping again into the image directory");
+                    stage = None;
                 }
+                _ => break dumped,
             }
-            committed.map_err(|e| {
-                let msg = e.to_string();
-                commit_error = Some(e);
-                msg
-            })
-        });
+        };
+        self.criu_staged = stage.is_some();
         self.steps.push(("criu dump".into(), dump_start.elapsed()));
         if let Some(e) = commit_error {
             return Err(e);

@@ -9,11 +9,14 @@
 //! then the tmpfs goes.
 //!
 //! The tmpfs is mounted 0700 at `$STATE/stage/<hiber pid>-<its start time>-<n>`, with room
-//! for what CRIU can write (the tree's resident anonymous and shared memory and swap, a
-//! quarter more, and 256 MiB), and only where that leaves 2 GiB of the host's (and
-//! hiber's cgroup's) available memory. It holds process memory, secrets included: it is
-//! unmounted whatever happens to the checkpoint, and the stages of a hiber that was killed
-//! are swept by the next hiber command ([`sweep`]). `HIBER_CRIU_STAGE=0` turns it off.
+//! for what CRIU can write (the tree's resident anonymous and shared memory and swap, the
+//! job's own `/dev/shm`, which CRIU carries whole, a quarter more, and 256 MiB), and only
+//! where that leaves 2 GiB of the host's available memory and of every memory cgroup above
+//! hiber. Should CRIU still fill it, the dump is made again into the image's directory.
+//! It holds process memory, secrets included: it is unmounted whatever happens to the
+//! checkpoint, and the stages of a hiber that was killed are swept by the next hiber
+//! command ([`sweep`]). `HIBER_CRIU_STAGE=0` turns it off; `HIBER_CRIU_STAGE_MIB` caps its
+//! size.
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io;
@@ -36,20 +39,29 @@ pub struct Stage {
     dir: PathBuf,
 }
 
-/// Bytes CRIU may have to write for processes `pids` and the tmpfs size that holds them.
-fn room(pids: &[i32]) -> (u64, u64) {
-    let need: u64 = pids.iter().map(|&p| dumped_bytes(p)).sum();
+/// Bytes CRIU may have to write for the tree of `root`, processes `pids`, and the tmpfs
+/// size that holds them.
+fn room(root: i32, pids: &[i32]) -> (u64, u64) {
+    let mut need: u64 = pids.iter().map(|&p| dumped_bytes(p)).sum();
+    // A job with a mount namespace of its own has a /dev/shm of its own (`hiber run`
+    // gives it one), which CRIU carries whole, mapped or not.
+    if proctree::has_own_namespace(root, "mnt") {
+        need += sys::used_bytes(Path::new(&format!("/proc/{root}/root/dev/shm"))).unwrap_or(0);
+    }
     (need, need + need / 4 + (256 << 20))
 }
 
 impl Stage {
-    /// A stage for a dump of `pids`, or `None` (and CRIU writes into the image) when it is
-    /// turned off, memory is short, or the mount fails (hiber not root, say).
-    pub fn open(state: &StateDir, pids: &[i32]) -> Option<Stage> {
+    /// A stage for a dump of the tree of `root` (processes `pids`), or `None` (and CRIU
+    /// writes into the image) when it is turned off, memory is short, or the mount fails
+    /// (hiber not root, say).
+    pub fn open(state: &StateDir, root: i32, pids: &[i32]) -> Option<Stage> {
         if std::env::var_os("HIBER_CRIU_STAGE").is_some_and(|v| v == "0") {
             return None;
         }
-        let (need, size) = room(pids);
+        let (need, size) = room(root, pids);
+        let cap = std::env::var("HIBER_CRIU_STAGE_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(u64::MAX, |m| m << 20);
+        let size = size.min(cap);
         let available = sys::host_memory().ok()?.0;
         let available = sys::cgroup_memory_left().map_or(available, |c| c.min(available));
         if available < size + RESERVE {
@@ -79,6 +91,12 @@ impl Stage {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Whether a dump that failed with CRIU's log `log` ran out of room here.
+    pub fn filled(&self, log: &Path) -> bool {
+        let said = fs::read_to_string(log).is_ok_and(|t| t.contains("No space left on device"));
+        said || sys::available_bytes(&self.dir).is_ok_and(|a| a < 8 << 20)
     }
 
     /// Copies every file CRIU wrote into `dest` (each created private, never replacing
@@ -154,20 +172,20 @@ mod tests {
         let pid = child.id() as i32;
         let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()).unwrap();
-        let (need, size) = room(&[pid]);
+        let (need, size) = room(pid, &[pid]);
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(need, (field("RssAnon:") + field("RssShmem:") + field("VmSwap:")) << 10);
         assert!(need > 0);
         assert_eq!(size, need + need / 4 + (256 << 20));
-        assert_eq!(room(&[pid, i32::MAX]).0, 0, "processes that are gone need nothing");
+        assert_eq!(room(pid, &[pid, i32::MAX]).0, 0, "processes that are gone need nothing");
     }
 
     #[test]
     fn a_stage_holds_files_moves_them_and_goes() {
         let tmp = tempdir();
         let state = StateDir::at(tmp.join("state"));
-        let Some(stage) = Stage::open(&state, &[sys::getpid()]) else {
+        let Some(stage) = Stage::open(&state, sys::getpid(), &[sys::getpid()]) else {
             // Mounting needs CAP_SYS_ADMIN: CI runs as root, so this is a failure there.
             assert!(sys::geteuid() != 0, "root could not mount a staging area");
             return;
@@ -187,7 +205,7 @@ mod tests {
         fs::remove_dir_all(&dest).unwrap();
         fs::create_dir(&dest).unwrap();
 
-        let stage = Stage::open(&state, &[sys::getpid()]).unwrap();
+        let stage = Stage::open(&state, sys::getpid(), &[sys::getpid()]).unwrap();
         fs::write(stage.dir().join("pages-1.img"), vec![7u8; 3 << 20]).unwrap();
         fs::write(stage.dir().join("core-1.img"), b"core").unwrap();
         let dir = stage.dir().to_path_buf();
@@ -199,7 +217,7 @@ mod tests {
         assert!(!is_tmpfs_mount(&dir) && !dir.exists(), "the stage is gone");
 
         // A stage whose hiber died is swept; a live one is not.
-        let live = Stage::open(&state, &[sys::getpid()]).unwrap();
+        let live = Stage::open(&state, sys::getpid(), &[sys::getpid()]).unwrap();
         let dead = stages(&state).join("999999999-1-0");
         fs::create_dir(&dead).unwrap();
         sys::mount_tmpfs(&dead, "size=1m,mode=0700").unwrap();
