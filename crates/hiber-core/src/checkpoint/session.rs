@@ -339,7 +339,11 @@ impl<'a> Checkpoint<'a> {
                 "CRIU dump"
             );
         }
-        let _ = std::fs::remove_dir_all(&work);
+        // `HIBER_KEEP_CRIU_LOG=1` keeps CRIU's log of a dump that passed (under
+        // `$HIBER_STATE/logs`), for a look at where its time went.
+        if std::env::var_os("HIBER_KEEP_CRIU_LOG").is_none_or(|v| v != "1") {
+            let _ = std::fs::remove_dir_all(&work);
+        }
         if leave_running {
             manifest.frozen_seconds = dump_start.elapsed().as_secs_f64();
             self.manifest = Some(manifest);

@@ -338,6 +338,7 @@ impl AgentCheckpoint {
             }
         }
         // One arena per GPU, as large as this process needs and the GPU's room allows.
+        let made = Instant::now();
         let mut arenas: Vec<DeviceMem> = Vec::new();
         let mut next: HashMap<i32, (usize, u64)> = HashMap::new();
         for (dev, bytes) in want {
@@ -360,6 +361,12 @@ impl AgentCheckpoint {
                 Err(e) => tracing::debug!(dev, bytes = take, error = %self.gpus.cuda.error_name(e), "no copy on the GPU"),
             }
         }
+        tracing::debug!(
+            arenas = arenas.len(),
+            mib = arenas.iter().map(|a| a.size).sum::<u64>() >> 20,
+            seconds = made.elapsed().as_secs_f64(),
+            "copy arenas made"
+        );
         let host_len = self.staging.as_ref().map_or(0, |s| s.size());
         let (mut from, mut to, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         let mut placed = Placed::default();
