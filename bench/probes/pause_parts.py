@@ -17,6 +17,10 @@ Runs on the two-GPU machine as root, from the repository root with `.carry/` in 
    pages (pages-*.img).
 4. A plain PyTorch process on one GPU (no hiber): its anonymous memory before and after
    glibc's malloc_trim(0), which returns freed heap pages to the kernel.
+5. The same kind of process taken through the driver's checkpoint and restore from here
+   (`cuCheckpointProcess*`, as hiber's driver engine calls them): how long each took, and
+   the anonymous mappings the checkpoint added (where the driver keeps device state in
+   host memory, which CRIU then dumps), with their huge pages.
 """
 import argparse
 import json
@@ -120,12 +124,12 @@ def criu_log_summary(text):
         t = float(m.group(1))
         gap = t - prev if prev is not None else 0.0
         prev = t
-        if gap >= 0.005 or "Dumping task (pid" in line or "Dumping pages" in line:
+        if gap >= 0.005 or any(k in line for k in ("Dumping task (pid", "Dumping pages", "page writer")):
             out.append(f"+{gap * 1000:7.1f} ms {line[:150]}")
     return out[:300]
 
 
-def ddp(mib):
+def ddp(mib, variants):
     print("== DDP job, hiber", flush=True)
     shutil.rmtree(STATE, ignore_errors=True)
     shutil.rmtree(IMG, ignore_errors=True)
@@ -136,33 +140,46 @@ def ddp(mib):
         root = json.loads((STATE / "jobs/pp/job.json").read_text())["pid"]
         for p in children(root):
             print(json.dumps(memory(p)), flush=True)
-        env = dict(ENV, HIBER_LOG="hiber_core=debug", HIBER_KEEP_CRIU_LOG="1")
-        t = time.time()
-        r = subprocess.run([HIBER, "checkpoint", "pp", "--leave-running", "--json", "--out", str(IMG)], env=env, capture_output=True, text=True)
-        print(f"checkpoint rc {r.returncode} in {time.time() - t:.2f} s", flush=True)
-        try:
-            rep = json.loads(r.stdout)
-            print("pause_steps", json.dumps(rep.get("pause_steps")))
-            print({k: rep.get(k) for k in ("paused_seconds", "criu_frozen_seconds", "criu_memdump_seconds", "criu_memwrite_seconds", "criu_memory_bytes", "criu_staged")})
-        except json.JSONDecodeError:
-            print(r.stdout[-2000:])
-        t0 = None
-        for line in ANSI.sub("", r.stderr).splitlines():
-            if any(k in line for k in ("NCCL", "device memory taken", "arenas", "quiesce", "staging", "CRIU dump", "phase", "pause", "keeper", "resum", "checkpoint")):
-                print("  ", line[:400])
-        pages = sorted(IMG.rglob("pages-*.img"))
-        print("CRIU pages files (MiB):", [(p.name, p.stat().st_size >> 20) for p in pages])
-        print("CRIU pagemaps:", sorted(p.name for p in IMG.rglob("pagemap-*.img")))
-        logs = sorted((STATE / "logs").glob("dump-*"))
-        if logs:
-            text = (logs[-1] / "dump.log").read_text(errors="replace")
-            print(f"CRIU dump.log: {len(text.splitlines())} lines")
-            for l in criu_log_summary(text):
-                print("   ", l)
-        print("job still stepping after:", (STATE / "jobs/pp/stdout.log").read_text().strip().splitlines()[-1][:120], flush=True)
+        print(sh("nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader"))
+        for variant in variants:
+            checkpoint(variant)
+        for name in ("stdout.log", "stderr.log"):
+            text = (STATE / "jobs/pp" / name).read_text(errors="replace") if (STATE / "jobs/pp" / name).exists() else ""
+            print(f"job {name}, the agent's lines:", *[l[:200] for l in text.splitlines() if "hiber" in l.lower() or "stack" in l.lower()][:30], sep="\n  ")
     finally:
         subprocess.run([HIBER, "rm", "-f", "pp"], env=ENV)
         shutil.rmtree(IMG, ignore_errors=True)
+
+
+def checkpoint(variant):
+    """One `--leave-running` checkpoint of the job with `variant`'s variables set."""
+    print(f"-- checkpoint with {variant or 'defaults'}", flush=True)
+    env = dict(ENV, HIBER_LOG="hiber_core=debug", HIBER_KEEP_CRIU_LOG="1", **dict(v.split("=", 1) for v in variant.split(",") if v))
+    shutil.rmtree(IMG, ignore_errors=True)
+    for d in (STATE / "logs").glob("dump-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    t = time.time()
+    r = subprocess.run([HIBER, "checkpoint", "pp", "--leave-running", "--json", "--out", str(IMG)], env=env, capture_output=True, text=True)
+    print(f"checkpoint rc {r.returncode} in {time.time() - t:.2f} s", flush=True)
+    try:
+        rep = json.loads(r.stdout)
+        print("pause_steps", json.dumps(rep.get("pause_steps")))
+        print({k: rep.get(k) for k in ("paused_seconds", "criu_frozen_seconds", "criu_memdump_seconds", "criu_memwrite_seconds", "criu_memory_bytes", "criu_staged")})
+    except json.JSONDecodeError:
+        print(r.stdout[-2000:])
+    for line in ANSI.sub("", r.stderr).splitlines():
+        if any(k in line for k in ("NCCL", "device memory taken", "arenas", "quiesce", "staging", "CRIU dump", "phase", "pause", "keeper", "resum", "checkpoint")):
+            print("  ", line[:400])
+    pages = sorted(IMG.rglob("pages-*.img"))
+    print("CRIU pages files (MiB):", [(p.name, p.stat().st_size >> 20) for p in pages])
+    print("CRIU pagemaps:", sorted(p.name for p in IMG.rglob("pagemap-*.img")))
+    logs = sorted((STATE / "logs").glob("dump-*"))
+    if logs:
+        text = (logs[-1] / "dump.log").read_text(errors="replace")
+        print(f"CRIU dump.log: {len(text.splitlines())} lines")
+        for l in criu_log_summary(text):
+            print("   ", l)
+    print("job still stepping after:", (STATE / "jobs/pp/stdout.log").read_text().strip().splitlines()[-1][:120], flush=True)
 
 
 TRIM = r"""
@@ -190,13 +207,75 @@ def trim():
     print((r.stdout + r.stderr)[-800:], flush=True)
 
 
+HOLD = r"""
+import torch
+m = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096)).cuda()
+for _ in range(20):
+    m(torch.randn(256, 4096, device="cuda")).sum().backward()
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print("ready", flush=True)
+import time
+time.sleep(3600)
+"""
+
+
+def vmas(pid):
+    out = {}
+    cur = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        f = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            cur = f[0]
+            out[cur] = {"path": f[5] if len(f) > 5 else "", "perms": f[1]}
+        elif cur and f[0] in ("Anonymous:", "AnonHugePages:", "Size:"):
+            out[cur][f[0][:-1]] = int(f[1]) >> 10
+    return out
+
+
+def driver():
+    print("== the driver's checkpoint of one PyTorch process", flush=True)
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+    assert cu.cuInit(0) == 0
+    p = subprocess.Popen([sys.executable, "-c", HOLD], env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        before = vmas(p.pid)
+        print(sh(f"nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | grep {p.pid}"))
+        args = (ctypes.c_uint64 * 8)()
+        args[0] = 10000  # timeoutMs in the low half
+        for name, call in (("lock", cu.cuCheckpointProcessLock), ("checkpoint", cu.cuCheckpointProcessCheckpoint)):
+            t = time.time()
+            r = call(p.pid, ctypes.byref(args if name == "lock" else (ctypes.c_uint64 * 8)()))
+            print(f"{name}: {r} in {time.time() - t:.3f} s", flush=True)
+        after = vmas(p.pid)
+        new = {k: v for k, v in after.items() if k not in before or before[k].get("Anonymous", 0) != v.get("Anonymous", 0)}
+        gone = [k for k in before if k not in after]
+        print(f"mappings: {len(before)} before, {len(after)} after; {len(gone)} gone ({sum(before[k].get('Size', 0) for k in gone)} MiB); new or grown:")
+        for k, v in sorted(new.items(), key=lambda kv: -kv[1].get("Anonymous", 0))[:15]:
+            print(f"   {k} {v}")
+        print("   anonymous added:", sum(v.get("Anonymous", 0) for v in after.values()) - sum(v.get("Anonymous", 0) for v in before.values()), "MiB; huge pages:", sum(v.get("AnonHugePages", 0) for v in after.values()), "MiB")
+        for name, call in (("restore", cu.cuCheckpointProcessRestore), ("unlock", cu.cuCheckpointProcessUnlock)):
+            t = time.time()
+            r = call(p.pid, ctypes.byref((ctypes.c_uint64 * 8)()))
+            print(f"{name}: {r} in {time.time() - t:.3f} s", flush=True)
+    finally:
+        p.kill()
+        p.wait()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=30720)
+    ap.add_argument("--variants", default="", help="checkpoints to take, separated by ';', each with its own variables (A=1,B=2; empty: hiber's defaults)")
+    ap.add_argument("--no-trim", action="store_true")
     a = ap.parse_args()
     machine()
-    ddp(a.mib)
-    trim()
+    ddp(a.mib, a.variants.split(";"))
+    if not a.no_trim:
+        trim()
+    driver()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,16 @@ use crate::sys;
 
 /// CRIU's standard error, in the work directory beside its log.
 const STDERR_FILE: &str = "criu.stderr";
+/// Processes whose pages hiber's CRIU writes at once, each into its own image file, while
+/// it goes on with the next process (scripts/criu-patches/0002): a fourth of the CPUs, at
+/// most 16. `HIBER_CRIU_WRITERS` overrides it; 0 has CRIU write every page itself, as
+/// upstream CRIU does (which ignores the variable).
+fn page_writers() -> usize {
+    std::env::var("HIBER_CRIU_WRITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 4).clamp(1, 16))
+}
 /// How CRIU keeps TCP connections quiet while it dumps and restores them: nftables,
 /// through the libnftables CRIU is built with (its default, iptables, needs the iptables
 /// program, which neither Debian's minimal images nor the GPU machines have).
@@ -270,6 +280,7 @@ impl Criu {
         }
         let mut cmd = Command::new(&self.path);
         cmd.arg("swrk").arg(theirs.as_raw_fd().to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+        cmd.env("CRIU_MEMWRITE_WRITERS", page_writers().to_string());
         // CRIU outlives a killed hiber: in its own process group, a signal to hiber's group
         // does not reach it, so it can finish and resume the tree (see the journal).
         cmd.process_group(0);
