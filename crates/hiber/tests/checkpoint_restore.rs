@@ -437,3 +437,41 @@ fn multiprocessing_spawn_with_named_semaphores() {
         assert!(first > 10 && first <= at + 1, "{copy} goes on from the checkpoint (tick {first})");
     }
 }
+
+/// The lines of CRIU's log of each dump, oldest first (`HIBER_KEEP_CRIU_LOG=1` keeps them).
+fn dump_logs(h: &Hiber) -> Vec<String> {
+    let mut dirs: Vec<_> = std::fs::read_dir(h.state.join("logs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("dump-"))
+        .collect();
+    dirs.sort();
+    dirs.iter().map(|d| std::fs::read_to_string(d.join("dump.log")).unwrap()).collect()
+}
+
+/// hiber's CRIU writes each process's pages from a writer of its own while it dumps the
+/// next one (scripts/criu-patches/0002): a tree of two processes gets two writers, and its
+/// image restores on the trajectory. With `HIBER_CRIU_WRITERS=0`, CRIU writes them itself.
+#[test]
+fn each_process_has_its_pages_written_by_a_writer_of_its_own() {
+    let h = Hiber::new("writers");
+    h.start("writers", &["pipe", "--steps", "120"]);
+    h.wait_step("writers", 20);
+    let checkpoint = |writers: &str, out: &str, extra: &[&str]| {
+        let image = h.images_dir().join(out);
+        let mut args = vec!["checkpoint", "writers", "--out", image.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let done = h.command(&args).env("HIBER_KEEP_CRIU_LOG", "1").env("HIBER_CRIU_WRITERS", writers).output().unwrap();
+        assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    };
+    checkpoint("0", "plain", &["--leave-running"]);
+    checkpoint("2", "writers", &[]);
+    let writers: Vec<usize> = dump_logs(&h).iter().map(|log| log.lines().filter(|l| l.contains("A page writer for")).count()).collect();
+    assert_eq!(writers, vec![0, 2], "no writer with HIBER_CRIU_WRITERS=0, then one per process");
+    let before = h.progress("writers");
+    h.ok(&["restore", h.images_dir().join("writers").to_str().unwrap(), "--name", "writers-r"]);
+    let log = h.assert_verified("writers-r", LONG);
+    assert!(log.contains("reader ok received 120 of 120"), "{}", tail(&log));
+    assert_continues(&before, &h.progress("writers-r"), before.last().unwrap().0 + 1);
+}
