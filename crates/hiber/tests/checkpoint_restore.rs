@@ -467,8 +467,10 @@ fn each_process_has_its_pages_written_by_a_writer_of_its_own() {
     };
     checkpoint("0", "plain", &["--leave-running"]);
     checkpoint("2", "writers", &[]);
-    let writers: Vec<usize> = dump_logs(&h).iter().map(|log| log.lines().filter(|l| l.contains("A page writer for")).count()).collect();
-    assert_eq!(writers, vec![0, 2], "no writer with HIBER_CRIU_WRITERS=0, then one per process");
+    let count = |what: &str| -> Vec<usize> { dump_logs(&h).iter().map(|log| log.lines().filter(|l| l.contains(what)).count()).collect() };
+    assert_eq!(count("A page writer for"), vec![0, 2], "no writer with HIBER_CRIU_WRITERS=0, then one per process");
+    // The page the parasite's cure writes into is taken again once the writers are done.
+    assert_eq!(count("written again, after the parasite's cure"), vec![0, 2]);
     let before = h.progress("writers");
     h.ok(&["restore", h.images_dir().join("writers").to_str().unwrap(), "--name", "writers-r"]);
     let log = h.assert_verified("writers-r", LONG);
