@@ -1227,7 +1227,7 @@ fn quiet(s: MutexGuard<'static, State>) -> (MutexGuard<'static, State>, bool) {
 /// `ncclGroupEnd`, each on a thread of its own (2.28.9 `group.cc`, `asyncJobLaunch`): one
 /// after the other, each teardown waited for its proxy's threads, which look at the abort
 /// flag only between 500 ms polls (`proxy.cc`).
-fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
+fn end_all(reals: Vec<(usize, usize)>, dev: Option<c_int>, calm: bool) -> Result<(), String> {
     if !calm {
         return Err(format!(
             "{} NCCL communicators were still in use by the application's calls after {} s, and are left as they are",
@@ -1241,21 +1241,40 @@ fn end_all(reals: Vec<(usize, usize)>, calm: bool) -> Result<(), String> {
     let _inside = inside();
     // NCCL's proxy threads notice the abort flag only when their polls return.
     let _waking = crate::poll::waking();
-    let grouped = real_group(false) == SUCCESS;
-    let mut first = None;
-    for (h, c) in &reals {
-        let r = real_abort(*c as Comm);
-        if r != SUCCESS {
-            first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
+    let first = on_device(dev, || {
+        let grouped = real_group(false) == SUCCESS;
+        let mut first = None;
+        for (h, c) in &reals {
+            let r = real_abort(*c as Comm);
+            if r != SUCCESS {
+                first.get_or_insert(format!("tearing down NCCL communicator {h}: error {r}"));
+            }
         }
-    }
-    if grouped {
-        let r = real_group(true);
-        if r != SUCCESS {
-            first.get_or_insert(format!("tearing down {} NCCL communicators: error {r}", reals.len()));
+        if grouped {
+            let r = real_group(true);
+            if r != SUCCESS {
+                first.get_or_insert(format!("tearing down {} NCCL communicators: error {r}", reals.len()));
+            }
         }
-    }
+        first
+    });
     first.map_or(Ok(()), Err)
+}
+
+/// Runs `f` (NCCL calls of the agent's own thread) with `dev`'s primary context current.
+/// NCCL sets the calling thread's device back after its work (`cudaSetDevice`, which since
+/// CUDA 12 makes that device's primary context); on a thread with no context current that
+/// is device 0. A rank on GPU 1 thus gained a context on GPU 0 in its first teardown (0.12
+/// s of the pause on 2xH200), which the driver then checkpointed and restored each time
+/// (about 270 MiB through host memory and CRIU's dump).
+fn on_device<T>(dev: Option<c_int>, f: impl FnOnce() -> T) -> T {
+    let Some((dev, d)) = dev.zip(cuda::driver()) else { return f() };
+    let mut f = Some(f);
+    match d.with_device(dev, || f.take().map(|f| f())) {
+        Ok(Some(out)) => out,
+        // The context could not be made current: as before, on the thread as it is.
+        _ => f.take().map_or_else(|| unreachable!("with_device ran the call and gave nothing"), |f| f()),
+    }
 }
 
 fn reopen(s: &mut State) {
@@ -1275,6 +1294,12 @@ fn refuse_closed_gate() -> Result<(), String> {
 }
 
 impl State {
+    /// A device this process's communicators use (the first one known), for the agent's own
+    /// NCCL calls.
+    fn device(&self) -> Option<c_int> {
+        self.comms.values().map(|e| e.dev).find(|d| *d >= 0)
+    }
+
     /// The first lane that went past where the cut puts it (its limit, or its count when
     /// the hold began): a group let in to catch up on one lane can add to others.
     fn overshoot(&self) -> Option<String> {
@@ -1394,7 +1419,7 @@ pub fn release_hold() {
 pub fn down() -> Result<(), String> {
     refuse_closed_gate()?;
     let started = Instant::now();
-    let (reals, calm, in_flight): (Vec<(usize, usize)>, bool, usize) = {
+    let (reals, calm, in_flight, dev): (Vec<(usize, usize)>, bool, usize, Option<c_int>) = {
         let mut s = lock();
         if s.phase == Phase::Open {
             return Err("teardown without hold".into());
@@ -1409,11 +1434,12 @@ pub fn down() -> Result<(), String> {
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
         let in_flight = s.in_use;
+        let dev = s.device();
         let (_s, calm) = quiet(s);
-        (reals, calm, in_flight)
+        (reals, calm, in_flight, dev)
     };
     let quiet_for = started.elapsed();
-    let ended = end_all(reals, calm);
+    let ended = end_all(reals, dev, calm);
     // A slow teardown says where its time went (the first one of a job took 0.13 s against
     // NCCL's own 0.014 s on 2xH200, later ones 0.013 s: not understood yet).
     if started.elapsed() > Duration::from_millis(30) {
@@ -1434,7 +1460,7 @@ pub fn down() -> Result<(), String> {
 /// communicators are rebuilt and opened as usual.
 pub fn fail(key: u64) -> Result<(), String> {
     refuse_closed_gate()?;
-    let (stale, calm) = {
+    let (stale, calm, dev) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("only torn-down communicators can be ended".into());
@@ -1454,18 +1480,20 @@ pub fn fail(key: u64) -> Result<(), String> {
         }
         // Calls waiting on it see it failed.
         CHANGED.notify_all();
+        let dev = s.device();
         let (_s, calm) = quiet(s);
-        (stale, calm)
+        (stale, calm, dev)
     };
-    end_all(stale, calm)
+    end_all(stale, dev, calm)
 }
 
 /// A fresh unique id (this process is rank 0 of the communicator that will use it).
 pub fn unique_id() -> Result<UniqueId, String> {
     let Some(f) = real!("ncclGetUniqueId" => FnUniqueId) else { return Err("libnccl is not loaded".into()) };
     let mut id = UniqueId { internal: [0; 128] };
+    let dev = lock().device();
     // SAFETY: a valid out-pointer.
-    match unsafe { f(&mut id) } {
+    match on_device(dev, || unsafe { f(&mut id) }) {
         SUCCESS => Ok(id),
         r => Err(format!("ncclGetUniqueId: error {r}")),
     }
@@ -1610,7 +1638,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let Some(init) = real!("ncclCommInitRankConfig" => FnInitConfig) else { return Err("libnccl is not loaded".into()) };
     let Some(init_all) = real!("ncclCommInitAll" => FnInitAll) else { return Err("libnccl is not loaded".into()) };
     let Some(d) = cuda::driver() else { return Err("libcuda is not loaded".into()) };
-    let (creation, stale, calm) = {
+    let (creation, stale, calm, dev) = {
         let mut s = lock();
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
@@ -1634,12 +1662,13 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
                 }
             }
         }
+        let dev = s.device();
         let (_s, calm) = quiet(s);
-        (Creation { all: all.into_values().collect(), plans }, stale, calm)
+        (Creation { all: all.into_values().collect(), plans }, stale, calm, dev)
     };
     // Made by an earlier rebuild nobody opened: ended before new ones are made (or left,
     // when a call still holds one).
-    if let Err(m) = end_all(stale, calm) {
+    if let Err(m) = end_all(stale, dev, calm) {
         log(&m);
     }
     let outcome = std::sync::Arc::new((Mutex::new(Outcome::default()), Condvar::new()));
