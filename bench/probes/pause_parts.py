@@ -179,6 +179,9 @@ def checkpoint(variant):
         print(f"CRIU dump.log: {len(text.splitlines())} lines")
         for l in criu_log_summary(text):
             print("   ", l)
+    # Which GPUs each rank holds a context on after the cut (the agent's teardown once gave
+    # rank 1 one on GPU 0 as well).
+    print(sh("nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader"))
     print("job still stepping after:", (STATE / "jobs/pp/stdout.log").read_text().strip().splitlines()[-1][:120], flush=True)
 
 
@@ -270,9 +273,12 @@ def main():
     ap.add_argument("--mib", type=int, default=30720)
     ap.add_argument("--variants", default="", help="checkpoints to take, separated by ';', each with its own variables (A=1,B=2; empty: hiber's defaults)")
     ap.add_argument("--no-trim", action="store_true")
+    ap.add_argument("--ddp-only", action="store_true", help="only the DDP job's checkpoints (no malloc_trim, no driver probe)")
     a = ap.parse_args()
     machine()
     ddp(a.mib, a.variants.split(";"))
+    if a.ddp_only:
+        return
     if not a.no_trim:
         trim()
     driver()
