@@ -1530,7 +1530,17 @@ struct Creation {
 
 /// Makes the communicators of `c` (on a thread of its own: creation is collective and
 /// waits for every rank). Returns each one's handle and real communicator.
-fn create(mut c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
+fn create(c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
+    // NCCL's group end sets the thread's device back to the one current when the group
+    // began: on this fresh thread that was device 0, so a rank on GPU 1 gained a primary
+    // context on GPU 0 in its first rebuild (0.13 s of the pause and 518 MiB of device memory
+    // on 2xH200, then checkpointed by the driver each time). The whole creation runs with a
+    // device of its own communicators current.
+    let home = c.plans.first().map(|p| p.dev).or_else(|| c.all.first().map(|(_, _, devs)| devs.first().copied().unwrap_or(0))).filter(|d| *d >= 0);
+    on_device(home, || create_here(c, d, init, init_all, deadline))
+}
+
+fn create_here(mut c: Creation, d: &'static cuda::Driver, init: FnInitConfig, init_all: FnInitAll, deadline: Instant) -> Result<Vec<(usize, usize)>, String> {
     let _inside = inside();
     let mut made: Vec<(usize, Comm)> = Vec::new();
     let mut first = None;
