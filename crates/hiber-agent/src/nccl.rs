@@ -1264,9 +1264,9 @@ fn end_all(reals: Vec<(usize, usize)>, dev: Option<c_int>, calm: bool) -> Result
 /// Runs `f` (NCCL calls of the agent's own thread) with `dev`'s primary context current.
 /// NCCL sets the calling thread's device back after its work (`cudaSetDevice`, which since
 /// CUDA 12 makes that device's primary context); on a thread with no context current that
-/// is device 0. A rank on GPU 1 thus gained a context on GPU 0 in its first teardown (0.12
-/// s of the pause on 2xH200), which the driver then checkpointed and restored each time
-/// (about 270 MiB through host memory and CRIU's dump).
+/// is device 0. A rank on GPU 1 thus gained a context on GPU 0 in its first teardown or
+/// rebuild (0.13 s of the pause and 518 MiB of GPU 0 on 2xH200), which the driver then
+/// checkpointed and restored each time (about 270 MiB more through host memory and CRIU).
 fn on_device<T>(dev: Option<c_int>, f: impl FnOnce() -> T) -> T {
     let Some((dev, d)) = dev.zip(cuda::driver()) else { return f() };
     let mut f = Some(f);
@@ -1441,7 +1441,7 @@ pub fn down() -> Result<(), String> {
     let quiet_for = started.elapsed();
     let ended = end_all(reals, dev, calm);
     // A slow teardown says where its time went (the first one of a job took 0.13 s against
-    // NCCL's own 0.014 s on 2xH200, later ones 0.013 s: not understood yet).
+    // NCCL's own 0.014 s on 2xH200 while it made a context on device 0: see `on_device`).
     if started.elapsed() > Duration::from_millis(30) {
         log(&format!(
             "NCCL teardown took {} ms: {} ms waiting for {in_flight} call(s) in flight, {} ms in NCCL's aborts",
