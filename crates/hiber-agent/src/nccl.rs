@@ -1690,11 +1690,14 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
             let (slot, ready) = &*theirs;
             let mut o = slot.lock().unwrap_or_else(|e| e.into_inner());
             if o.abandoned {
-                // Made after the rebuild gave up: nobody will use them.
+                // Made after the rebuild gave up: nobody will use them (ended on their
+                // device, as every call of the agent's own threads: see `on_device`).
                 let _inside = inside();
-                for (_, c) in made.into_iter().flatten() {
-                    let _ = real_abort(c as Comm);
-                }
+                on_device(dev, || {
+                    for (_, c) in made.into_iter().flatten() {
+                        let _ = real_abort(c as Comm);
+                    }
+                });
                 return;
             }
             o.made = Some(made);
