@@ -149,6 +149,26 @@ driver_fns! {
 
 static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
 
+/// A device's primary context made current on this thread by [`Driver::enter`]; dropping it
+/// pops that context and releases it. Not `Send`: the context stack is the thread's own.
+pub struct Current<'a> {
+    driver: &'a Driver,
+    dev: c_int,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for Current<'_> {
+    fn drop(&mut self) {
+        let mut old: Ctx = std::ptr::null_mut();
+        // SAFETY: `enter` pushed this device's retained primary context on this thread;
+        // this pops it and gives the retain back, once.
+        unsafe {
+            (self.driver.ctx_pop)(&mut old);
+            (self.driver.primary_release)(self.dev);
+        }
+    }
+}
+
 /// The driver, once libcuda is loaded. `None` before that, or when an entry point the
 /// agent needs is missing (a driver too old for VMM): then the agent only passes through.
 pub fn driver() -> Option<&'static Driver> {
@@ -235,20 +255,23 @@ impl Driver {
 
     /// Runs `f` with `dev`'s primary context current on this thread.
     pub fn with_device<T>(&self, dev: c_int, f: impl FnOnce() -> T) -> Result<T, CuResult> {
+        let _current = self.enter(dev)?;
+        Ok(f())
+    }
+
+    /// Makes `dev`'s primary context current on this thread until the guard drops.
+    pub fn enter(&self, dev: c_int) -> Result<Current<'_>, CuResult> {
         let mut ctx: Ctx = std::ptr::null_mut();
-        // SAFETY: valid out-pointers; every retain/push is paired with its pop/release.
+        // SAFETY: a valid out-pointer; the retain and push are undone by the guard's drop,
+        // or here when the push fails.
         unsafe {
             check((self.primary_retain)(&mut ctx, dev))?;
             if let Err(r) = check((self.ctx_push)(ctx)) {
                 (self.primary_release)(dev);
                 return Err(r);
             }
-            let out = f();
-            let mut old: Ctx = std::ptr::null_mut();
-            (self.ctx_pop)(&mut old);
-            (self.primary_release)(dev);
-            Ok(out)
         }
+        Ok(Current { driver: self, dev, _thread: std::marker::PhantomData })
     }
 
     pub fn granularity(&self, dev: c_int) -> Result<usize, CuResult> {
