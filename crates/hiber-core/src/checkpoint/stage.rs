@@ -170,7 +170,16 @@ mod tests {
         // A process whose memory stays put while it is measured.
         let mut child = std::process::Command::new("sleep").arg("10").spawn().unwrap();
         let pid = child.id() as i32;
-        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        // Once asleep: until then its loader still maps and touches memory (CI once saw
+        // RssAnon grow from 12 to 28 KiB between two reads).
+        let asleep = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let status = loop {
+            let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+            if status.lines().any(|l| l.starts_with("State:") && l.contains("(sleeping)")) || std::time::Instant::now() > asleep {
+                break status;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()).unwrap();
         let (need, size) = room(pid, &[pid]);
         child.kill().unwrap();
