@@ -229,19 +229,7 @@ impl Driver {
 
     /// Waits for all work on `dev`'s primary context.
     pub fn synchronize_device(&self, dev: c_int) -> Result<(), CuResult> {
-        let mut ctx: Ctx = std::ptr::null_mut();
-        // SAFETY: valid out-pointers; every retain/push is paired with its pop/release.
-        unsafe {
-            check((self.primary_retain)(&mut ctx, dev))?;
-            let r = check((self.ctx_push)(ctx)).and_then(|()| {
-                let r = check((self.ctx_synchronize)());
-                let mut old: Ctx = std::ptr::null_mut();
-                (self.ctx_pop)(&mut old);
-                r
-            });
-            (self.primary_release)(dev);
-            r
-        }
+        self.with_device(dev, || self.synchronize_current())?
     }
 
     /// Whether work sent to `stream` (a CUstream's value, never dereferenced here) now is
