@@ -4,7 +4,9 @@
 //! - calls to exported symbols (programs and libraries linked against libcuda, such as
 //!   Triton's launchers): the agent, preloaded, exports the same names;
 //! - `dlsym(libcuda, "cu...")` (PyTorch's driver table, statically linked cudart asking for
-//!   `cuGetProcAddress`): the agent's `dlsym` redirects results that are table entries;
+//!   `cuGetProcAddress`): the agent's `dlsym` redirects results that are table entries
+//!   (and `dlsym(libnccl, "nccl...")`, XLA's way to NCCL, to the agent's NCCL exports: see
+//!   [`crate::nccl::redirect_dlsym`]);
 //! - `cuGetProcAddress` of every version and flag (cudart, and through it
 //!   `cudaGetDriverEntryPoint[ByVersion]`): the agent's redirects them the same way.
 //!
@@ -234,18 +236,23 @@ pub fn redirect(p: *mut c_void) -> *mut c_void {
 #[unsafe(naked)]
 #[no_mangle]
 pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _symbol: *const c_char) -> *mut c_void {
-    // Names not starting with "cu" go straight to glibc's dlsym (resolved when the agent
-    // was loaded), which then sees the real caller and the agent allocates nothing.
+    // Names starting with neither "cu" nor "nc" go straight to glibc's dlsym (resolved when
+    // the agent was loaded), which then sees the real caller and the agent allocates nothing.
     core::arch::naked_asm!(
         "test rsi, rsi",
         "jz 2f",
         "cmp byte ptr [rsi], 0x63",
-        "jne 2f",
+        "jne 4f",
         "cmp byte ptr [rsi + 1], 0x75",
         "jne 2f",
         "3:",
         "mov rdx, [rsp]",
         "jmp {hooked}",
+        "4:",
+        "cmp byte ptr [rsi], 0x6e",
+        "jne 2f",
+        "cmp byte ptr [rsi + 1], 0x63",
+        "je 3b",
         "2:",
         "mov rax, qword ptr [rip + {real}]",
         "test rax, rax",
@@ -276,8 +283,13 @@ unsafe extern "C" fn hooked_dlsym(handle: *mut c_void, symbol: *const c_char, ca
         // SAFETY: forwarding the caller's own arguments.
         unsafe { real(handle, symbol) }
     };
-    // SAFETY: `symbol` is a NUL-terminated string (dlsym's contract); only two bytes are read
-    // when it is shorter.
+    // SAFETY: `symbol` is a NUL-terminated string (dlsym's contract); only four bytes are
+    // read when it is shorter.
+    if !r.is_null() && !symbol.is_null() && unsafe { CStr::from_ptr(symbol) }.to_bytes().starts_with(b"nccl") {
+        // SAFETY: the caller's handle and NUL-terminated name, and what glibc answered.
+        return unsafe { crate::nccl::redirect_dlsym(handle, symbol, r) };
+    }
+    // SAFETY: as above; only two bytes are read when it is shorter.
     if !r.is_null() && !symbol.is_null() && unsafe { *symbol == b'c' as c_char && *symbol.add(1) == b'u' as c_char } {
         // Without libcuda, the agent's own exports are not a driver: a program probing for
         // CUDA must not find one.
@@ -290,7 +302,7 @@ unsafe extern "C" fn hooked_dlsym(handle: *mut c_void, symbol: *const c_char, ca
 }
 
 /// Whether `p` lies in the agent's own code.
-fn in_agent(p: *mut c_void) -> bool {
+pub(crate) fn in_agent(p: *mut c_void) -> bool {
     // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
     unsafe {
         let mut a: libc::Dl_info = std::mem::zeroed();

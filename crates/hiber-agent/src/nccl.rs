@@ -21,10 +21,15 @@
 //! The limit is only ever a *count*, which needs every rank to call collectives of one
 //! communicator in the same order (as NCCL itself requires).
 //!
+//! Programs that resolve NCCL with `dlsym` (XLA's NCCL stub `dlopen`s `libnccl.so.2` and
+//! looks up each entry point, so JAX reaches NCCL so) get the agent's exports too: the
+//! agent's `dlsym` answers `nccl*` names that NCCL defines with the agent's export of the
+//! same name ([`redirect_dlsym`]).
+//!
 //! Not covered: registered buffers, windows and the device API (the handles they return
 //! would not survive a rebuild): a communicator that used them refuses the checkpoint.
-//! Programs that link NCCL statically or resolve it with `dlsym` bypass the agent; hiber
-//! sees their NCCL sockets and refuses them as before.
+//! Programs that link NCCL statically bypass the agent; hiber sees their NCCL sockets and
+//! refuses them as before.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -92,6 +97,57 @@ fn libnccl() -> Option<*mut c_void> {
         }
     }
     None
+}
+
+/// What `dlsym(handle, symbol)` answers an `nccl*` name whose definition `found` glibc
+/// found: the agent's own export of that name when it has one (every entry point that takes
+/// or makes a communicator), so that a program that looks NCCL up by name gets the agent's
+/// synthetic handles as one linked against it does; else `found`. The library looked in
+/// becomes the one the agent calls, if none is known yet (NCCL inside a larger library
+/// that the program opened by path).
+///
+/// # Safety
+/// `symbol` is NUL-terminated and `handle` is what the program passed to dlsym.
+pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: *mut c_void) -> *mut c_void {
+    if crate::hooks::in_agent(found) {
+        return found;
+    }
+    let Some(dlsym) = cuda::real_dlsym() else { return found };
+    // SAFETY: `symbol` is NUL-terminated (the caller's contract); the agent's handle is live.
+    let ours = match agent_handle() {
+        Some(h) => unsafe { dlsym(h, symbol) },
+        None => std::ptr::null_mut(),
+    };
+    if ours.is_null() || !crate::hooks::in_agent(ours) {
+        return found;
+    }
+    if handle != libc::RTLD_DEFAULT && handle != libc::RTLD_NEXT {
+        let _ = LIBNCCL.compare_exchange(std::ptr::null_mut(), handle, Ordering::AcqRel, Ordering::Acquire);
+    }
+    ours
+}
+
+/// A handle to the agent's own library, for looking up its exports by name.
+fn agent_handle() -> Option<*mut c_void> {
+    static HANDLE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let h = HANDLE.load(Ordering::Acquire);
+    if !h.is_null() {
+        return Some(h);
+    }
+    // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data. RTLD_NOLOAD
+    // only returns a handle to an object already loaded (the agent itself), kept for good.
+    let h = unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(agent_handle as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD)
+    };
+    if h.is_null() {
+        return None;
+    }
+    HANDLE.store(h, Ordering::Release);
+    Some(h)
 }
 
 /// NCCL's own `name` (never the agent's export of it), resolved once into `slot`: in the

@@ -66,3 +66,44 @@ fn polls_through_the_agent_behave_as_glibc_s() {
     assert_eq!(with.trim(), "[] True [] True True");
     assert!(err.is_empty(), "{err}");
 }
+
+/// A program that opens a library defining NCCL's names with `dlopen(RTLD_LOCAL)` and looks
+/// them up with `dlsym` (XLA's NCCL stub does so with libnccl.so.2): a name the agent
+/// exports (every entry point that takes a communicator) is answered with the agent's own,
+/// others with the library's, and without the agent with the library's. The library here
+/// is a stand-in compiled by the test (this machine has no NCCL); the GPU suite's
+/// `agent_jax_two_gpus` runs JAX with the real one.
+#[test]
+fn nccl_looked_up_by_name_gets_the_agent_s_entry_points() {
+    let dir = std::env::temp_dir().join(format!("hiber-agent-nccl-dlsym-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lib = dir.join("libnccl.so.2");
+    let prog = dir.join("lookup");
+    std::fs::write(dir.join("lib.c"), "int ncclCommCount(void *c, int *n) { *n = 42; return 0; }\nint ncclGetVersion(int *v) { *v = 22809; return 0; }\n").unwrap();
+    std::fs::write(
+        dir.join("lookup.c"),
+        r#"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+static const char *where(void *p) { Dl_info i; return p && dladdr(p, &i) && i.dli_fname ? (strstr(i.dli_fname, "hiber_agent") ? "agent" : "library") : "none"; }
+int main(int argc, char **argv) {
+    void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!h) { printf("dlopen: %s\n", dlerror()); return 1; }
+    printf("ncclCommCount %s\nncclGetVersion %s\nncclNoSuchName %s\n", where(dlsym(h, "ncclCommCount")), where(dlsym(h, "ncclGetVersion")), where(dlsym(h, "ncclNoSuchName")));
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    for args in [vec!["-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", lib.to_str().unwrap(), dir.join("lib.c").to_str().unwrap()], vec!["-o", prog.to_str().unwrap(), dir.join("lookup.c").to_str().unwrap(), "-ldl"]] {
+        let st = Command::new("cc").args(&args).status().expect("run cc");
+        assert!(st.success(), "cc {args:?}");
+    }
+    let script = format!("{} {}", prog.display(), lib.display());
+    let (plain, _) = run(&script, false);
+    assert_eq!(plain, "ncclCommCount library\nncclGetVersion library\nncclNoSuchName none\n");
+    let (with, err) = run(&script, true);
+    assert_eq!(with, "ncclCommCount agent\nncclGetVersion library\nncclNoSuchName none\n", "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
