@@ -113,8 +113,9 @@ pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: 
         return found;
     }
     let Some(dlsym) = cuda::real_dlsym() else { return found };
-    // SAFETY: `symbol` is NUL-terminated (the caller's contract); the agent's handle is live.
     let ours = match agent_handle() {
+        // SAFETY: `symbol` is NUL-terminated (the caller's contract); the agent's handle is
+        // live.
         Some(h) => unsafe { dlsym(h, symbol) },
         None => std::ptr::null_mut(),
     };

@@ -79,7 +79,8 @@ fn nccl_looked_up_by_name_gets_the_agent_s_entry_points() {
     std::fs::create_dir_all(&dir).unwrap();
     let lib = dir.join("libnccl.so.2");
     let prog = dir.join("lookup");
-    std::fs::write(dir.join("lib.c"), "int ncclCommCount(void *c, int *n) { *n = 42; return 0; }\nint ncclGetVersion(int *v) { *v = 22809; return 0; }\n").unwrap();
+    std::fs::write(dir.join("lib.c"), "int ncclCommCount(void *c, int *n) { *n = 42; return 0; }\nint ncclGetVersion(int *v) { *v = 22809; return 0; }\n")
+        .unwrap();
     std::fs::write(
         dir.join("lookup.c"),
         r#"#define _GNU_SOURCE
@@ -96,7 +97,10 @@ int main(int argc, char **argv) {
 "#,
     )
     .unwrap();
-    for args in [vec!["-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", lib.to_str().unwrap(), dir.join("lib.c").to_str().unwrap()], vec!["-o", prog.to_str().unwrap(), dir.join("lookup.c").to_str().unwrap(), "-ldl"]] {
+    for args in [
+        vec!["-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", lib.to_str().unwrap(), dir.join("lib.c").to_str().unwrap()],
+        vec!["-o", prog.to_str().unwrap(), dir.join("lookup.c").to_str().unwrap(), "-ldl"],
+    ] {
         let st = Command::new("cc").args(&args).status().expect("run cc");
         assert!(st.success(), "cc {args:?}");
     }

@@ -1,5 +1,13 @@
 //! The job registry: `$STATE/jobs/NAME/` holds `job.json`, the job's `stdout.log` and
 //! `stderr.log`, and `exit.json` once its shim has seen the tree's root exit.
+//!
+//! A job being restored also holds, until its restore is complete, `restoring.json` (a
+//! [`RestoreMarker`], there from the moment the name is taken, before the shim starts),
+//! `restore.lock` (held by the restoring hiber and the job's shim while either lives) and,
+//! once CRIU has restored the tree, `root.json` (a [`RestoredRoot`], written by the shim
+//! before it reports the tree to hiber). Should hiber be killed meanwhile, the job is still
+//! listed, as an interrupted restore that `hiber recover` settles (see
+//! `restore::interrupted`). `job.lock` is [`crate::lock`]'s.
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
@@ -10,10 +18,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::proctree;
 use crate::state::StateDir;
-use crate::sys::ExitStatus;
+use crate::sys::{self, ExitStatus};
 
 const JOB_FILE: &str = "job.json";
 const EXIT_FILE: &str = "exit.json";
+const RESTORING_FILE: &str = "restoring.json";
+const ROOT_FILE: &str = "root.json";
+const RESTORE_LOCK: &str = "restore.lock";
+/// A directory a restore prepares under a hidden name before it takes the job's name.
+const RESERVING_SUFFIX: &str = ".reserving";
 pub const STDOUT_LOG: &str = "stdout.log";
 pub const STDERR_LOG: &str = "stderr.log";
 
@@ -50,6 +63,38 @@ pub struct Job {
     pub last_image: Option<String>,
 }
 
+/// What `hiber restore` records in a new job's directory before the job's shim starts, and
+/// removes once the restore is complete: enough for `hiber ls` to show the job and for
+/// `hiber recover` to settle it should that hiber be killed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreMarker {
+    pub hiber_pid: i32,
+    pub hiber_start_time: u64,
+    pub image: String,
+    /// The job's command (the image's root's command line).
+    pub command: Vec<String>,
+    /// RFC 3339, UTC.
+    pub created: String,
+    /// Engines whose device state hiber restores after CRIU: without it the tree cannot
+    /// run as it should.
+    pub devices: Vec<String>,
+    /// CRIU leaves the tree stopped, for hiber to continue (the shim kills it if hiber goes).
+    pub leave_stopped: bool,
+    /// One participant of a coordinated restore, whose others may have given up.
+    pub coordinated: bool,
+    /// Restored from a private copy of `image` (an untrusted one), which is no parent for
+    /// the job's checkpoints.
+    #[serde(default)]
+    pub private_copy: bool,
+}
+
+/// The restored tree's root, as the job's shim recorded it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoredRoot {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum JobState {
     Running,
@@ -58,6 +103,13 @@ pub enum JobState {
     Checkpointed(String),
     /// Not running, and its shim recorded no exit (killed together with it, say).
     Gone,
+    /// Being restored by this hiber, which still runs.
+    Restoring {
+        hiber_pid: i32,
+    },
+    /// Its restore was left unfinished by a hiber that no longer runs: `hiber recover`
+    /// adopts or removes it.
+    InterruptedRestore,
 }
 
 impl std::fmt::Display for JobState {
@@ -68,6 +120,8 @@ impl std::fmt::Display for JobState {
             JobState::Exited(ExitStatus::Signal(s)) => write!(f, "killed(signal {s})"),
             JobState::Checkpointed(_) => write!(f, "checkpointed"),
             JobState::Gone => write!(f, "gone"),
+            JobState::Restoring { .. } => write!(f, "restoring"),
+            JobState::InterruptedRestore => write!(f, "interrupted restore"),
         }
     }
 }
@@ -119,6 +173,85 @@ impl Registry {
         }
     }
 
+    /// Takes `name` for a job being restored: its directory appears with `marker` and a
+    /// locked `restore.lock` already in it (prepared under a hidden name, then renamed), so
+    /// that no moment exists when the name is taken and the job cannot be listed. Returns
+    /// the directory and the lock, which the job's shim must inherit (see
+    /// [`RestoreMarker`]).
+    pub fn create_restoring(&self, name: &str, marker: &RestoreMarker) -> Result<(PathBuf, fs::File), JobError> {
+        validate_name(name)?;
+        let io_err = |step| move |source| JobError::Io { name: name.to_string(), step, source };
+        fs::DirBuilder::new().recursive(true).create(&self.dir).map_err(io_err("create jobs dir"))?;
+        let tmp = self.dir.join(format!(".{name}.{}-{}{RESERVING_SUFFIX}", marker.hiber_pid, marker.hiber_start_time));
+        let _ = fs::remove_dir_all(&tmp);
+        let prepared = (|| {
+            fs::DirBuilder::new().mode(0o700).create(&tmp).map_err(io_err("create job dir"))?;
+            let lock = OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp.join(RESTORE_LOCK)).map_err(io_err("create restore.lock"))?;
+            sys::flock(&lock, true).map_err(io_err("lock restore.lock"))?;
+            write_atomically(&tmp, RESTORING_FILE, &serde_json::to_vec_pretty(marker).expect("a marker serializes")).map_err(io_err("write restoring.json"))?;
+            Ok(lock)
+        })();
+        let dir = self.dir_of(name);
+        let taken = prepared.and_then(|lock| match sys::rename_noreplace(&tmp, &dir) {
+            Ok(()) => Ok(lock),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(JobError::Exists(name.to_string())),
+            Err(e) => Err(io_err("rename job dir")(e)),
+        });
+        if taken.is_err() {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        Ok((dir, taken?))
+    }
+
+    /// Ends a restore: the job is complete and recorded (`job.json`).
+    pub fn finish_restore(&self, name: &str) -> Result<(), JobError> {
+        match fs::remove_file(self.dir_of(name).join(RESTORING_FILE)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(JobError::Io { name: name.to_string(), step: "remove restoring.json", source: e }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The record of a restore not yet complete, if `name` is one.
+    pub fn restore_marker(&self, name: &str) -> Option<RestoreMarker> {
+        serde_json::from_slice(&fs::read(self.dir_of(name).join(RESTORING_FILE)).ok()?).ok()
+    }
+
+    /// The restored tree's root, once the job's shim has recorded it.
+    pub fn restored_root(&self, name: &str) -> Option<RestoredRoot> {
+        serde_json::from_slice(&fs::read(self.dir_of(name).join(ROOT_FILE)).ok()?).ok()
+    }
+
+    /// Whether neither the restoring hiber nor the job's shim still runs: nothing will
+    /// write into the job's directory any more. (The lock is checked, not taken: nobody
+    /// takes it again.)
+    pub fn restore_unattended(&self, name: &str) -> bool {
+        let Ok(f) = fs::File::open(self.dir_of(name).join(RESTORE_LOCK)) else { return true };
+        // An error (none is expected) counts as held: the job is then left alone.
+        sys::try_flock_exclusive(&f).unwrap_or(false)
+    }
+
+    /// Whether the job has a full record (`job.json`), rather than only a restore's marker.
+    pub fn has_record(&self, name: &str) -> bool {
+        self.dir_of(name).join(JOB_FILE).exists()
+    }
+
+    /// Removes the directories that restores prepared but never got to name (their hiber
+    /// was killed in between). Returns how many.
+    pub fn remove_abandoned_reservations(&self) -> usize {
+        let Ok(dir) = fs::read_dir(&self.dir) else { return 0 };
+        let mut removed = 0;
+        for e in dir.filter_map(Result::ok) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(RESERVING_SUFFIX)) else { continue };
+            let Some((pid, start)) = rest.rsplit_once('.').and_then(|(_, id)| id.split_once('-')) else { continue };
+            let (Ok(pid), Ok(start)) = (pid.parse::<i32>(), start.parse::<u64>()) else { continue };
+            if !proctree::is_same_process(pid, start) && fs::remove_dir_all(e.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
     /// A free name `BASE-N` for a new job.
     pub fn free_name(&self, base: &str) -> String {
         let base: String = base.chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')).take(40).collect();
@@ -149,25 +282,71 @@ impl Registry {
         fs::rename(&tmp, dir.join(JOB_FILE)).map_err(io_err("rename job.json"))
     }
 
+    /// The job's record; for a job whose restore has not recorded it yet, what its restore
+    /// marker and its shim say (PID 0 until the shim has recorded the root).
     pub fn load(&self, name: &str) -> Result<Job, JobError> {
         validate_name(name).map_err(|_| JobError::NotFound(name.to_string()))?;
         let path = self.dir_of(name).join(JOB_FILE);
-        let text = fs::read(&path).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => JobError::NotFound(name.to_string()),
-            _ => JobError::Io { name: name.to_string(), step: "read job.json", source: e },
-        })?;
+        let text = match fs::read(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let marker = self.restore_marker(name).ok_or_else(|| JobError::NotFound(name.to_string()))?;
+                let root = self.restored_root(name);
+                return Ok(Job {
+                    name: name.to_string(),
+                    pid: root.map_or(0, |r| r.pid),
+                    start_time: root.map_or(0, |r| r.start_time),
+                    command: marker.command,
+                    created: marker.created,
+                    restored_from: Some(marker.image.clone()),
+                    checkpointed_to: None,
+                    last_image: (!marker.private_copy).then_some(marker.image),
+                });
+            }
+            Err(e) => return Err(JobError::Io { name: name.to_string(), step: "read job.json", source: e }),
+        };
         serde_json::from_slice(&text).map_err(|e| JobError::Corrupt { name: name.to_string(), reason: e.to_string() })
     }
 
     /// Every job with a readable record, by name.
     pub fn list(&self) -> Vec<Job> {
-        let Ok(dir) = fs::read_dir(&self.dir) else { return Vec::new() };
-        let mut jobs: Vec<Job> = dir.filter_map(Result::ok).filter_map(|e| self.load(e.file_name().to_str()?).ok()).collect();
+        self.list_and_unreadable().0
+    }
+
+    /// Every job with a readable record, by name, and the job directories whose record
+    /// could not be read (corrupt, or not readable by this user), each with its path and
+    /// why, for a listing to say what it left out. Directories with no record at all (a
+    /// job being started, a restore's name being reserved) are neither.
+    pub fn list_and_unreadable(&self) -> (Vec<Job>, Vec<crate::journal::Unreadable>) {
+        let dir = match fs::read_dir(&self.dir) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return (Vec::new(), Vec::new()),
+            Err(e) => return (Vec::new(), vec![(self.dir.clone(), e.to_string())]),
+        };
+        let (mut jobs, mut unreadable) = (Vec::new(), Vec::new());
+        for e in dir.filter_map(Result::ok) {
+            let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+            if validate_name(&name).is_err() {
+                continue;
+            }
+            match self.load(&name) {
+                Ok(job) => jobs.push(job),
+                Err(JobError::NotFound(_)) => {}
+                Err(err) => unreadable.push((e.path().join(JOB_FILE), err.to_string())),
+            }
+        }
         jobs.sort_by(|a, b| a.name.cmp(&b.name));
-        jobs
+        unreadable.sort();
+        (jobs, unreadable)
     }
 
     pub fn state(&self, job: &Job) -> JobState {
+        if let Some(m) = self.restore_marker(&job.name) {
+            if proctree::is_same_process(m.hiber_pid, m.hiber_start_time) {
+                return JobState::Restoring { hiber_pid: m.hiber_pid };
+            }
+            return JobState::InterruptedRestore;
+        }
         if let Some(image) = &job.checkpointed_to {
             if !proctree::is_same_process(job.pid, job.start_time) {
                 return JobState::Checkpointed(image.clone());
@@ -215,6 +394,24 @@ pub fn write_exit(job_dir: &Path, status: ExitStatus) -> io::Result<()> {
     let tmp = job_dir.join(".exit.json.tmp");
     fs::write(&tmp, serde_json::to_vec(&status).expect("status serializes"))?;
     fs::rename(tmp, job_dir.join(EXIT_FILE))
+}
+
+/// Called by a restore's shim once CRIU restored the tree rooted at `pid`, before it
+/// reports the tree to hiber.
+pub fn write_restored_root(job_dir: &Path, pid: i32) -> io::Result<RestoredRoot> {
+    let start_time = proctree::stat(pid).map_err(io::Error::other)?.start_time;
+    let root = RestoredRoot { pid, start_time };
+    write_atomically(job_dir, ROOT_FILE, &serde_json::to_vec(&root).expect("a root serializes"))?;
+    Ok(root)
+}
+
+/// Writes `dir/name` whole or not at all (a temporary file, synced, renamed over it).
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    fs::rename(tmp, dir.join(name))
 }
 
 fn read_exit(job_dir: &Path) -> Option<ExitStatus> {

@@ -110,15 +110,28 @@ pub struct Recovered {
 
 /// Entries left by a hiber that no longer runs.
 pub fn stale_entries(state: &StateDir) -> Vec<(PathBuf, Entry)> {
-    let Ok(dir) = fs::read_dir(state.journal()) else { return Vec::new() };
-    dir.filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .filter_map(|p| {
-            let entry: Entry = serde_json::from_slice(&fs::read(&p).ok()?).ok()?;
-            (!proctree::is_same_process(entry.hiber_pid, entry.hiber_start_time)).then_some((p, entry))
-        })
-        .collect()
+    entries(state).0
+}
+
+/// A file of hiber's state that could not be read, and why.
+pub type Unreadable = (PathBuf, String);
+
+/// Entries left by a hiber that no longer runs, and the journal files that could not be
+/// read (corrupt, say), each with why: nothing recovery can act on, but a person should
+/// know (what they recorded may need undoing by hand).
+pub fn entries(state: &StateDir) -> (Vec<(PathBuf, Entry)>, Vec<Unreadable>) {
+    let Ok(dir) = fs::read_dir(state.journal()) else { return (Vec::new(), Vec::new()) };
+    let (mut stale, mut unreadable) = (Vec::new(), Vec::new());
+    for p in dir.filter_map(Result::ok).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "json")) {
+        let entry = fs::read(&p).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<Entry>(&b).map_err(|e| format!("corrupt: {e}")));
+        match entry {
+            Ok(entry) if !proctree::is_same_process(entry.hiber_pid, entry.hiber_start_time) => stale.push((p, entry)),
+            Ok(_) => {}
+            Err(why) => unreadable.push((p, why)),
+        }
+    }
+    unreadable.sort();
+    (stale, unreadable)
 }
 
 /// Undoes every interrupted checkpoint. `engines` are this machine's device engines.

@@ -87,6 +87,11 @@ pub struct RestoreTask {
     /// See [`RestoreOptions::leave_stopped`].
     #[serde(default)]
     pub leave_stopped: bool,
+    /// A descriptor of hiber's that the shim keeps open for as long as it lives and hands
+    /// to nobody: the restore's lock (`restore.lock`, see [`jobs::RestoreMarker`]), which
+    /// so stays held while hiber or the shim runs.
+    #[serde(default)]
+    pub hold: Option<RawFd>,
 }
 
 impl ShimTask {
@@ -94,7 +99,7 @@ impl ShimTask {
     fn fds(&self) -> Vec<RawFd> {
         match self {
             ShimTask::Run(_) => Vec::new(),
-            ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).collect(),
+            ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).chain(r.hold).collect(),
         }
     }
 }
@@ -209,7 +214,7 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
     let started = match request.task {
         // SAFETY: a child forked from a single-threaded process has one thread too.
         ShimTask::Run(cmd) => unsafe { start_in_namespace(&cmd) },
-        ShimTask::Restore(task) => restore(task),
+        ShimTask::Restore(task) => recorded(&request.job_dir, restore(task)),
     };
     send(&mut report, &started);
     drop(report);
@@ -275,6 +280,22 @@ fn detach(task: &ShimTask, report: BorrowedFd<'_>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Inside a restore's shim: the restored root is recorded in the job's directory before
+/// hiber hears of it, so that a tree whose hiber is killed meanwhile is still found there
+/// (`restore::interrupted`). A tree that cannot be recorded is killed: it would run with
+/// nobody knowing of it.
+fn recorded(job_dir: &Path, started: Started) -> Started {
+    let Started::Running { pid } = started else { return started };
+    match jobs::write_restored_root(job_dir, pid) {
+        Ok(_) => started,
+        Err(e) => {
+            let _ = sys::kill(pid, libc::SIGKILL);
+            let _ = sys::waitpid(pid);
+            Started::Failed { message: format!("cannot record the restored tree in the job's directory: {e}"), hint: None, log: None }
+        }
+    }
+}
+
 /// Inside the shim: CRIU restores the image as the shim's child.
 fn restore(task: RestoreTask) -> Started {
     // CRIU, and so the restored tree, inherit the shim's network namespace.
@@ -317,6 +338,9 @@ pub struct Command {
     /// Give the job a `/dev/shm` of its own ([`sys::private_dev_shm`]).
     #[serde(default = "yes")]
     private_shm: bool,
+    /// Give the job an IPC namespace of its own (see [`Command::host_ipc`]).
+    #[serde(default = "yes")]
+    private_ipc: bool,
 }
 
 fn yes() -> bool {
@@ -372,6 +396,15 @@ impl Command {
         self
     }
 
+    /// Leaves the job the host's IPC namespace (`host`), or gives it one of its own, as
+    /// containers have. CRIU dumps SysV shared memory, semaphores and message queues only
+    /// with the IPC namespace that holds them, which must then be the job's: a job in the
+    /// host's cannot be checkpointed while it holds any.
+    pub fn host_ipc(mut self, host: bool) -> Command {
+        self.private_ipc = !host;
+        self
+    }
+
     /// Keeps the job out of PID namespaces with these numbers: those the CUDA sockets of
     /// images here are named after, which their restores bind again.
     pub fn avoid_pid_namespaces(mut self, numbers: Vec<u64>) -> Command {
@@ -399,6 +432,7 @@ impl Command {
             allow_io_uring: false,
             avoid_namespaces: Vec::new(),
             private_shm: true,
+            private_ipc: true,
         };
         cmd.prepare().map_err(LaunchError::Start)?;
         Ok(cmd)
@@ -447,9 +481,9 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
         Ok(e) => e,
         Err(message) => return failed(message),
     };
-    if let Err(e) = sys::unshare_pid_and_mount_namespaces() {
+    if let Err(e) = sys::unshare_job_namespaces(cmd.private_ipc) {
         return Started::Failed {
-            message: format!("cannot create PID and mount namespaces: {e}"),
+            message: format!("cannot create the job's namespaces (PID, mount{}): {e}", if cmd.private_ipc { ", IPC" } else { "" }),
             hint: Some("hiber run needs root (or CAP_SYS_ADMIN)".into()),
             log: None,
         };
@@ -659,9 +693,10 @@ mod tests {
             external_mounts: true,
             isolate_net: false,
             leave_stopped: false,
+            hold: Some(9),
         });
         let back: ShimTask = serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
-        assert_eq!(back.fds(), vec![7]);
+        assert_eq!(back.fds(), vec![7, 9], "the restore's lock is inherited too");
     }
 
     #[test]
@@ -682,6 +717,7 @@ mod tests {
             external_mounts: false,
             isolate_net: false,
             leave_stopped: false,
+            hold: None,
         });
         assert!(matches!(spawn_shim(Path::new("/nonexistent"), &task), Err(LaunchError::Start(_))));
     }

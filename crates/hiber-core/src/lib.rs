@@ -5,7 +5,9 @@
 //! - [`criu`]: CRIU over its RPC interface;
 //! - [`image`]: the on-disk image format, and the sink an image is written through;
 //! - [`jobs`] and [`launch`]: the job registry and how a job's tree is started;
-//! - [`journal`]: undoing an interrupted checkpoint;
+//! - [`lock`]: what keeps two hibers off one job at once;
+//! - [`journal`]: undoing an interrupted checkpoint ([`restore::interrupted`]: settling an
+//!   interrupted restore);
 //! - [`checkpoint`] and [`restore`]: the pipelines, run as sessions of phases that a
 //!   [`coordinator`] may hold at barriers between them.
 
@@ -19,6 +21,7 @@ pub mod jobs;
 pub mod journal;
 pub mod keeper;
 pub mod launch;
+pub mod lock;
 pub mod proctree;
 pub mod restore;
 pub mod state;

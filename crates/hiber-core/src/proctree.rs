@@ -57,6 +57,11 @@ pub struct OpenFd {
     /// Size of a regular file when it was checkpointed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
+    /// The file lives on a filesystem of the tree's own that hiber's mount namespace does
+    /// not have (a job's /dev/shm, its /proc), which the image carries: a restore does not
+    /// look for it on the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub own_mount: bool,
 }
 
 impl OpenFd {
@@ -158,17 +163,58 @@ pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
 
 fn open_fds(pid: i32) -> Vec<OpenFd> {
     let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    let mounts = OwnMounts::of(pid);
     let mut fds: Vec<OpenFd> = dir
         .filter_map(Result::ok)
         .filter_map(|e| {
             let fd: i32 = e.file_name().to_str()?.parse().ok()?;
             let target = fs::read_link(e.path()).ok()?.to_string_lossy().into_owned();
             let size = fs::metadata(e.path()).ok().filter(|m| m.is_file()).map(|m| m.len());
-            Some(OpenFd { fd, target, size })
+            let own_mount = size.is_some() && mounts.holds_fd(pid, fd);
+            Some(OpenFd { fd, target, size, own_mount })
         })
         .collect();
     fds.sort_by_key(|f| f.fd);
     fds
+}
+
+/// The mounts a process sees whose filesystem hiber's mount namespace has nowhere: those
+/// of a job's own (its /dev/shm tmpfs, its /proc), by mount ID.
+struct OwnMounts {
+    ids: Vec<u64>,
+}
+
+impl OwnMounts {
+    fn of(pid: i32) -> OwnMounts {
+        let (Ok(theirs), Ok(ours)) = (fs::read_to_string(format!("/proc/{pid}/mountinfo")), fs::read_to_string("/proc/self/mountinfo")) else {
+            return OwnMounts { ids: Vec::new() };
+        };
+        OwnMounts { ids: own_mount_ids(&theirs, &ours) }
+    }
+
+    /// Whether descriptor `fd` of `pid` is a file on one of them (its fdinfo's `mnt_id`).
+    fn holds_fd(&self, pid: i32, fd: i32) -> bool {
+        if self.ids.is_empty() {
+            return false;
+        }
+        let info = fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+        let mnt = info.lines().find_map(|l| l.strip_prefix("mnt_id:")).and_then(|v| v.trim().parse::<u64>().ok());
+        mnt.is_some_and(|m| self.ids.contains(&m))
+    }
+}
+
+/// The mount IDs of `theirs` (a mountinfo text) whose device (`major:minor`) no mount of
+/// `ours` has. Mount IDs differ between namespaces even for copies of one mount, devices
+/// do not: a new tmpfs or proc gets a device of its own.
+fn own_mount_ids(theirs: &str, ours: &str) -> Vec<u64> {
+    let fields = |l: &str| {
+        let mut f = l.split_whitespace();
+        let id = f.next()?.parse::<u64>().ok()?;
+        let dev = f.nth(1)?.to_string();
+        Some((id, dev))
+    };
+    let ours: Vec<String> = ours.lines().filter_map(fields).map(|(_, d)| d).collect();
+    theirs.lines().filter_map(fields).filter(|(_, d)| !ours.contains(d)).map(|(id, _)| id).collect()
 }
 
 /// Device files that carry device state: ordinary devices that every process may hold
@@ -307,6 +353,16 @@ pub fn has_own_namespace(pid: i32, kind: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_mounts_are_those_whose_device_hiber_lacks() {
+        let ours = "22 1 259:1 / / rw - ext4 /dev/root rw\n30 22 0:26 / /dev/shm rw - tmpfs tmpfs rw\n31 22 0:21 / /proc rw - proc proc rw\n";
+        // The job's copies of the host's mounts have new IDs but the same devices; its
+        // /dev/shm and /proc are new filesystems.
+        let theirs = "400 390 259:1 / / rw - ext4 /dev/root rw\n401 400 0:61 / /dev/shm rw - tmpfs tmpfs rw\n402 400 0:62 / /proc rw - proc proc rw\n403 400 0:26 / /mnt/hostshm rw - tmpfs tmpfs rw\n";
+        assert_eq!(own_mount_ids(theirs, ours), vec![401, 402]);
+        assert!(own_mount_ids(ours, ours).is_empty());
+    }
 
     #[test]
     fn stat_with_spaces_and_parens_in_comm() {

@@ -87,10 +87,12 @@ pub fn setsid() -> io::Result<()> {
 }
 
 /// Moves the caller into a new mount namespace whose mounts no longer propagate to or
-/// from the host's, and its *children* into a new PID namespace.
-pub fn unshare_pid_and_mount_namespaces() -> io::Result<()> {
+/// from the host's, and its *children* into a new PID namespace; with `ipc`, the caller
+/// into a new IPC namespace too (SysV shared memory, semaphores and message queues).
+pub fn unshare_job_namespaces(ipc: bool) -> io::Result<()> {
+    let ipc = if ipc { libc::CLONE_NEWIPC } else { 0 };
     // SAFETY: unshare has no memory-safety preconditions.
-    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS) })?;
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS | ipc) })?;
     // SAFETY: every pointer is either NULL or a NUL-terminated literal.
     cvt(unsafe { libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) })?;
     Ok(())
@@ -149,6 +151,17 @@ pub fn flock(f: &std::fs::File, exclusive: bool) -> io::Result<()> {
     // SAFETY: flock on a descriptor the borrowed File keeps open.
     cvt(unsafe { libc::flock(f.as_raw_fd(), op) })?;
     Ok(())
+}
+
+/// Takes an exclusive advisory lock on `f` if nobody holds one: `Ok(false)` when another
+/// open file description holds it (no waiting).
+pub fn try_flock_exclusive(f: &std::fs::File) -> io::Result<bool> {
+    // SAFETY: flock on a descriptor the borrowed File keeps open.
+    match cvt(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// The inode number of process `pid`'s PID namespace.

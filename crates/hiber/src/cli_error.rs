@@ -38,6 +38,9 @@ impl CliError {
     }
 
     fn from_error(code: i32, e: impl Error + Send + Sync + 'static, hint: Option<String>) -> CliError {
+        // Permission denied anywhere in the chain: the cause is who runs hiber, whatever
+        // the step was.
+        let hint = if denied(&e) { Some(ROOT_HINT.to_string()) } else { hint };
         CliError { code, message: e.to_string(), hint, source: Some(Box::new(e)) }
     }
 
@@ -54,6 +57,21 @@ impl CliError {
             eprintln!("hint: {h}");
         }
     }
+}
+
+/// What a user who is not root is told where a job or image is not theirs to read.
+pub const ROOT_HINT: &str = "hiber's jobs and images are root's: run hiber as root (sudo)";
+
+/// Whether an I/O error in `e`'s chain is a permission denied.
+fn denied(e: &(dyn Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied) {
+            return true;
+        }
+        cur = c.source();
+    }
+    false
 }
 
 impl From<CriuError> for CliError {

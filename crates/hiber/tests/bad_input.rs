@@ -264,6 +264,74 @@ fn usage_errors_and_names() {
     assert!(f.stderr.contains("is running") && f.stderr.contains("rm -f dup"), "{}", f.stderr);
     let f = h.fails(&["restore", "x", "--gpu-map", "nonsense"]);
     assert!(f.stderr.contains("--gpu-map"), "{}", f.stderr);
+    // A mistyped option of hiber's is refused as one, not run as the command; the
+    // command's own options after its name still reach it.
+    let out = h.output(&["run", "--bogus", "--", "sleep", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("unexpected argument '--bogus'") && !stderr.contains("cannot run"), "{stderr}");
+    assert!(!h.ok(&["ls"]).contains("bogus"), "a refused run leaves no job");
+    h.ok(&["run", "--name", "own-options", "sh", "-c", "echo its-own-options"]);
+    wait("the job's output", Duration::from_secs(10), || h.log("own-options").contains("its-own-options"));
+}
+
+/// A restore refuses an image that another user could have written (as sshd refuses keys
+/// others can write): CRIU would run what it holds as root. `--trust-image` restores a
+/// private copy instead, verified where nobody else can change it.
+#[test]
+fn images_others_could_write_are_refused_unless_trusted() {
+    let _mounts = shared();
+    let h = Hiber::new("trust");
+    let img = image(&h, "trust");
+    let before = h.progress("trust");
+    h.ok(&["rm", "-f", "trust"]);
+    let path = img.to_str().unwrap();
+    let chmod = |p: &Path, mode: u32| std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+    let manifest = img.join("manifest.json");
+    let criu = img.join("criu");
+    for (what, p, bad, good) in [("image directory", &img, 0o777, 0o700), ("criu/", &criu, 0o777, 0o700), ("manifest", &manifest, 0o666, 0o600)] {
+        chmod(p, bad);
+        let f = h.fails(&["restore", path, "--name", "never"]);
+        assert_eq!(f.code, INVALID_IMAGE, "{what}: {}", f.stderr);
+        assert!(f.stderr.contains("not trusted") && f.stderr.contains("writable by others"), "{what}: {}", f.stderr);
+        assert!(f.stderr.contains("--trust-image"), "{what}: the hint names the override: {}", f.stderr);
+        assert!(!h.state.join("jobs/never").exists(), "a refused restore creates no job");
+        chmod(p, good);
+    }
+    std::os::unix::fs::chown(&manifest, Some(65534), None).unwrap();
+    let f = h.fails(&["restore", path, "--name", "never"]);
+    assert!(f.stderr.contains("owned by uid 65534"), "{}", f.stderr);
+    // Trusted explicitly: restored from a private copy, which is gone afterwards.
+    chmod(&img, 0o777);
+    h.ok(&["restore", path, "--name", "trusted", "--trust-image"]);
+    assert_eq!(h.job("trusted")["restored_from"], path, "the job names the image the user gave");
+    assert!(std::fs::read_dir(h.state.join("untrusted-copies")).unwrap().next().is_none(), "the private copy is removed");
+    h.wait_step("trusted", before.last().unwrap().0 + 5);
+    // The image was taken with --leave-running, a little before `before` ends.
+    let first = h.progress("trusted")[0].0;
+    assert!(first > 1 && first <= before.last().unwrap().0 + 1, "the copy goes on from the checkpoint, not from the start ({first})");
+    assert_continues(&before, &h.progress("trusted"), first);
+}
+
+/// A manifest (its checksum made to match) that names a file outside the image is an
+/// invalid image, named as such, not "a missing file".
+#[test]
+fn a_manifest_naming_a_path_outside_the_image_is_invalid() {
+    let _mounts = shared();
+    let h = Hiber::new("escape");
+    let img = image(&h, "escape");
+    let mpath = img.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["files"][0]["path"] = "../../etc/passwd".into();
+    let crafted = serde_json::to_vec_pretty(&m).unwrap();
+    std::fs::write(&mpath, &crafted).unwrap();
+    std::fs::write(img.join("manifest.blake3"), format!("{}\n", blake3::hash(&crafted).to_hex())).unwrap();
+    for verb in ["inspect", "restore"] {
+        let f = h.fails(&[verb, img.to_str().unwrap()]);
+        assert_eq!(f.code, INVALID_IMAGE, "{}", f.stderr);
+        assert!(f.stderr.contains("'../../etc/passwd', which is not a path inside the image") && !f.stderr.contains("missing"), "{verb}: {}", f.stderr);
+    }
 }
 
 /// A job allowed io_uring (`--allow-io-uring`) that holds one is refused before anything is
@@ -391,4 +459,75 @@ fn job_without_tar_is_refused_up_front() {
     h.wait_step("notar", 3);
     let stderr = refused_without_tools(&h, "notar", "tar");
     assert!(stderr.contains("`tar`") && stderr.contains("/dev/shm") && stderr.contains("install tar"), "{stderr}");
+}
+
+/// A user who is not root is told that permission was denied, and to run hiber as root,
+/// where hiber once said "no job named X" or "not a hiber image".
+#[test]
+fn a_user_who_is_not_root_is_told_permission_was_denied() {
+    let _mounts = shared();
+    let h = Hiber::new("nonroot");
+    let img = image(&h, "mine");
+    // A copy of the binary that user may run, and an image whose manifest only root reads.
+    let bin = h.scratch.join("hiber");
+    std::fs::copy(HIBER, &bin).unwrap();
+    let open = |p: &Path, mode: u32| std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+    open(&h.scratch, 0o755);
+    open(&bin, 0o755);
+    let readable = h.scratch.join("readable");
+    std::fs::create_dir(&readable).unwrap();
+    open(&readable, 0o755);
+    std::fs::write(readable.join("manifest.json"), b"{}").unwrap();
+    open(&readable.join("manifest.json"), 0o600);
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin)
+            .args(args)
+            .env("HIBER_STATE", &h.state)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail for nobody");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    for args in
+        [&["checkpoint", "mine"][..], &["rm", "-f", "mine"], &["logs", "mine"], &["inspect", img.to_str().unwrap()], &["inspect", readable.to_str().unwrap()]]
+    {
+        let stderr = as_nobody(args);
+        assert!(stderr.contains("Permission denied") && stderr.contains("hint: hiber's jobs and images are root's"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("no job named") && !stderr.contains("not a hiber image") && !stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    assert_eq!(h.state_of("mine"), "running", "the job runs on");
+}
+
+/// A job record or a journal entry that cannot be read is named once, with its path, by
+/// `hiber ls` and `hiber recover`, instead of being skipped in silence; the other jobs are
+/// listed as before.
+#[test]
+fn corrupt_job_records_and_journal_entries_are_named() {
+    let _mounts = shared();
+    let h = Hiber::new("corrupt-records");
+    h.start("fine", &["cpu", "--steps", "400", "--mem-mib", "1"]);
+    let broken = h.start("broken", &["cpu", "--steps", "400", "--mem-mib", "1"]);
+    let record = h.state.join("jobs/broken/job.json");
+    std::fs::write(&record, b"{ not json").unwrap();
+    std::fs::create_dir_all(h.state.join("journal")).unwrap();
+    let entry = h.state.join("journal/checkpoint-1-2.json");
+    std::fs::write(&entry, b"\x00garbage").unwrap();
+    for (args, lists) in [(&["ls"][..], true), (&["ls", "--json"], true), (&["recover"], false)] {
+        let out = h.output(args);
+        assert!(out.status.success(), "{args:?}");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(stderr.contains(&format!("hiber: skipped {}", record.display())), "{args:?}: {stderr}");
+        assert_eq!(stderr.matches(record.to_str().unwrap()).count(), 1, "said once: {stderr}");
+        if args[0] == "recover" {
+            assert!(stderr.contains(&format!("hiber: skipped {}", entry.display())) && stderr.contains("corrupt"), "{stderr}");
+            assert!(!stdout.contains("nothing to recover"), "not 'nothing' when something was skipped: {stdout}");
+        }
+        if lists {
+            assert!(stdout.contains("fine") && !stdout.contains("\"broken\""), "{args:?}: {stdout}");
+        }
+    }
+    // SAFETY: kill with a PID of this test's own job.
+    unsafe { libc::kill(broken, libc::SIGKILL) };
 }

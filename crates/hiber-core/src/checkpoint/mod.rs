@@ -1,10 +1,10 @@
 //! The checkpoint pipeline, as a session of phases ([`session::Checkpoint`]):
 //! prepare → quiesce → capture → dump → commit → resume (or abort, the undo).
 //!
-//! - **prepare** finds the tree, refuses what cannot be checkpointed (a terminal, a full
-//!   disk, and what CRIU would refuse in the middle of the dump: see [`preflight`]), opens
-//!   the image sink and the journal, and opens each engine's session: nothing of the
-//!   application is touched yet;
+//! - **prepare** finds the tree, refuses what cannot be checkpointed (a terminal from
+//!   outside the tree, a full disk, and what CRIU would refuse in the middle of the dump:
+//!   see [`preflight`]), opens the image sink and the journal, and opens each engine's
+//!   session: nothing of the application is touched yet;
 //! - **quiesce** stops device work; **capture** moves device state where the dump takes
 //!   it; **dump** has CRIU dump (and, when the checkpoint stops the application, freeze)
 //!   the tree;
@@ -22,6 +22,7 @@
 pub(crate) mod preflight;
 mod session;
 pub mod stage;
+mod terminal;
 
 pub use preflight::Undumpable;
 pub use session::Checkpoint;
@@ -33,7 +34,8 @@ use crate::coordinator::{self, BarrierError, Coordinator, Phase, Tracked};
 use crate::criu::CriuError;
 use crate::engine::EngineError;
 use crate::image::ImageError;
-use crate::jobs::Job;
+use crate::jobs::{Job, Registry};
+use crate::lock::{self, LockError, OpLock};
 use crate::proctree::{self, ProcessInfo, TreeError};
 use crate::{sys, Context};
 
@@ -47,8 +49,9 @@ pub enum CheckpointError {
     OwnLineage { pid: i32 },
     #[error("hiber may not trace process {pid}: {reason}")]
     NotPermitted { pid: i32, reason: String },
-    #[error("process {pid} ({comm}) has a controlling terminal")]
-    Terminal { pid: i32, comm: String },
+    /// A controlling terminal that is not a pty whose both ends the tree holds.
+    #[error("process {pid} ({comm}) has a controlling terminal from outside the tree ({tty})")]
+    Terminal { pid: i32, comm: String, tty: String },
     #[error("process {pid} ({comm}) holds {what}")]
     Undumpable { pid: i32, comm: String, what: Undumpable },
     #[error("process {pid}: CRIU needs `{tool}` {why}, which is not installed")]
@@ -65,6 +68,9 @@ pub enum CheckpointError {
     Criu(#[from] CriuError),
     #[error(transparent)]
     Barrier(#[from] BarrierError),
+    /// Another hiber works on the same job or tree (a second checkpoint, say).
+    #[error(transparent)]
+    Busy(#[from] LockError),
     #[error("process {pid} ({comm}) ended during the checkpoint; an image without it would hold device state with no process to go back into")]
     Exited { pid: i32, comm: String },
     #[error("journal: {0}")]
@@ -79,7 +85,7 @@ impl CheckpointError {
         Some(match self {
             CheckpointError::Tree(TreeError::NoSuchProcess(_)) => "check the PID, or use a job name from `hiber ls`".into(),
             CheckpointError::NotPermitted { .. } => "run hiber as root (CRIU must ptrace every process of the tree)".into(),
-            CheckpointError::Terminal { .. } => "CRIU can restore a terminal only into the same terminal session; start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
+            CheckpointError::Terminal { .. } => "CRIU restores a terminal only where the tree holds both its ends (a pty it opened itself); start the program with `hiber run -- CMD` (no terminal, logs to files), or detach it from its terminal (setsid, nohup with redirects) before starting it".into(),
             CheckpointError::NoSpace { .. } => "free some space or choose another --out".into(),
             CheckpointError::Undumpable { what, .. } => what.hint(),
             CheckpointError::MissingTool { tool: "ip", .. } => "install iproute2 (`hiber doctor` checks for it)".into(),
@@ -89,6 +95,7 @@ impl CheckpointError {
             CheckpointError::Engine(e) => return e.hint().map(String::from),
             CheckpointError::Exited { .. } => "see the job's log for why that process ended, then checkpoint again".into(),
             CheckpointError::Resume { .. } => "the journal keeps what is left to undo: run `hiber recover` to retry".into(),
+            CheckpointError::Busy(LockError::Held { .. }) => "wait for it to finish, then checkpoint again".into(),
             CheckpointError::Criu(e) => match e.errno() {
                 Some(libc::ENOSPC) => "the disk filled up during the dump; free some space or choose another --out".into(),
                 _ => match e.log() {
@@ -150,8 +157,8 @@ pub fn preflight(pid: i32) -> Result<Vec<ProcessInfo>, CheckpointError> {
         return Err(CheckpointError::NotPermitted { pid, reason: "hiber is not running as root".into() });
     }
     let tree = proctree::discover_tree(pid)?;
-    if let Some(p) = tree.iter().find(|p| p.tty_nr != 0) {
-        return Err(CheckpointError::Terminal { pid: p.pid, comm: p.comm.clone() });
+    if let Some(t) = terminal::outside_terminal(&tree) {
+        return Err(CheckpointError::Terminal { pid: t.pid, comm: t.comm, tty: t.tty });
     }
     Ok(tree)
 }
@@ -211,6 +218,16 @@ pub(crate) fn loopback_only_network(tree: &[ProcessInfo]) -> bool {
     })
 }
 
+/// One checkpoint of a tree at a time: the lock of the job (or of the tree's root, for a
+/// tree that is no job), taken before anything is touched. A second checkpoint is refused
+/// at once and leaves the application to the first.
+fn lock_target(ctx: &Context, req: &CheckpointRequest) -> Result<OpLock, CheckpointError> {
+    Ok(match &req.job {
+        Some(job) => lock::lock_job(&Registry::new(&ctx.state), &job.name, "checkpointed")?,
+        None => lock::lock_pid(&ctx.state, req.pid, "checkpointed")?,
+    })
+}
+
 /// Checkpoints with every phase run back to back (`HIBER_FAIL_AT` may name a phase whose
 /// barrier fails, for fault-injection tests).
 pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointReport, CheckpointError> {
@@ -220,6 +237,14 @@ pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointRe
 /// Checkpoints, holding at `coord`'s barrier after each phase.
 pub fn checkpoint_with(ctx: &Context, req: &CheckpointRequest, coord: &dyn Coordinator) -> Result<CheckpointReport, CheckpointError> {
     let coord = &Tracked::new(coord);
+    // Held to the end, released however this returns.
+    let _lock = match lock_target(ctx, req) {
+        Ok(l) => l,
+        Err(e) => {
+            coord.fail(&e.to_string());
+            return Err(e);
+        }
+    };
     let mut c = match Checkpoint::prepare(ctx, req) {
         Ok(c) => c,
         Err(e) => {

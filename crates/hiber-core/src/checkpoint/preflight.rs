@@ -49,6 +49,10 @@ pub enum Undumpable {
     /// From outside the process peer access cannot be told apart, so every such process
     /// counts; and resuming the original after `--leave-running` is a restore too.
     SeveralGpus { gpus: usize },
+    /// A SysV shared memory segment attached in the host's IPC namespace: CRIU dumps such
+    /// segments only with an IPC namespace of the tree's own (`hiber run` gives one unless
+    /// `--host-ipc`).
+    SysvShmOutsideJob { segment: String },
 }
 
 /// The path of NCCL's shared memory (`/dev/shm/nccl-XXXXXX`, from `ncclShmOpen`) that
@@ -173,9 +177,20 @@ fn has_own_tmpfs(pid: i32) -> bool {
     tmpfs_devices(&theirs).iter().any(|d| !ours.contains(d))
 }
 
+/// The first SysV shared memory segment `pid` has attached (`/SYSV0000002a (deleted)` in
+/// its maps), where it lives in hiber's own IPC namespace.
+fn sysv_shm_in_host_namespace(pid: i32) -> Option<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let segment = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.starts_with("/SYSV"))?.to_string();
+    (!crate::proctree::has_own_namespace(pid, "ipc")).then_some(segment)
+}
+
 /// Refuses the tree if a process holds something CRIU cannot dump (see [`undumpable`]).
 pub fn refuse_undumpable(tree: &[ProcessInfo], claimed: &[i32]) -> Result<(), CheckpointError> {
     for p in tree {
+        if let Some(segment) = sysv_shm_in_host_namespace(p.pid) {
+            return Err(CheckpointError::Undumpable { pid: p.pid, comm: p.comm.clone(), what: Undumpable::SysvShmOutsideJob { segment } });
+        }
         if let Some(what) = undumpable(p, claimed.contains(&p.pid), char_device) {
             let what = match what {
                 Undumpable::Device { path } if path.starts_with("/dev/nvidia") && maps_nvidia_opencl(p.pid) => Undumpable::NvidiaOpenCl { path },
@@ -207,6 +222,9 @@ impl std::fmt::Display for Undumpable {
                 f,
                 "CUDA contexts on {gpus} GPUs without the agent: if it enabled peer access between them (JAX and multi-GPU PyTorch do), the driver checkpoints it but refuses to restore it, into a new process or into itself"
             ),
+            Undumpable::SysvShmOutsideJob { segment } => {
+                write!(f, "SysV shared memory ({segment}) of the host's IPC namespace, which CRIU dumps only with an IPC namespace of the job's own")
+            }
         }
     }
 }
@@ -220,6 +238,7 @@ impl Undumpable {
             Undumpable::Device { .. } => "close the device before checkpointing, or keep it out of the job".into(),
             Undumpable::NvidiaOpenCl { .. } => "OpenCL jobs checkpoint on platforms whose state is process memory (PoCL); the ICD loader loads every vendor it is given, used or not, so give a job that does not run on NVIDIA's GPU its other vendors alone (OCL_ICD_FILENAMES=libpocl.so.2, or an OCL_ICD_VENDORS directory without NVIDIA's); one that runs on it cannot be checkpointed yet".into(),
             Undumpable::Collective { .. } => "start the job with `hiber run` and the agent (not --no-agent), which cuts NCCL jobs consistently and rebuilds their communicators; NCCL linked statically or loaded with dlsym bypasses the agent".into(),
+            Undumpable::SysvShmOutsideJob { .. } => "start the job with `hiber run` without --host-ipc: it then has an IPC namespace of its own, which its images carry".into(),
             Undumpable::SeveralGpus { .. } => "run the job with the agent (`hiber run` without --no-agent), whose processes restore with peer access; or keep each process of the job on one GPU (CUDA_VISIBLE_DEVICES)".into(),
         }
     }
@@ -241,7 +260,7 @@ mod tests {
 
     fn process(fds: &[&str], devices: &[&str]) -> ProcessInfo {
         let mut p = crate::proctree::read_process(std::process::id() as i32).unwrap();
-        p.fds = fds.iter().enumerate().map(|(i, t)| OpenFd { fd: i as i32 + 3, target: t.to_string(), size: None }).collect();
+        p.fds = fds.iter().enumerate().map(|(i, t)| OpenFd { fd: i as i32 + 3, target: t.to_string(), size: None, own_mount: false }).collect();
         p.device_files = devices.iter().map(|d| d.to_string()).collect();
         p
     }
@@ -268,7 +287,7 @@ mod tests {
         let path = format!("/dev/shm/nccl-hibertest{me}");
         let f = std::fs::OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&path).unwrap();
         f.set_len(4096).unwrap();
-        let fds = vec![OpenFd { fd: f.as_raw_fd(), target: path.clone(), size: None }];
+        let fds = vec![OpenFd { fd: f.as_raw_fd(), target: path.clone(), size: None, own_mount: false }];
         assert_eq!(nccl_shared_memory(me, &fds), Some(path.clone()), "held open");
         // SAFETY: maps the file just created (4096 bytes) shared, read-only; unmapped below.
         let at = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
@@ -288,7 +307,7 @@ mod tests {
         let me = std::process::id() as i32;
         let held = |l: &std::os::unix::net::UnixListener| {
             let fd = l.as_raw_fd();
-            vec![OpenFd { fd, target: std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap().to_string_lossy().into_owned(), size: None }]
+            vec![OpenFd { fd, target: std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap().to_string_lossy().into_owned(), size: None, own_mount: false }]
         };
         // As NCCL names it: the path with its first byte made NUL, and NUL padding.
         let name = format!("tmp/nccl-socket-0-{me:016x}\0\0\0\0");
@@ -339,10 +358,10 @@ mod tests {
         p.device_files = vec!["/dev/null".into()];
         // A real /dev/null (major 1) is dumpable; an unclaimed process passes.
         refuse_undumpable(std::slice::from_ref(&p), &[]).unwrap();
-        p.fds.push(OpenFd { fd: 9, target: "anon_inode:[some-driver-object]".into(), size: None });
+        p.fds.push(OpenFd { fd: 9, target: "anon_inode:[some-driver-object]".into(), size: None, own_mount: false });
         assert!(refuse_undumpable(std::slice::from_ref(&p), &[]).is_err());
         refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).unwrap();
-        p.fds.push(OpenFd { fd: 10, target: "anon_inode:[io_uring]".into(), size: None });
+        p.fds.push(OpenFd { fd: 10, target: "anon_inode:[io_uring]".into(), size: None, own_mount: false });
         assert!(refuse_undumpable(std::slice::from_ref(&p), &[p.pid]).is_err(), "an engine does not take an io_uring away");
     }
 

@@ -24,6 +24,14 @@ fn page_writers() -> usize {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 4).clamp(1, 16))
 }
+/// How much disk a deleted file that a process still holds open (a ghost) may take for
+/// CRIU to copy it into the image: 1 GiB of allocated blocks (holes cost nothing). Such
+/// files are ordinary (tmpfile(3), Python's `TemporaryFile`, sort's and databases' spill
+/// files, a log rotated away under its writer) and often pass CRIU's default, 1 MiB, which
+/// fails the dump; the image is the only place their content survives, and the restore
+/// needs it. Past 1 GiB the file is more likely a forgotten log or data set than scratch,
+/// and copying it would hold the tree frozen for seconds: the dump fails, naming the file.
+const GHOST_LIMIT: u32 = 1 << 30;
 /// How CRIU keeps TCP connections quiet while it dumps and restores them: nftables,
 /// through the libnftables CRIU is built with (its default, iptables, needs the iptables
 /// program, which neither Debian's minimal images nor the GPU machines have).
@@ -218,6 +226,15 @@ impl Criu {
             file_locks: Some(true),
             ext_unix_sk: Some(true),
             tcp_established: Some(true),
+            // Connections a listening socket has not accepted yet (their handshake done by
+            // the kernel, or under way) are left out of the image, where CRIU's default
+            // fails the whole dump. Their clients see what a server restart shows them:
+            // when the checkpoint stops the tree, the kernel resets those connections
+            // (ECONNRESET at the client's next read or write) and the client connects
+            // again, to the restored server; with --leave-running the original keeps and
+            // serves them, and a restored copy starts with an empty accept queue.
+            tcp_skip_in_flight: Some(true),
+            ghost_limit: Some(GHOST_LIMIT),
             // A file still named but mapped under a name since removed (glibc's sem_open
             // maps a semaphore under a temporary name, then links it to its own): CRIU
             // links it back for the dump. In a job's own /dev/shm that link goes into the
@@ -376,10 +393,16 @@ fn recv(sock: &mut File) -> Result<rpc::CriuResp, CriuError> {
     rpc::CriuResp::decode(&buf[..n]).map_err(|e| CriuError::Protocol(format!("undecodable reply: {e}")))
 }
 
+/// Whether a CRIU error message only passes on a failure logged before it: a restored
+/// process that exited, a descriptor that could not be opened, a dump step that failed.
+fn relays_failure(message: &str) -> bool {
+    message.starts_with("Unable to open fd=") || message.contains(" exited, status=") || message.ends_with("failed with -1")
+}
+
 /// The last two errors of a CRIU log, oldest first, for a one-line reason: the last is
-/// often the consequence ("Unable to open fd=15"), the one before it the cause ("Can't
-/// bind ... Address already in use"). CRIU is driven over RPC; its log is read only to
-/// explain a failure to a person.
+/// often the consequence ("Can't open master pty"), the one before it the cause ("Can't
+/// bind ... Address already in use"); messages that only pass a failure on are skipped.
+/// CRIU is driven over RPC; its log is read only to explain a failure to a person.
 fn last_error_line(log: &Path) -> Option<String> {
     let text = std::fs::read_to_string(log).ok()?;
     // CRIU logs an error for an RLIMIT_NOFILE it may not raise and carries on: not a cause.
@@ -389,6 +412,7 @@ fn last_error_line(log: &Path) -> Option<String> {
         .filter(|l| l.contains("Error (") && !l.contains("Dumping FAILED") && !l.contains("Restoring FAILED") && !l.contains("RLIMIT_NOFILE"))
         // "(00.123456)  1: Error (criu/foo.c:12): message" -> "message"
         .map(|l| l.split_once("): ").map(|(_, m)| m).unwrap_or(l).trim())
+        .filter(|m| !relays_failure(m))
         .take(2)
         .collect();
     errors.dedup();
@@ -411,6 +435,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(last_error_line(&log).as_deref(), Some("first; File tmp/x has bad size 3 (expect 4)"));
+        // A restore whose child failed: the cause, not the failures it passed on.
+        std::fs::write(
+            &log,
+            "(00.037056)      3: Error (criu/tty.c:625): tty: Unable to open dev/ptmx with specified index 0\n(00.037082)      3: Error (criu/tty.c:1092): tty: Can't open master pty 0x21 (index 0)\n(00.037084)      3: Error (criu/files.c:1221): Unable to open fd=101 id=0x21\n(00.037877)      1: Error (criu/cr-restore.c:1258): 3 exited, status=1\n(00.038591) Error (criu/cr-restore.c:2320): Restoring FAILED.\n",
+        )
+        .unwrap();
+        assert_eq!(last_error_line(&log).as_deref(), Some("tty: Unable to open dev/ptmx with specified index 0; tty: Can't open master pty 0x21 (index 0)"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

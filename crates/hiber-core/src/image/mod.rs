@@ -23,6 +23,7 @@
 pub mod chunks;
 mod manifest;
 mod sink;
+pub mod trust;
 mod writer;
 
 pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, ParentRef, Source};
@@ -129,6 +130,9 @@ pub enum ImageError {
     Io { path: PathBuf, step: &'static str, source: io::Error },
     #[error("{0}: already exists; choose another --out or remove it")]
     OutputExists(PathBuf),
+    /// Another user could have written it (see [`trust`]).
+    #[error("{path}: not trusted: {why}")]
+    Untrusted { path: PathBuf, why: String },
 }
 
 impl ImageError {
@@ -160,7 +164,12 @@ impl Image {
             return Err(ImageError::NotAnImage(dir.to_path_buf()));
         }
         let mpath = dir.join(MANIFEST_FILE);
-        let mmeta = fs::metadata(&mpath).map_err(|_| ImageError::NotAnImage(dir.to_path_buf()))?;
+        // Only a manifest that is not there makes the directory no image: one that cannot be
+        // read (permission denied, say) is reported as such.
+        let mmeta = fs::metadata(&mpath).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ImageError::NotAnImage(dir.to_path_buf()),
+            _ => ImageError::Io { path: mpath.clone(), step: "stat", source: e },
+        })?;
         if mmeta.len() > MAX_MANIFEST_BYTES {
             return Err(ImageError::CorruptManifest { path: mpath, reason: format!("{} bytes is too large", mmeta.len()) });
         }
@@ -185,6 +194,9 @@ impl Image {
         let manifest = Manifest::parse(&text).map_err(corrupt)?;
         if manifest.processes.is_empty() {
             return Err(corrupt("it lists no process".into()));
+        }
+        if let Some(bad) = manifest.files.iter().find(|f| !is_inside_path(&f.path)) {
+            return Err(corrupt(format!("it lists the file '{}', which is not a path inside the image", bad.path)));
         }
         Ok(Image { dir: dir.to_path_buf(), manifest })
     }
@@ -237,6 +249,12 @@ impl Image {
     pub fn total_bytes(&self) -> u64 {
         self.manifest.files.iter().map(|f| f.size).sum()
     }
+}
+
+/// Whether `rel` names a file inside an image: relative, and made of plain names only
+/// (no `..`, no `.`, no empty part), so that joining it to the image's path stays there.
+fn is_inside_path(rel: &str) -> bool {
+    !rel.is_empty() && rel.split('/').all(|part| !part.is_empty() && part != "." && part != "..")
 }
 
 fn is_pages_file(rel: &str) -> bool {

@@ -444,3 +444,23 @@ fn a_chunk_read_in_pieces_is_checked_whole() {
     let none = std::collections::HashMap::new();
     assert!(chunks::read(&img, "agent/1/1.00000", &mut buf, Some(&none)).unwrap_err().contains("not in the manifest"));
 }
+
+/// A crafted manifest (its checksum made to match) that names a file outside the image is
+/// reported as such, not as a missing file.
+#[test]
+fn a_manifest_naming_a_path_outside_the_image_is_refused() {
+    let t = TempDir::new("escape");
+    let dest = write_image(&t.0);
+    let original = Image::open(&dest).unwrap().manifest;
+    for bad in ["../../etc/passwd", "/etc/passwd", "criu/../../x", "criu//pages-1.img", ""] {
+        let mut m = original.clone();
+        m.files[0].path = bad.into();
+        let text = serde_json::to_vec_pretty(&m).unwrap();
+        fs::write(dest.join(MANIFEST_FILE), &text).unwrap();
+        fs::write(dest.join(MANIFEST_SUM_FILE), format!("{}\n", blake3::hash(&text).to_hex())).unwrap();
+        match Image::open(&dest) {
+            Err(ImageError::CorruptManifest { reason, .. }) => assert!(reason.contains("not a path inside the image"), "{bad}: {reason}"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+}

@@ -13,11 +13,13 @@ use std::time::{Duration, Instant};
 
 use crate::coordinator::{self, BarrierError, Coordinator, Phase, Tracked};
 use crate::engine::{self, DeviceRestoreOptions, EngineError, RestoreSession, RestoredPid};
-use crate::image::{Image, ImageError};
+use crate::image::{trust, Image, ImageError};
 use crate::jobs::{Job, JobError, Registry};
 use crate::launch::{self, LaunchError, Started};
 use crate::proctree::{self, TreeError};
 use crate::{sys, Context};
+
+pub mod interrupted;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -54,6 +56,9 @@ impl RestoreError {
     pub fn hint(&self) -> Option<String> {
         Some(match self {
             RestoreError::Image(ImageError::NotFound(_)) => "list images with `hiber ls`".into(),
+            RestoreError::Image(ImageError::Untrusted { .. }) => {
+                "make root its owner and let nobody else write it (chown -R root: IMAGE; chmod -R go-w IMAGE), or, if you trust who wrote it, restore a private copy with --trust-image".into()
+            }
             RestoreError::Image(e) if e.is_invalid_image() => "the image cannot be trusted; checkpoint again".into(),
             RestoreError::Job(JobError::Exists(_)) => "pick another --name, or `hiber rm` the old job".into(),
             RestoreError::MissingFile { .. } => "put the file back where it was (same path), then restore again".into(),
@@ -83,6 +88,9 @@ pub struct RestoreRequest {
     /// Restore into a new network namespace with only loopback: for a copy that must not
     /// clash with the original's sockets (the CUDA driver's abstract unix socket, say).
     pub isolate_net: bool,
+    /// Restore an image that fails the ownership and mode checks of [`trust`] (another
+    /// user could have written it), from a private copy that is verified and restored.
+    pub trust_image: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -95,14 +103,15 @@ pub struct RestoreReport {
 }
 
 /// Files the tree had open that a restore needs to find in place: regular files, not
-/// the ones CRIU carries in the image (deleted files) and not the root's stdout/stderr,
-/// which the new job replaces with its own logs.
+/// the ones CRIU carries in the image (deleted files, and files on the job's own mounts:
+/// its /dev/shm, its /proc) and not the root's stdout/stderr, which the new job replaces
+/// with its own logs.
 fn required_files(image: &Image) -> Vec<(String, i32)> {
     let replaced: BTreeSet<&str> = [&image.manifest.source.stdout, &image.manifest.source.stderr].into_iter().flatten().map(String::as_str).collect();
     let mut out = Vec::new();
     for p in &image.manifest.processes {
         for f in &p.fds {
-            if f.is_regular_file() && f.is_path() && !f.target.ends_with(" (deleted)") && !replaced.contains(f.target.as_str()) {
+            if f.is_regular_file() && f.is_path() && !f.own_mount && !f.target.ends_with(" (deleted)") && !replaced.contains(f.target.as_str()) {
                 out.push((f.target.clone(), p.ns_pid));
             }
         }
@@ -132,7 +141,8 @@ pub fn restore_with(ctx: &Context, req: &RestoreRequest, coord: &dyn Coordinator
 
 fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> Result<RestoreReport, RestoreError> {
     let started = Instant::now();
-    let (image, mut sessions) = prepare(ctx, req)?;
+    // The private copy of an untrusted image, if one was made, goes once the restore ends.
+    let (image, mut sessions, _copy) = prepare(ctx, req)?;
     let verify = started.elapsed();
     coord.barrier(Phase::RestorePrepared)?;
     let registry = Registry::new(&ctx.state);
@@ -141,8 +151,24 @@ fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> 
         Some(n) => n.clone(),
         None => registry.free_name(&base),
     };
-    let dir = registry.create_dir(&name)?;
-    let job = JobTarget { registry: &registry, name: &name, dir: &dir };
+    // `HIBER_RESTORE_STOPPED=1` takes the stopped-tree path with any image, for tests.
+    let leave_stopped = sessions.iter().any(|s| s.wants_stopped_tree()) || std::env::var_os("HIBER_RESTORE_STOPPED").is_some_and(|v| v == "1");
+    // The job is on record as being restored from the moment its name is taken, before
+    // anything starts: should this hiber be killed from here on, `hiber ls` lists the job
+    // and `hiber recover` settles it ([`interrupted`]).
+    let marker = crate::jobs::RestoreMarker {
+        hiber_pid: sys::getpid(),
+        hiber_start_time: proctree::stat(sys::getpid())?.start_time,
+        image: req.image.display().to_string(),
+        command: image.manifest.processes[0].cmdline.clone(),
+        created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        devices: image.manifest.devices.iter().map(|d| d.engine.clone()).collect(),
+        leave_stopped,
+        coordinated: coord.is_shared(),
+        private_copy: image.dir != req.image,
+    };
+    let (dir, restore_lock) = registry.create_restoring(&name, &marker)?;
+    let job = JobTarget { registry: &registry, name: &name, dir: &dir, restore_lock: &restore_lock, leave_stopped };
     let result = restore_into_job(ctx, &image, &mut sessions, &job, req, coord).map(|(job, criu, devices)| RestoreReport {
         job,
         verify,
@@ -150,19 +176,33 @@ fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> 
         devices,
         total: started.elapsed(),
     });
-    if result.is_err() {
-        let _ = registry.remove(&name);
+    match &result {
+        Ok(_) => {
+            // The job is recorded and runs; a marker left behind only makes `hiber recover`
+            // adopt it once this hiber is gone.
+            if let Err(e) = registry.finish_restore(&name) {
+                tracing::warn!(error = %e, "could not mark the restore complete");
+            }
+        }
+        Err(_) => {
+            let _ = registry.remove(&name);
+        }
     }
     result
 }
 
 /// Prepare: the image verified, this machine checked, and every engine's session open.
 /// Nothing is started yet.
-fn prepare(ctx: &Context, req: &RestoreRequest) -> Result<(Image, Vec<Engaged>), RestoreError> {
+fn prepare(ctx: &Context, req: &RestoreRequest) -> Result<(Image, Vec<Engaged>, Option<PrivateCopy>), RestoreError> {
     if sys::geteuid() != 0 {
         return Err(RestoreError::NotRoot);
     }
-    let image = Image::open(&req.image)?;
+    let copy = match trust::check(&req.image) {
+        Ok(()) => None,
+        Err(ImageError::Untrusted { .. }) if req.trust_image => Some(PrivateCopy::make(ctx, &req.image)?),
+        Err(e) => return Err(e.into()),
+    };
+    let image = Image::open(copy.as_ref().map_or(&req.image, |c| &c.dir))?;
     ctx.phase("verifying every file of the image");
     // Files an engine streams (device memory chunks) are checked on their way, once.
     let streamed: Vec<&str> = image.manifest.devices.iter().filter_map(|d| engine::kind(&d.engine)?.streamed_dir()).collect();
@@ -183,7 +223,39 @@ fn prepare(ctx: &Context, req: &RestoreRequest) -> Result<(Image, Vec<Engaged>),
             .ok_or_else(|| RestoreError::EngineUnavailable { engine: section.engine.clone(), hint: kind.unavailable_hint() })?;
         sessions.push(engine.begin_restore(&section.state, &opts)?);
     }
-    Ok((image, sessions))
+    Ok((image, sessions, copy))
+}
+
+/// A private copy of an image that failed [`trust::check`], made because the user said to
+/// trust it: hiber verifies the copy, which nobody else can change, and CRIU reads it.
+/// Removed when dropped.
+struct PrivateCopy {
+    dir: PathBuf,
+}
+
+impl PrivateCopy {
+    fn make(ctx: &Context, image: &Path) -> Result<PrivateCopy, RestoreError> {
+        let parent = trust::copies_dir(&ctx.state);
+        ctx.state.ensure(&parent)?;
+        // Copies left by a hiber that was killed mid-restore.
+        for stale in std::fs::read_dir(&parent)?.flatten() {
+            let pid = stale.file_name().to_str().and_then(|n| n.split('-').next()?.parse::<i32>().ok());
+            if pid.is_some_and(|p| !proctree::alive(p)) {
+                let _ = std::fs::remove_dir_all(stale.path());
+            }
+        }
+        ctx.phase("copying the untrusted image into a private directory");
+        let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+        let copy = PrivateCopy { dir: parent.join(format!("{}-{ms}", std::process::id())) };
+        trust::private_copy(image, &copy.dir)?;
+        Ok(copy)
+    }
+}
+
+impl Drop for PrivateCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// The job a restore creates.
@@ -191,6 +263,10 @@ struct JobTarget<'a> {
     registry: &'a Registry,
     name: &'a str,
     dir: &'a Path,
+    /// Held while the restore runs, and by the job's shim (see [`interrupted`]).
+    restore_lock: &'a std::fs::File,
+    /// CRIU leaves the tree stopped, for the device state to be restored first.
+    leave_stopped: bool,
 }
 
 /// CRIU restores the tree under the job's shim, then the devices are restored. Returns the
@@ -215,8 +291,7 @@ fn restore_into_job(
     }
     let work = ctx.criu_work_dir("restore")?;
     let criu_dir = image.criu_dir();
-    // `HIBER_RESTORE_STOPPED=1` takes the stopped-tree path with any image, for tests.
-    let leave_stopped = sessions.iter().any(|s| s.wants_stopped_tree()) || std::env::var_os("HIBER_RESTORE_STOPPED").is_some_and(|v| v == "1");
+    let leave_stopped = job.leave_stopped;
     let criu_start = Instant::now();
     ctx.phase("restoring process state (CRIU)");
     let task = launch::RestoreTask {
@@ -227,6 +302,7 @@ fn restore_into_job(
         external_mounts: src.mount_namespace,
         isolate_net: req.isolate_net,
         leave_stopped,
+        hold: Some(job.restore_lock.as_raw_fd()),
     };
     let root = match launch::spawn_shim(job.dir, &launch::ShimTask::Restore(task))? {
         Started::Running { pid } => pid,
@@ -249,7 +325,7 @@ fn restore_into_job(
         .and_then(|()| coord.catch_up(&Phase::NCCL_REBUILD).map_err(RestoreError::from))
         // Recorded before the last barrier: a participant that cannot record its job fails
         // there, with every other one, rather than after they were told to go on.
-        .and_then(|()| record_job(image, job, root))
+        .and_then(|()| record_job(image, &req.image, job, root))
         .and_then(|j| coord.barrier(Phase::DevicesRestored).map(|()| j).map_err(RestoreError::from));
     match finished {
         Ok(j) => Ok((j, criu, devices_start.elapsed())),
@@ -312,7 +388,8 @@ fn restore_devices(ctx: &Context, sessions: &mut [Engaged], root: i32, stopped: 
 }
 
 /// The restored tree becomes a job of the registry.
-fn record_job(image: &Image, job: &JobTarget<'_>, root: i32) -> Result<Job, RestoreError> {
+/// `source` is the image as the user named it; `image` may be a private copy of it.
+fn record_job(image: &Image, source: &Path, job: &JobTarget<'_>, root: i32) -> Result<Job, RestoreError> {
     let st = proctree::stat(root)?;
     let record = Job {
         name: job.name.to_string(),
@@ -320,10 +397,11 @@ fn record_job(image: &Image, job: &JobTarget<'_>, root: i32) -> Result<Job, Rest
         start_time: st.start_time,
         command: image.manifest.processes[0].cmdline.clone(),
         created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        restored_from: Some(image.dir.display().to_string()),
+        restored_from: Some(source.display().to_string()),
         checkpointed_to: None,
-        // Its first checkpoint shares what has not changed with the image it came from.
-        last_image: Some(image.dir.display().to_string()),
+        // Its first checkpoint shares what has not changed with the image it came from;
+        // not with an untrusted one, whose private copy is gone once the restore ends.
+        last_image: (image.dir == source).then(|| image.dir.display().to_string()),
     };
     job.registry.save(&record)?;
     Ok(record)

@@ -64,8 +64,12 @@ pub fn run(args: Args) -> Result<(), CliError> {
         println!("hiber demo: a CPU workload holding {mem_mib} MiB that checks its own state ({})", if gpu_here { "--cpu" } else { "no GPU here" });
     }
 
-    let job =
-        start_job(&registry, Some(registry.free_name("demo")), command, JobOptions { agent: true, opencl: true, allow_io_uring: false, host_shm: false })?;
+    let job = start_job(
+        &registry,
+        Some(registry.free_name("demo")),
+        command,
+        JobOptions { agent: true, opencl: true, allow_io_uring: false, host_shm: false, host_ipc: false },
+    )?;
     println!("  started job {} (pid {})", job.name, job.pid);
     let at = steps / 3;
     wait_until("the workload to make progress", Duration::from_secs(120), || {
@@ -112,6 +116,7 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
             name: Some(format!("{}-restored", job.name)),
             devices: DeviceRestoreOptions::default(),
             isolate_net: false,
+            trust_image: false,
         },
     )?;
     println!("  restored as job {} (pid {}) in {}", restored.job.name, restored.job.pid, secs(restored.total));

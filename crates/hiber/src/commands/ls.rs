@@ -4,6 +4,7 @@ use std::fs;
 
 use hiber_core::image::{is_temp_name, Image};
 use hiber_core::jobs::{JobState, Registry};
+use hiber_core::proctree;
 use hiber_core::state::StateDir;
 
 use super::human_bytes;
@@ -19,8 +20,12 @@ pub struct Args {
 pub fn run(args: Args) -> Result<(), CliError> {
     let state = StateDir::from_env();
     let registry = Registry::new(&state);
-    let jobs: Vec<_> = registry
-        .list()
+    let (listed, unreadable) = registry.list_and_unreadable();
+    // Said once, on stderr (the listing itself stays machine-readable).
+    for (path, why) in &unreadable {
+        eprintln!("hiber: skipped {}: {why}", path.display());
+    }
+    let jobs: Vec<_> = listed
         .into_iter()
         .map(|j| {
             let s = registry.state(&j);
@@ -42,7 +47,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if args.json {
         let jobs: Vec<_> = jobs
             .iter()
-            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": j.pid, "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to}))
+            // PID 0: a restore whose tree CRIU has not restored yet.
+            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": (j.pid > 0).then_some(j.pid), "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to}))
             .collect();
         let images: Vec<_> = images
             .iter()
@@ -59,7 +65,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if jobs.is_empty() {
         println!("  (none)");
     } else {
-        println!("  {:<20} {:<18} {:>8}  COMMAND", "NAME", "STATE", "PID");
+        println!("  {:<20} {:<19} {:>8}  COMMAND", "NAME", "STATE", "PID");
         for (j, s) in &jobs {
             let mut cmd = j.command.join(" ");
             if cmd.len() > 60 {
@@ -67,8 +73,13 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 cmd.push_str("...");
             }
             let from = j.restored_from.as_ref().map(|r| format!("  (restored from {r})")).unwrap_or_default();
-            let pid = if *s == JobState::Running { j.pid.to_string() } else { "-".into() };
-            println!("  {:<20} {:<18} {:>8}  {cmd}{from}", j.name, s.to_string(), pid);
+            // The tree of an interrupted restore may run too.
+            let runs = *s == JobState::Running || (*s == JobState::InterruptedRestore && j.pid > 0 && proctree::is_same_process(j.pid, j.start_time));
+            let pid = if runs { j.pid.to_string() } else { "-".into() };
+            println!("  {:<20} {:<19} {:>8}  {cmd}{from}", j.name, s.to_string(), pid);
+        }
+        if jobs.iter().any(|(_, s)| *s == JobState::InterruptedRestore) {
+            println!("  (an interrupted restore is left by a hiber that was killed: `hiber recover` adopts or removes it)");
         }
     }
     println!("IMAGES ({})", state.images().display());

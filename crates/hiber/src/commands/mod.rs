@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use hiber_core::criu::Criu;
-use hiber_core::jobs::{Job, JobState, Registry};
+use hiber_core::jobs::{Job, JobError, JobState, Registry};
 use hiber_core::state::StateDir;
 use hiber_core::{engine, Context};
 
@@ -71,12 +71,25 @@ pub enum Target {
 }
 
 pub fn resolve_target(registry: &Registry, what: &str) -> Result<Target, CliError> {
-    if let Ok(job) = registry.load(what) {
-        return Ok(Target::Job(job));
+    match registry.load(what) {
+        Ok(job) => return Ok(Target::Job(job)),
+        // A job whose record cannot be read (permission denied, say) is not "no job".
+        Err(e) if !matches!(e, JobError::NotFound(_) | JobError::BadName(_)) => return Err(e.into()),
+        Err(_) => {}
     }
     match what.parse::<i32>() {
         Ok(pid) if pid > 0 => Ok(Target::Pid(pid)),
-        _ => Err(CliError::new(NOT_FOUND, format!("no job named '{what}', and it is not a PID")).hint("`hiber ls` lists jobs")),
+        _ => Err(CliError::new(NOT_FOUND, format!("no job named '{what}', and it is not a PID")).hint(not_found_hint("`hiber ls` lists jobs"))),
+    }
+}
+
+/// The hint for a job or image not found: `usual`, or, to a user who is not root (whose
+/// state directory is not root's), where root's jobs are.
+pub fn not_found_hint(usual: &str) -> String {
+    if hiber_core::sys::geteuid() == 0 {
+        usual.to_string()
+    } else {
+        format!("{usual}; jobs started by root are root's to see: run hiber as root (sudo)")
     }
 }
 

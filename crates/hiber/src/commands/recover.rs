@@ -1,8 +1,13 @@
-//! `hiber recover`: undo checkpoints that a killed hiber left half-done. Every other verb
-//! also does this first, when the journal has such entries.
+//! `hiber recover`: undo checkpoints that a killed hiber left half-done (every other verb
+//! also does this first, when the journal has such entries), and settle restores that a
+//! killed hiber left unfinished: adopt the job, or stop and remove it (only here: that
+//! decides about a running tree, which `hiber ls` shows until then).
 
+use hiber_core::jobs::Registry;
 use hiber_core::journal;
+use hiber_core::restore::interrupted::{self, Removal, Settled};
 use hiber_core::state::StateDir;
+use hiber_core::sys::ExitStatus;
 
 use crate::cli_error::CliError;
 
@@ -23,6 +28,35 @@ fn report(items: &[journal::Recovered]) {
     }
 }
 
+fn report_restores(items: &[interrupted::Recovered]) {
+    for r in items {
+        let name = &r.name;
+        match &r.outcome {
+            Ok(Settled::Adopted { pid }) => {
+                eprintln!("hiber: adopted job {name} (pid {pid}), whose restore was interrupted: its tree runs and needed nothing more")
+            }
+            Ok(Settled::Removed(Removal::NeverStarted)) => {
+                eprintln!("hiber: removed job {name}: its restore was interrupted before CRIU restored its tree")
+            }
+            Ok(Settled::Removed(Removal::Ended(status))) => {
+                let how = match status {
+                    Some(ExitStatus::Code(c)) => format!(" (exited with status {c})"),
+                    Some(ExitStatus::Signal(s)) => format!(" (killed by signal {s})"),
+                    None => String::new(),
+                };
+                eprintln!("hiber: removed job {name}: its restore was interrupted, and its tree had ended{how}")
+            }
+            Ok(Settled::Removed(Removal::Stopped(why))) => {
+                eprintln!("hiber: stopped and removed job {name}: its restore was interrupted and cannot be completed: {why}")
+            }
+            Ok(Settled::StillRestoring) => {
+                eprintln!("hiber: job {name}: CRIU is still restoring it, whose hiber is gone; run `hiber recover` again later")
+            }
+            Err(e) => eprintln!("hiber: job {name}: could not settle its interrupted restore: {e}"),
+        }
+    }
+}
+
 pub fn recover_stale_quietly() {
     let state = StateDir::from_env();
     hiber_core::checkpoint::stage::sweep(&state);
@@ -35,13 +69,20 @@ pub fn recover_stale_quietly() {
 pub fn run() -> Result<(), CliError> {
     let state = StateDir::from_env();
     let swept = hiber_core::checkpoint::stage::sweep(&state);
+    let (_, unreadable_entries) = journal::entries(&state);
+    let (_, unreadable_jobs) = Registry::new(&state).list_and_unreadable();
+    for (path, why) in unreadable_entries.iter().chain(&unreadable_jobs) {
+        eprintln!("hiber: skipped {}: {why}", path.display());
+    }
     let done = journal::recover(&state, &hiber_core::engine::available());
+    let restores = interrupted::recover(&Registry::new(&state));
     if swept > 0 {
         eprintln!("hiber: removed {swept} staging area(s) of CRIU's files left by a hiber that was killed");
     }
-    if done.is_empty() && swept == 0 {
+    if done.is_empty() && restores.is_empty() && swept == 0 && unreadable_entries.is_empty() && unreadable_jobs.is_empty() {
         println!("nothing to recover");
     }
     report(&done);
+    report_restores(&restores);
     Ok(())
 }

@@ -31,6 +31,12 @@ pub struct Args {
     /// reached it (the token in $HIBER_SESSION): restore several jobs or hosts as one.
     #[arg(long, value_name = "ADDR")]
     coordinator: Option<String>,
+    /// Restore an image that another user could have written (hiber otherwise refuses
+    /// one that is not root's alone, as sshd refuses keys others can write): it is copied
+    /// into a private directory, and the copy is verified and restored. Use it only for an
+    /// image whose writer you trust: a restore runs what the image holds as root.
+    #[arg(long)]
+    trust_image: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -48,6 +54,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         name: args.name,
         devices: DeviceRestoreOptions { gpu_map, opencl_device: args.opencl_device, ..Default::default() },
         isolate_net: args.isolate_net,
+        trust_image: args.trust_image,
     };
     let coord = super::coordinator(args.coordinator.as_deref(), &args.image)?;
     let report = restore_with(&ctx, &req, coord.as_ref());

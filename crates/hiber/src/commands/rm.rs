@@ -4,7 +4,9 @@ use std::fs;
 use std::time::{Duration, Instant};
 
 use hiber_core::image::Image;
-use hiber_core::jobs::{JobState, Registry};
+use hiber_core::jobs::{JobError, JobState, Registry};
+use hiber_core::lock::{self, LockError};
+use hiber_core::restore::interrupted::{self, Policy, SettleError, Settled};
 use hiber_core::state::StateDir;
 use hiber_core::{proctree, sys};
 
@@ -37,8 +39,59 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
 }
 
+/// A job whose restore a killed hiber left unfinished: stopped (with `force`) and removed.
+fn remove_interrupted_restore(registry: &Registry, name: &str, force: bool) -> Result<(), CliError> {
+    let runs = registry.restored_root(name).is_some_and(|r| proctree::is_same_process(r.pid, r.start_time)) || !registry.restore_unattended(name);
+    if runs && !force {
+        return Err(CliError::new(FAILED, format!("job '{name}' is running (its restore was interrupted)"))
+            .hint(format!("`hiber recover` adopts it if it can run on; `hiber rm -f {name}` stops and removes it")));
+    }
+    match interrupted::settle(registry, name, Policy::Stop).map_err(settle_error)? {
+        Settled::StillRestoring => {
+            Err(CliError::new(FAILED, format!("job '{name}' is still being restored by CRIU, whose hiber is gone"))
+                .hint("try again later, or run `hiber recover`"))
+        }
+        _ => {
+            println!("removed job {name}");
+            Ok(())
+        }
+    }
+}
+
+fn lock_error(e: LockError) -> CliError {
+    let held = matches!(e, LockError::Held { .. });
+    let err = CliError::new(FAILED, e.to_string());
+    if held {
+        err.hint("wait for it to finish, then remove the job")
+    } else {
+        err
+    }
+}
+
+fn settle_error(e: SettleError) -> CliError {
+    let hint = e.hint();
+    let err = CliError::new(FAILED, e.to_string());
+    match hint {
+        Some(h) => err.hint(h),
+        None => err,
+    }
+}
+
 fn remove_one(state: &StateDir, registry: &Registry, name: &str, force: bool) -> Result<(), CliError> {
-    if let Ok(job) = registry.load(name) {
+    let found = match registry.load(name) {
+        Ok(job) => Some(job),
+        // A job whose record cannot be read (permission denied, say) is not "no job".
+        Err(e) if !matches!(e, JobError::NotFound(_) | JobError::BadName(_)) => return Err(e.into()),
+        Err(_) => None,
+    };
+    if let Some(job) = found {
+        // Not under a checkpoint of the job, nor another removal; held until the job is gone.
+        let _lock = lock::lock_job(registry, name, "removed").map_err(lock_error)?;
+        match registry.state(&job) {
+            JobState::Restoring { hiber_pid } => return Err(settle_error(SettleError::Restoring { name: name.to_string(), hiber_pid })),
+            JobState::InterruptedRestore => return remove_interrupted_restore(registry, name, force),
+            _ => {}
+        }
         if registry.state(&job) == JobState::Running {
             if !force {
                 return Err(CliError::new(FAILED, format!("job '{name}' is running")).hint(format!("stop and remove it with `hiber rm -f {name}`")));
@@ -58,7 +111,7 @@ fn remove_one(state: &StateDir, registry: &Registry, name: &str, force: bool) ->
     }
     let path = image_path(state, name);
     if !path.exists() {
-        return Err(CliError::new(NOT_FOUND, format!("no job or image named '{name}'")).hint("`hiber ls` lists jobs and images"));
+        return Err(CliError::new(NOT_FOUND, format!("no job or image named '{name}'")).hint(super::not_found_hint("`hiber ls` lists jobs and images")));
     }
     // Only what is recognizably an image is removed, never an arbitrary directory.
     match Image::open(&path) {

@@ -34,8 +34,16 @@ pub struct Args {
     /// restored side by side each get their own.
     #[arg(long)]
     host_shm: bool,
+    /// Leave the job the host's IPC namespace. hiber otherwise gives each job one of its
+    /// own, as containers have: CRIU can checkpoint SysV shared memory, semaphores and
+    /// message queues only there, and restored copies each get their own.
+    #[arg(long)]
+    host_ipc: bool,
     /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    // No `allow_hyphen_values`: a mistyped option of hiber's before the command is refused
+    // as unknown rather than run as the command; the command's own options after its name
+    // still pass (trailing_var_arg).
+    #[arg(required = true, trailing_var_arg = true)]
     command: Vec<String>,
 }
 
@@ -50,6 +58,7 @@ pub struct JobOptions {
     pub opencl: bool,
     pub allow_io_uring: bool,
     pub host_shm: bool,
+    pub host_ipc: bool,
 }
 
 pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
@@ -66,7 +75,11 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             launch::Command::new(&command, &cwd, &registry.stdout_of(&name), &registry.stderr_of(&name)).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         // Out of the PID namespaces whose numbers images of this machine will need again
         // (see `launch::Command::avoid_pid_namespaces`).
-        let mut cmd = cmd.allow_io_uring(opts.allow_io_uring).host_shm(opts.host_shm).avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
+        let mut cmd = cmd
+            .allow_io_uring(opts.allow_io_uring)
+            .host_shm(opts.host_shm)
+            .host_ipc(opts.host_ipc)
+            .avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
         // What the device engines prepare for a job: the agent's preload, say.
         let mut skip = Vec::new();
         if !opts.agent {
@@ -117,7 +130,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         &registry,
         args.name,
         args.command,
-        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm },
+        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm, host_ipc: args.host_ipc },
     )?;
     if args.quiet {
         println!("{}", job.name);
