@@ -46,6 +46,8 @@ TRAIN = REPO / "gpu/programs/train.py"
 FORKS = REPO / "gpu/programs/forks.py"
 MP_SHARE = REPO / "gpu/programs/mp_share.py"
 JAX = REPO / "gpu/programs/jax_train.py"
+JAX_SHARDED = REPO / "gpu/programs/jax_sharded.py"
+NVML_MONITOR = REPO / "gpu/programs/nvml_monitor.py"
 GENERATE = REPO / "gpu/programs/generate.py"
 TWO_GPUS = REPO / "gpu/programs/two_gpus.py"
 DDP = REPO / "gpu/programs/ddp.py"
@@ -966,6 +968,93 @@ def agent_jax_defaults(m):
     placed = agent_section(img)["placed"]
     m.update(zeros_mib=placed["zeros"] >> 20, direct_mib=placed["direct"] >> 20)
     assert placed["zeros"] >= 32 << 30, f"the untouched pool is found to be zeros: {placed}"
+
+
+@scenario
+@exclusive
+def agent_jax_sharded_two_gpus(m):
+    """JAX data-parallel over both GPUs in one process (#41, item 8): XLA loads NCCL itself
+    (dlopen, then dlsym of each entry point), one rank per GPU in this one process, and
+    the agent's dlsym hands it the agent's entry points. Checkpointed with --leave-running
+    mid-run, it trains on, on the uninterrupted trajectory; the image restores twice, with
+    the GPUs swapped and in place, each copy going on from the cut on the same trajectory;
+    a copy's stopping checkpoint restores too (the preemption loop)."""
+    need_two_gpus()
+    steps, args = "300", ("--interval-ms", "10")
+    ref = sh("python3", JAX_SHARDED, "--steps", steps, *args, timeout=300, env=JAX_ENV)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-400:]} {ref.stderr[-1200:]}"
+    run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=JAX_ENV)
+    wait_step("jaxs", 40, 240)
+    m["gpus_per_process"] = gpus_per_process("jaxs")
+    assert any(n > 1 for n in m["gpus_per_process"].values()), f"one process on both GPUs: {m['gpus_per_process']}"
+    img = image_of("jaxs")
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "jaxs", "--leave-running", "--out", img, env=JAX_ENV)
+    m["checkpoint_s"] = round(ck["total_seconds"], 2)
+    assert_verified("jaxs", 300)
+    assert_on_reference("jaxs", ref_traj)
+    m["step_gap_ms"] = step_gap_ms("jaxs", 2, int(steps))
+    for name, extra in (("jaxs-r", ("--gpu-map", "0=1,1=0")), ("jaxs-r2", ())):
+        t0 = time.time()
+        hiber_logged(m, "restore_log_" + name, "restore", img, "--name", name, *extra, env=JAX_ENV)
+        wait_step(name, 0, 180)
+        m.setdefault("restore_until_step_s", []).append(round(time.time() - t0, 2))
+        if name == "jaxs-r2":
+            # A copy checkpointed again, stopping, and restored: the preemption loop.
+            at = progress(name)[-1][0] + 20
+            wait_step(name, at, 180)
+            img2 = image_of("jaxs-again")
+            hiber_logged(m, "checkpoint_again_log", "checkpoint", name, "--out", img2, env=JAX_ENV)
+            before = progress(name)
+            hiber_logged(m, "restore_again_log", "restore", img2, "--name", "jaxs-r3", env=JAX_ENV)
+            assert_verified("jaxs-r3", 300)
+            again = assert_on_reference("jaxs-r3", ref_traj)
+            assert again[0][0] == before[-1][0] + 1, f"jaxs-r3 resumes at {again[0][0]}, after {before[-1][0]}"
+            continue
+        assert_verified(name, 300)
+        got = assert_on_reference(name, ref_traj)
+        assert got[-1][0] == int(steps) - 1, f"{name} ran to the end"
+        m.setdefault("resumed_at", []).append(got[0][0])
+
+
+def monitor_samples(job):
+    """The NVML monitor's sample lines of JOB's log: (number, ok)."""
+    out = []
+    for line in log(job).splitlines():
+        f = line.split()
+        if len(f) >= 3 and f[0] == "sample" and f[1].isdigit():
+            out.append((int(f[1]), f[-1] == "ok"))
+    return out
+
+
+@scenario
+def agent_nvml_monitor_beside_training(m):
+    """A monitor process that reads the GPUs through NVML alone (no CUDA context), beside a
+    PyTorch training process in one job (#41, item 9): checkpointed with --leave-running,
+    both go on; the image restores, the training on its uninterrupted trajectory and the
+    monitor still reading its GPUs through the handles it had, its sample count going on."""
+    ref = sh("python3", TRAIN, "--steps", "200", timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    script = f"python3 {NVML_MONITOR} & exec python3 {TRAIN} --steps 200"
+    run_job("mon", "sh", "-c", script, agent=True, limit=120)
+    wait_step("mon", 50, 120)
+    wait("monitor samples", 30, lambda: len(monitor_samples("mon")) >= 5)
+    img = image_of("mon")
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "mon", "--leave-running", "--out", img)
+    m["checkpoint_s"] = round(ck["total_seconds"], 2)
+    m["image_processes"] = [(p["comm"], p.get("device_files", [])[:3]) for p in image_processes(img)]
+    at = len(monitor_samples("mon"))
+    wait("the original's monitor after the checkpoint", 30, lambda: len(monitor_samples("mon")) >= at + 5)
+    assert all(ok for _, ok in monitor_samples("mon")), f"the original monitor's reads: {log('mon')[-600:]}"
+    hiber("rm", "-f", "mon")
+    hiber_logged(m, "restore_log", "restore", img, "--name", "mon-r")
+    assert_verified("mon-r")
+    got = assert_on_reference("mon-r", ref_traj)
+    m["resumed_at"] = got[0][0]
+    samples = monitor_samples("mon-r")
+    assert len(samples) >= 5 and all(ok for _, ok in samples), f"the restored monitor reads its GPUs: {log('mon-r')[-600:]}"
+    assert samples[0][0] > 3, f"the monitor goes on from its checkpoint, not from the start: {samples[:3]}"
+    m["monitor_samples_after_restore"] = len(samples)
 
 
 @scenario
