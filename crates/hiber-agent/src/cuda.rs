@@ -36,6 +36,16 @@ extern "C" fn resolve_at_load() {
 static RESOLVE_AT_LOAD: extern "C" fn() = resolve_at_load;
 static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
+/// Whether `p` lies in the agent's own code.
+pub fn in_agent(p: *mut c_void) -> bool {
+    // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
+    unsafe {
+        let mut a: libc::Dl_info = std::mem::zeroed();
+        let mut b: libc::Dl_info = std::mem::zeroed();
+        libc::dladdr(p, &mut a) != 0 && libc::dladdr(in_agent as *const c_void, &mut b) != 0 && a.dli_fbase == b.dli_fbase
+    }
+}
+
 /// glibc's own `dlsym`, behind the agent's export.
 pub fn real_dlsym() -> Option<RealDlsym> {
     let mut p = REAL_DLSYM.load(Ordering::Acquire);

@@ -293,22 +293,12 @@ unsafe extern "C" fn hooked_dlsym(handle: *mut c_void, symbol: *const c_char, ca
     if !r.is_null() && !symbol.is_null() && unsafe { *symbol == b'c' as c_char && *symbol.add(1) == b'u' as c_char } {
         // Without libcuda, the agent's own exports are not a driver: a program probing for
         // CUDA must not find one.
-        if cuda::libcuda().is_none() && in_agent(r) {
+        if cuda::libcuda().is_none() && cuda::in_agent(r) {
             return std::ptr::null_mut();
         }
         return redirect(r);
     }
     r
-}
-
-/// Whether `p` lies in the agent's own code.
-pub(crate) fn in_agent(p: *mut c_void) -> bool {
-    // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
-    unsafe {
-        let mut a: libc::Dl_info = std::mem::zeroed();
-        let mut b: libc::Dl_info = std::mem::zeroed();
-        libc::dladdr(p, &mut a) != 0 && libc::dladdr(in_agent as *const c_void, &mut b) != 0 && a.dli_fbase == b.dli_fbase
-    }
 }
 
 struct Object {

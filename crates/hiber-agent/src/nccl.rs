@@ -99,27 +99,27 @@ fn libnccl() -> Option<*mut c_void> {
     None
 }
 
-/// What `dlsym(handle, symbol)` answers an `nccl*` name whose definition `found` glibc
-/// found: the agent's own export of that name when it has one (every entry point that takes
-/// or makes a communicator), so that a program that looks NCCL up by name gets the agent's
-/// synthetic handles as one linked against it does; else `found`. The library looked in
-/// becomes the one the agent calls, if none is known yet (NCCL inside a larger library
-/// that the program opened by path).
+/// The answer of the agent's dlsym export to an `nccl*` name whose definition `found`
+/// glibc found in `handle`: the agent's own export of that name when it has one (every
+/// entry point that takes or makes a communicator), so that a program that looks NCCL up
+/// by name gets the agent's synthetic handles as one linked against it does; else `found`.
+/// The library looked in becomes the one the agent calls, if none is known yet (NCCL
+/// inside a larger library that the program opened by path).
 ///
 /// # Safety
 /// `symbol` is NUL-terminated and `handle` is what the program passed to dlsym.
 pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: *mut c_void) -> *mut c_void {
-    if crate::hooks::in_agent(found) {
+    if cuda::in_agent(found) {
         return found;
     }
-    let Some(dlsym) = cuda::real_dlsym() else { return found };
+    let Some(real) = cuda::real_dlsym() else { return found };
     let ours = match agent_handle() {
         // SAFETY: `symbol` is NUL-terminated (the caller's contract); the agent's handle is
         // live.
-        Some(h) => unsafe { dlsym(h, symbol) },
+        Some(h) => unsafe { real(h, symbol) },
         None => std::ptr::null_mut(),
     };
-    if ours.is_null() || !crate::hooks::in_agent(ours) {
+    if ours.is_null() || !cuda::in_agent(ours) {
         return found;
     }
     if handle != libc::RTLD_DEFAULT && handle != libc::RTLD_NEXT {
