@@ -140,6 +140,8 @@ def main():
         base = [hiber, "workload", "cpu", "--mem-mib", "64"]
     cmd = base + ["--steps", str(steps), "--interval-ms", str(a.interval_ms)]
 
+    # The commit of the code that runs, taken now (HEAD may move during a long run).
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     work = tempfile.mkdtemp(prefix="hiber-soak-")
     state = os.path.join(work, "state")
     images = os.path.join(work, "images")
@@ -213,7 +215,7 @@ def main():
     summary = {k: tenth_ratio(rows, k) for k in ("checkpoint_s", "restore_s", "image_bytes", "job_rss_kib", "state_bytes", "hiber_children_maxrss_kib")}
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": commit,
         "host": os.uname().nodename,
         "cpus": os.cpu_count(),
         "command": cmd,
