@@ -22,14 +22,16 @@
 //! communicator in the same order (as NCCL itself requires).
 //!
 //! Programs that resolve NCCL with `dlsym` (XLA's NCCL stub `dlopen`s `libnccl.so.2` and
-//! looks up each entry point, so JAX reaches NCCL so) get the agent's exports too: the
-//! agent's `dlsym` answers `nccl*` names that NCCL defines with the agent's export of the
-//! same name ([`redirect_dlsym`]).
+//! looks up each entry point, so JAX reaches NCCL so) can get the agent's exports too, with
+//! `HIBER_NCCL_DLSYM=1`: the agent's `dlsym` then answers `nccl*` names that NCCL defines
+//! with the agent's export of the same name ([`redirect_dlsym`]). It is off by default
+//! until the driver's checkpoint of such a process is understood (see `dlsym_redirect_on`);
+//! without it hiber refuses them, as it does programs that link NCCL statically.
 //!
 //! Not covered: registered buffers, windows and the device API (the handles they return
 //! would not survive a rebuild): a communicator that used them refuses the checkpoint.
 //! Programs that link NCCL statically bypass the agent; hiber sees their NCCL sockets and
-//! refuses them as before.
+//! refuses them.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -109,7 +111,7 @@ fn libnccl() -> Option<*mut c_void> {
 /// # Safety
 /// `symbol` is NUL-terminated and `handle` is what the program passed to dlsym.
 pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: *mut c_void) -> *mut c_void {
-    if cuda::in_agent(found) {
+    if !dlsym_redirect_on() || cuda::in_agent(found) {
         return found;
     }
     let Some(real) = cuda::real_dlsym() else { return found };
@@ -126,6 +128,16 @@ pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: 
         let _ = LIBNCCL.compare_exchange(std::ptr::null_mut(), handle, Ordering::AcqRel, Ordering::Acquire);
     }
     ours
+}
+
+/// Whether `nccl*` lookups by name are answered with the agent's entry points: only with
+/// `HIBER_NCCL_DLSYM=1`, for now. With it, JAX sharded over two GPUs in one process gets
+/// its communicators cut and torn down, but the driver's checkpoint of that process then
+/// killed two of its threads in libcuda, or hung (2×H100, driver 580, #41): without it,
+/// such a job is refused before anything stops and runs on, as before.
+fn dlsym_redirect_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("HIBER_NCCL_DLSYM").is_some_and(|v| v == "1"))
 }
 
 /// A handle to the agent's own library, for looking up its exports by name.
