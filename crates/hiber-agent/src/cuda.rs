@@ -37,7 +37,7 @@ static RESOLVE_AT_LOAD: extern "C" fn() = resolve_at_load;
 static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Whether `p` lies in the agent's own code.
-pub fn in_agent(p: *mut c_void) -> bool {
+pub(crate) fn in_agent(p: *mut c_void) -> bool {
     // SAFETY: dladdr only reads the loader's tables; Dl_info is plain data.
     unsafe {
         let mut a: libc::Dl_info = std::mem::zeroed();

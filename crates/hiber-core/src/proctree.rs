@@ -57,9 +57,9 @@ pub struct OpenFd {
     /// Size of a regular file when it was checkpointed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
-    /// The file lives on a filesystem of the tree's own that hiber's mount namespace does
-    /// not have (a job's /dev/shm, its /proc), which the image carries: a restore does not
-    /// look for it on the host.
+    /// The file lives on a mount of the tree's own, no copy of one of hiber's mount
+    /// namespace (a job's /dev/shm, its /proc, what it mounted itself), which CRIU restores
+    /// with the tree: a restore does not look for it on the host.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub own_mount: bool,
 }
@@ -178,8 +178,8 @@ fn open_fds(pid: i32) -> Vec<OpenFd> {
     fds
 }
 
-/// The mounts a process sees whose filesystem hiber's mount namespace has nowhere: those
-/// of a job's own (its /dev/shm tmpfs, its /proc), by mount ID.
+/// The mounts a process sees that are no copy of one of hiber's mount namespace: those of
+/// a job's own (its /dev/shm tmpfs, its /proc, what it mounted itself), by mount ID.
 struct OwnMounts {
     ids: Vec<u64>,
 }
@@ -203,18 +203,20 @@ impl OwnMounts {
     }
 }
 
-/// The mount IDs of `theirs` (a mountinfo text) whose device (`major:minor`) no mount of
-/// `ours` has. Mount IDs differ between namespaces even for copies of one mount, devices
-/// do not: a new tmpfs or proc gets a device of its own.
+/// The mount IDs of `theirs` (a mountinfo text) that are no copy of a mount of `ours`: a
+/// copy (what a new mount namespace starts with) has the same device (`major:minor`), root
+/// within its filesystem and mount point, though not the same ID. A new tmpfs or proc gets
+/// a device of its own; a filesystem the job mounted again elsewhere (its own cgroup2
+/// mount, say) keeps the device but not the place.
 fn own_mount_ids(theirs: &str, ours: &str) -> Vec<u64> {
     let fields = |l: &str| {
         let mut f = l.split_whitespace();
         let id = f.next()?.parse::<u64>().ok()?;
-        let dev = f.nth(1)?.to_string();
-        Some((id, dev))
+        let place = (f.nth(1)?.to_string(), f.next()?.to_string(), f.next()?.to_string());
+        Some((id, place))
     };
-    let ours: Vec<String> = ours.lines().filter_map(fields).map(|(_, d)| d).collect();
-    theirs.lines().filter_map(fields).filter(|(_, d)| !ours.contains(d)).map(|(id, _)| id).collect()
+    let ours: Vec<(String, String, String)> = ours.lines().filter_map(fields).map(|(_, p)| p).collect();
+    theirs.lines().filter_map(fields).filter(|(_, p)| !ours.contains(p)).map(|(id, _)| id).collect()
 }
 
 /// Device files that carry device state: ordinary devices that every process may hold
@@ -359,8 +361,9 @@ mod tests {
         let ours = "22 1 259:1 / / rw - ext4 /dev/root rw\n30 22 0:26 / /dev/shm rw - tmpfs tmpfs rw\n31 22 0:21 / /proc rw - proc proc rw\n";
         // The job's copies of the host's mounts have new IDs but the same devices; its
         // /dev/shm and /proc are new filesystems.
-        let theirs = "400 390 259:1 / / rw - ext4 /dev/root rw\n401 400 0:61 / /dev/shm rw - tmpfs tmpfs rw\n402 400 0:62 / /proc rw - proc proc rw\n403 400 0:26 / /mnt/hostshm rw - tmpfs tmpfs rw\n";
-        assert_eq!(own_mount_ids(theirs, ours), vec![401, 402]);
+        // /mnt/hostshm: the host's /dev/shm filesystem, mounted again by the job elsewhere.
+        let theirs = "400 390 259:1 / / rw - ext4 /dev/root rw\n401 400 0:61 / /dev/shm rw - tmpfs tmpfs rw\n402 400 0:62 / /proc rw - proc proc rw\n403 400 0:26 / /mnt/hostshm rw - tmpfs tmpfs rw\n404 400 259:1 / /srv rw - ext4 /dev/root rw\n";
+        assert_eq!(own_mount_ids(theirs, ours), vec![401, 402, 403, 404]);
         assert!(own_mount_ids(ours, ours).is_empty());
     }
 
