@@ -306,6 +306,11 @@ fn images_others_could_write_are_refused_unless_trusted() {
     h.ok(&["restore", path, "--name", "trusted", "--trust-image"]);
     assert_eq!(h.job("trusted")["restored_from"], path, "the job names the image the user gave");
     assert!(std::fs::read_dir(h.state.join("untrusted-copies")).unwrap().next().is_none(), "the private copy is removed");
+    // One a killed restore left (named after its hiber, gone) goes at the next command.
+    let stale = h.state.join("untrusted-copies/999999999-1");
+    std::fs::create_dir_all(stale.join("criu")).unwrap();
+    h.ok(&["ls"]);
+    assert!(!stale.exists(), "a killed restore's private copy is swept");
     h.wait_step("trusted", before.last().unwrap().0 + 5);
     // The image was taken with --leave-running, a little before `before` ends.
     let first = h.progress("trusted")[0].0;

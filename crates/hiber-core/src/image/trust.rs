@@ -107,6 +107,20 @@ pub fn copies_dir(state: &crate::state::StateDir) -> PathBuf {
     state.root().join("untrusted-copies")
 }
 
+/// Removes the private copies that restores left when their hiber was killed (each is
+/// named `PID-MILLISECONDS` after its hiber); returns how many.
+pub fn sweep_copies(state: &crate::state::StateDir) -> usize {
+    let Ok(dir) = fs::read_dir(copies_dir(state)) else { return 0 };
+    let mut removed = 0;
+    for stale in dir.flatten() {
+        let pid = stale.file_name().to_str().and_then(|n| n.split('-').next()?.parse::<i32>().ok());
+        if pid.is_some_and(|p| !crate::proctree::alive(p)) && fs::remove_dir_all(stale.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -237,13 +237,7 @@ impl PrivateCopy {
     fn make(ctx: &Context, image: &Path) -> Result<PrivateCopy, RestoreError> {
         let parent = trust::copies_dir(&ctx.state);
         ctx.state.ensure(&parent)?;
-        // Copies left by a hiber that was killed mid-restore.
-        for stale in std::fs::read_dir(&parent)?.flatten() {
-            let pid = stale.file_name().to_str().and_then(|n| n.split('-').next()?.parse::<i32>().ok());
-            if pid.is_some_and(|p| !proctree::alive(p)) {
-                let _ = std::fs::remove_dir_all(stale.path());
-            }
-        }
+        trust::sweep_copies(&ctx.state);
         ctx.phase("copying the untrusted image into a private directory");
         let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
         let copy = PrivateCopy { dir: parent.join(format!("{}-{ms}", std::process::id())) };

@@ -60,6 +60,8 @@ fn report_restores(items: &[interrupted::Recovered]) {
 pub fn recover_stale_quietly() {
     let state = StateDir::from_env();
     hiber_core::checkpoint::stage::sweep(&state);
+    // Private copies of untrusted images that a killed restore left (they hold memory).
+    hiber_core::image::trust::sweep_copies(&state);
     if journal::stale_entries(&state).is_empty() {
         return;
     }
