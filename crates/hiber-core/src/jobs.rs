@@ -243,9 +243,8 @@ impl Registry {
         for e in dir.filter_map(Result::ok) {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(RESERVING_SUFFIX)) else { continue };
-            let Some((pid, start)) = rest.rsplit_once('.').and_then(|(_, id)| id.split_once('-')) else { continue };
-            let (Ok(pid), Ok(start)) = (pid.parse::<i32>(), start.parse::<u64>()) else { continue };
-            if !proctree::is_same_process(pid, start) && fs::remove_dir_all(e.path()).is_ok() {
+            let Some((_, tag)) = rest.rsplit_once('.') else { continue };
+            if crate::state::made_by_a_gone_hiber(tag) && fs::remove_dir_all(e.path()).is_ok() {
                 removed += 1;
             }
         }
@@ -317,7 +316,7 @@ impl Registry {
     /// could not be read (corrupt, or not readable by this user), each with its path and
     /// why, for a listing to say what it left out. Directories with no record at all (a
     /// job being started, a restore's name being reserved) are neither.
-    pub fn list_and_unreadable(&self) -> (Vec<Job>, Vec<crate::journal::Unreadable>) {
+    pub fn list_and_unreadable(&self) -> (Vec<Job>, Vec<crate::state::Unreadable>) {
         let dir = match fs::read_dir(&self.dir) {
             Ok(d) => d,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return (Vec::new(), Vec::new()),

@@ -113,13 +113,10 @@ pub fn stale_entries(state: &StateDir) -> Vec<(PathBuf, Entry)> {
     entries(state).0
 }
 
-/// A file of hiber's state that could not be read, and why.
-pub type Unreadable = (PathBuf, String);
-
 /// Entries left by a hiber that no longer runs, and the journal files that could not be
 /// read (corrupt, say), each with why: nothing recovery can act on, but a person should
 /// know (what they recorded may need undoing by hand).
-pub fn entries(state: &StateDir) -> (Vec<(PathBuf, Entry)>, Vec<Unreadable>) {
+pub fn entries(state: &StateDir) -> (Vec<(PathBuf, Entry)>, Vec<crate::state::Unreadable>) {
     let Ok(dir) = fs::read_dir(state.journal()) else { return (Vec::new(), Vec::new()) };
     let (mut stale, mut unreadable) = (Vec::new(), Vec::new());
     for p in dir.filter_map(Result::ok).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "json")) {

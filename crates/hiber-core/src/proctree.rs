@@ -163,14 +163,15 @@ pub fn read_process(pid: i32) -> Result<ProcessInfo, TreeError> {
 
 fn open_fds(pid: i32) -> Vec<OpenFd> {
     let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
-    let mounts = OwnMounts::of(pid);
+    // Read only for a process with a regular file open, once.
+    let mut mounts: Option<OwnMounts> = None;
     let mut fds: Vec<OpenFd> = dir
         .filter_map(Result::ok)
         .filter_map(|e| {
             let fd: i32 = e.file_name().to_str()?.parse().ok()?;
             let target = fs::read_link(e.path()).ok()?.to_string_lossy().into_owned();
             let size = fs::metadata(e.path()).ok().filter(|m| m.is_file()).map(|m| m.len());
-            let own_mount = size.is_some() && mounts.holds_fd(pid, fd);
+            let own_mount = size.is_some() && mounts.get_or_insert_with(|| OwnMounts::of(pid)).holds_fd(pid, fd);
             Some(OpenFd { fd, target, size, own_mount })
         })
         .collect();
@@ -186,10 +187,16 @@ struct OwnMounts {
 
 impl OwnMounts {
     fn of(pid: i32) -> OwnMounts {
-        let (Ok(theirs), Ok(ours)) = (fs::read_to_string(format!("/proc/{pid}/mountinfo")), fs::read_to_string("/proc/self/mountinfo")) else {
+        // hiber's own mounts, read once per hiber: the job's copies were made from mounts
+        // that hiber's namespace already had.
+        static OURS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let ours = OURS.get_or_init(|| fs::read_to_string("/proc/self/mountinfo").unwrap_or_default());
+        let theirs = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default();
+        if ours.is_empty() || theirs.is_empty() {
+            // Unknown: every open file is then looked for on the host, as before.
             return OwnMounts { ids: Vec::new() };
-        };
-        OwnMounts { ids: own_mount_ids(&theirs, &ours) }
+        }
+        OwnMounts { ids: own_mount_ids(&theirs, ours) }
     }
 
     /// Whether descriptor `fd` of `pid` is a file on one of them (its fdinfo's `mnt_id`).

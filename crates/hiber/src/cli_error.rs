@@ -11,7 +11,9 @@ use hiber_core::checkpoint::CheckpointError;
 use hiber_core::criu::CriuError;
 use hiber_core::image::ImageError;
 use hiber_core::jobs::JobError;
+use hiber_core::lock::LockError;
 use hiber_core::proctree::TreeError;
+use hiber_core::restore::interrupted::SettleError;
 use hiber_core::restore::RestoreError;
 
 pub const FAILED: i32 = 1;
@@ -107,6 +109,20 @@ impl From<JobError> for CliError {
             _ => (FAILED, None),
         };
         CliError::from_error(code, e, hint)
+    }
+}
+
+impl From<LockError> for CliError {
+    fn from(e: LockError) -> Self {
+        let hint = matches!(e, LockError::Held { .. }).then(|| "wait for that hiber to finish, then try again".to_string());
+        CliError::from_error(FAILED, e, hint)
+    }
+}
+
+impl From<SettleError> for CliError {
+    fn from(e: SettleError) -> Self {
+        let hint = e.hint();
+        CliError::from_error(FAILED, e, hint)
     }
 }
 

@@ -73,11 +73,9 @@ impl Stage {
             return None;
         }
         static N: AtomicU32 = AtomicU32::new(0);
-        let me = sys::getpid();
-        let start = proctree::stat(me).ok()?.start_time;
         let root = stages(state);
         state.ensure(&root).ok()?;
-        let dir = root.join(format!("{me}-{start}-{}", N.fetch_add(1, Ordering::Relaxed)));
+        let dir = root.join(format!("{}-{}", crate::state::hiber_tag().ok()?, N.fetch_add(1, Ordering::Relaxed)));
         DirBuilder::new().mode(0o700).create(&dir).ok()?;
         match sys::mount_tmpfs(&dir, &format!("size={size},{OPTIONS}")) {
             Ok(()) => Some(Stage { dir }),
@@ -140,9 +138,7 @@ pub fn sweep(state: &StateDir) -> usize {
     let mut swept = 0;
     for e in dir.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let mut parts = name.splitn(3, '-');
-        let (Some(pid), Some(start)) = (parts.next().and_then(|p| p.parse().ok()), parts.next().and_then(|s| s.parse().ok())) else { continue };
-        if !proctree::is_same_process(pid, start) {
+        if crate::state::made_by_a_gone_hiber(&name) {
             remove(&e.path());
             swept += 1;
         }

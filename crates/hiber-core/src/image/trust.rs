@@ -108,13 +108,12 @@ pub fn copies_dir(state: &crate::state::StateDir) -> PathBuf {
 }
 
 /// Removes the private copies that restores left when their hiber was killed (each is
-/// named `PID-MILLISECONDS` after its hiber); returns how many.
+/// named after its hiber, [`crate::state::hiber_tag`]); returns how many.
 pub fn sweep_copies(state: &crate::state::StateDir) -> usize {
     let Ok(dir) = fs::read_dir(copies_dir(state)) else { return 0 };
     let mut removed = 0;
     for stale in dir.flatten() {
-        let pid = stale.file_name().to_str().and_then(|n| n.split('-').next()?.parse::<i32>().ok());
-        if pid.is_some_and(|p| !crate::proctree::alive(p)) && fs::remove_dir_all(stale.path()).is_ok() {
+        if crate::state::made_by_a_gone_hiber(&stale.file_name().to_string_lossy()) && fs::remove_dir_all(stale.path()).is_ok() {
             removed += 1;
         }
     }

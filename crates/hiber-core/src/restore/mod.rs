@@ -239,8 +239,9 @@ impl PrivateCopy {
         ctx.state.ensure(&parent)?;
         trust::sweep_copies(&ctx.state);
         ctx.phase("copying the untrusted image into a private directory");
-        let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
-        let copy = PrivateCopy { dir: parent.join(format!("{}-{ms}", std::process::id())) };
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let copy = PrivateCopy { dir: parent.join(format!("{}-{n}", crate::state::hiber_tag()?)) };
         trust::private_copy(image, &copy.dir)?;
         Ok(copy)
     }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hiber_core::image::Image;
 use hiber_core::jobs::{JobError, JobState, Registry};
-use hiber_core::lock::{self, LockError};
+use hiber_core::lock;
 use hiber_core::restore::interrupted::{self, Policy, SettleError, Settled};
 use hiber_core::state::StateDir;
 use hiber_core::{proctree, sys};
@@ -46,7 +46,7 @@ fn remove_interrupted_restore(registry: &Registry, name: &str, force: bool) -> R
         return Err(CliError::new(FAILED, format!("job '{name}' is running (its restore was interrupted)"))
             .hint(format!("`hiber recover` adopts it if it can run on; `hiber rm -f {name}` stops and removes it")));
     }
-    match interrupted::settle(registry, name, Policy::Stop).map_err(settle_error)? {
+    match interrupted::settle(registry, name, Policy::Stop)? {
         Settled::StillRestoring => {
             Err(CliError::new(FAILED, format!("job '{name}' is still being restored by CRIU, whose hiber is gone"))
                 .hint("try again later, or run `hiber recover`"))
@@ -55,25 +55,6 @@ fn remove_interrupted_restore(registry: &Registry, name: &str, force: bool) -> R
             println!("removed job {name}");
             Ok(())
         }
-    }
-}
-
-fn lock_error(e: LockError) -> CliError {
-    let held = matches!(e, LockError::Held { .. });
-    let err = CliError::new(FAILED, e.to_string());
-    if held {
-        err.hint("wait for it to finish, then remove the job")
-    } else {
-        err
-    }
-}
-
-fn settle_error(e: SettleError) -> CliError {
-    let hint = e.hint();
-    let err = CliError::new(FAILED, e.to_string());
-    match hint {
-        Some(h) => err.hint(h),
-        None => err,
     }
 }
 
@@ -86,9 +67,9 @@ fn remove_one(state: &StateDir, registry: &Registry, name: &str, force: bool) ->
     };
     if let Some(job) = found {
         // Not under a checkpoint of the job, nor another removal; held until the job is gone.
-        let _lock = lock::lock_job(registry, name, "removed").map_err(lock_error)?;
+        let _lock = lock::lock_job(registry, name, "removed")?;
         match registry.state(&job) {
-            JobState::Restoring { hiber_pid } => return Err(settle_error(SettleError::Restoring { name: name.to_string(), hiber_pid })),
+            JobState::Restoring { hiber_pid } => return Err(SettleError::Restoring { name: name.to_string(), hiber_pid }.into()),
             JobState::InterruptedRestore => return remove_interrupted_restore(registry, name, force),
             _ => {}
         }
