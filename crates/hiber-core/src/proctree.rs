@@ -364,7 +364,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn own_mounts_are_those_whose_device_hiber_lacks() {
+    fn own_mounts_are_those_that_are_no_copy_of_hiber_s() {
         let ours = "22 1 259:1 / / rw - ext4 /dev/root rw\n30 22 0:26 / /dev/shm rw - tmpfs tmpfs rw\n31 22 0:21 / /proc rw - proc proc rw\n";
         // The job's copies of the host's mounts have new IDs but the same devices; its
         // /dev/shm and /proc are new filesystems.
