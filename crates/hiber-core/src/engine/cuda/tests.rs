@@ -447,3 +447,137 @@ fn processes_on_several_gpus_are_named_with_their_count() {
     assert_eq!(s.on_several_gpus(), vec![(10, 2)]);
     assert!(!s.restores_peer_access(), "the driver alone does not restore peer access");
 }
+
+/// A real running process (a `sleep`) the scripted driver knows as a CUDA process whose
+/// restore thread is its main thread: (child, pid, driver).
+fn running_cuda_child(restore_thread: bool) -> (std::process::Child, i32, Arc<FakeDriver>) {
+    let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = child.id() as i32;
+    let mut d = FakeDriver::new(&[pid]);
+    d.restore_tid = restore_thread.then_some(pid);
+    (child, pid, Arc::new(d))
+}
+
+/// Whether `pid` is (or, within 5 s, becomes) `stopped`.
+fn settles_stopped(pid: i32, stopped: bool) -> bool {
+    let start = std::time::Instant::now();
+    while crate::proctree::is_stopped(pid) != stopped {
+        if start.elapsed().as_secs() >= 5 {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
+/// The gap the stop closes (#41, item 8): from the driver's checkpoint until its restore, no
+/// thread of the process runs but the restore thread. The process is stopped for the
+/// checkpoint, stays stopped for CRIU, and is continued after the restore and unlock.
+#[test]
+fn a_locked_process_is_checkpointed_stopped_and_continued_once_its_state_is_back() {
+    let (mut child, pid, d) = running_cuda_child(true);
+    let e = engine(&d);
+    let tree = [proc_info(pid, 1, true)];
+    let mut s = session(&e, &tree);
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    assert!(!crate::proctree::is_stopped(pid), "locked, still running");
+    let captured = s.capture(&tree);
+    let stopped_after_capture = settles_stopped(pid, true);
+    let state_after_capture = d.state_of(pid);
+    let resumed = s.resume(&NoFiles, &Local::default());
+    let running_after_resume = settles_stopped(pid, false);
+    let _ = child.kill();
+    let _ = child.wait();
+    captured.unwrap();
+    resumed.unwrap();
+    assert!(stopped_after_capture, "stopped through the checkpoint");
+    assert_eq!(state_after_capture, ProcessState::Checkpointed);
+    assert_eq!(d.state_of(pid), ProcessState::Running);
+    assert!(running_after_resume, "continued after the restore");
+}
+
+/// A checkpoint that fails after the stop is undone: the process is unlocked with its
+/// restore thread alone, then continued.
+#[test]
+fn a_failed_checkpoint_continues_the_process_it_stopped() {
+    let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = child.id() as i32;
+    let mut child = child;
+    let mut d = FakeDriver::new(&[pid]);
+    d.restore_tid = Some(pid);
+    d.fail_checkpoint = Some(pid);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let tree = [proc_info(pid, 1, true)];
+    let mut s = session(&e, &tree);
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    let captured = s.capture(&tree);
+    let resumed = s.resume(&NoFiles, &Local::default());
+    let running = settles_stopped(pid, false);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(captured.is_err());
+    resumed.unwrap();
+    assert_eq!(d.state_of(pid), ProcessState::Running);
+    assert!(running, "continued");
+}
+
+/// A process something else had stopped is checkpointed and restored, and left stopped.
+#[test]
+fn a_process_stopped_by_someone_else_is_not_continued() {
+    let (mut child, pid) = stopped_child();
+    let mut d = FakeDriver::new(&[pid]);
+    d.restore_tid = Some(pid);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let tree = [proc_info(pid, 1, true)];
+    let mut s = session(&e, &tree);
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    let captured = s.capture(&tree);
+    let resumed = s.resume(&NoFiles, &Local::default());
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let still_stopped = crate::proctree::is_stopped(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    captured.unwrap();
+    resumed.unwrap();
+    assert_eq!(d.state_of(pid), ProcessState::Running);
+    assert!(still_stopped, "left as it was found");
+}
+
+/// Where the driver names no restore thread, the process is checkpointed running.
+#[test]
+fn without_a_restore_thread_the_process_is_checkpointed_running() {
+    let (mut child, pid, d) = running_cuda_child(false);
+    let e = engine(&d);
+    let tree = [proc_info(pid, 1, true)];
+    let mut s = session(&e, &tree);
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    let captured = s.capture(&tree);
+    let stopped = crate::proctree::is_stopped(pid);
+    let resumed = s.resume(&NoFiles, &Local::default());
+    let _ = child.kill();
+    let _ = child.wait();
+    captured.unwrap();
+    resumed.unwrap();
+    assert!(!stopped);
+    assert_eq!(d.state_of(pid), ProcessState::Running);
+}
+
+/// `hiber recover` after a hiber killed between the checkpoint and the resume: the process
+/// it left stopped, checkpointed, gets its state back and is continued.
+#[test]
+fn recover_continues_a_process_left_stopped_and_checkpointed() {
+    let (mut child, pid) = stopped_child();
+    let mut d = FakeDriver::new(&[pid]);
+    d.restore_tid = Some(pid);
+    let d = Arc::new(d);
+    d.states.lock().unwrap().insert(pid, ProcessState::Checkpointed);
+    let recovered = engine(&d).recover(&[pid], &[], &[]);
+    let running = settles_stopped(pid, false);
+    let _ = child.kill();
+    let _ = child.wait();
+    recovered.unwrap();
+    assert_eq!(d.state_of(pid), ProcessState::Running);
+    assert!(running, "continued");
+}
