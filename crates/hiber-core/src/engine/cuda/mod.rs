@@ -7,22 +7,13 @@
 //! CRIU restored the tree, restore (optionally onto other GPUs) and unlock each process.
 //! `resume` undoes whatever state a failed checkpoint left: CHECKPOINTED → restore →
 //! LOCKED → unlock → RUNNING.
-//!
-//! While its device state is away, no thread of a CUDA process but the driver's own restore
-//! thread runs, as under CRIU's CUDA plugin: some of the driver's threads read device
-//! mappings on their own every few seconds (in a JAX process on two GPUs, two unnamed
-//! threads of libcuda died of SIGSEGV 1.6 to 6.6 s after the driver's checkpoint, in every
-//! run where the process ran meanwhile). So each locked process is stopped (SIGSTOP) before
-//! its checkpoint, CRIU dumps it stopped (and, with `--leave-running`, leaves it so), and it
-//! is continued once the driver has restored and unlocked it.
 
 pub(crate) mod ffi;
 pub(crate) mod gpumap;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -42,9 +33,6 @@ pub const MIN_DRIVER: i32 = 12080;
 /// First driver whose restore takes GPU pairs (CUDA 13.0).
 pub const REMAP_DRIVER: i32 = 13000;
 const DEFAULT_LOCK_TIMEOUT_MS: u32 = 10_000;
-/// How long every thread of a process hiber stopped may take to enter the stop (one in an
-/// uninterruptible sleep enters it when that ends).
-const STOP_WAIT: Duration = Duration::from_secs(10);
 /// Head-room kept free on a GPU beyond what the image's processes used.
 const RESTORE_MARGIN_BYTES: u64 = 256 << 20;
 /// `CUprocessState`.
@@ -370,79 +358,6 @@ impl DriverEngine {
         stopped.map_err(|e| Self::fail(format!("cannot stop the driver's restore thread of process {pid} again: {e}"), None))
     }
 
-    /// Checkpoints a locked process with only the driver's restore thread running: the
-    /// process is stopped first (SIGSTOP; `stopped` records it as hiber's to continue) and
-    /// stays stopped, for CRIU to dump and for [`resume_stopped`](Self::resume_stopped).
-    /// Where the driver names no restore thread, or it cannot be run alone, the process is
-    /// checkpointed running, as before this was done.
-    fn checkpoint_stopped(&self, pid: i32, stopped: &Mutex<Vec<i32>>) -> Result<(), EngineError> {
-        let checkpoint = || self.api.checkpoint(pid).map_err(|err| self.step_fail("checkpoint", pid, &err));
-        let tid = match self.api.restore_thread(pid) {
-            Ok(Some(tid)) => tid,
-            Ok(None) => return checkpoint(),
-            Err(e) => {
-                tracing::warn!(pid, error = %e, "restore thread query failed; checkpointing the process running");
-                return checkpoint();
-            }
-        };
-        // A process something else stopped stays as it was found, and is not continued.
-        let ours = !crate::proctree::is_stopped(pid);
-        if ours {
-            crate::sys::kill(pid, libc::SIGSTOP).map_err(|e| Self::fail(format!("cannot stop process {pid}: {e}"), None))?;
-            stopped.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
-        }
-        self.wait_stopped(pid)?;
-        let running = match crate::sys::ptrace::RunningThread::start(tid) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(pid, tid, error = %e, "cannot run the driver's restore thread alone; checkpointing the process running");
-                if ours {
-                    stopped.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| *p != pid);
-                    crate::sys::kill(pid, libc::SIGCONT).map_err(|e| Self::fail(format!("cannot continue process {pid}: {e}"), None))?;
-                }
-                return checkpoint();
-            }
-        };
-        let done = checkpoint();
-        let back = running.stop();
-        done?;
-        back.map_err(|e| Self::fail(format!("cannot stop the driver's restore thread of process {pid} again: {e}"), None))
-    }
-
-    /// Waits until every thread of `pid` is stopped (bounded by [`STOP_WAIT`]).
-    fn wait_stopped(&self, pid: i32) -> Result<(), EngineError> {
-        let start = Instant::now();
-        while !crate::proctree::all_threads_stopped(pid) {
-            if !self.api.alive(pid) {
-                return Err(Self::fail(
-                    format!("process {pid} ended during the checkpoint"),
-                    Some("the job's other processes are given back as they were, and no image is written; the job's launcher decides what follows"),
-                ));
-            }
-            if start.elapsed() > STOP_WAIT {
-                return Err(Self::fail(format!("process {pid} did not stop within {} s", STOP_WAIT.as_secs()), None));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
-    }
-
-    /// Brings a process hiber stopped for its checkpoint back to running: its device state
-    /// first, with only the restore thread running, then the process is continued. One
-    /// whose device state cannot come back stays stopped (its threads would die on the
-    /// missing mappings), for `hiber recover`.
-    fn resume_stopped(&self, pid: i32) -> Result<(), EngineError> {
-        // CRIU stops a process it dumped again as it lets it go; the threads enter the stop
-        // a moment later.
-        let start = Instant::now();
-        while !crate::proctree::all_threads_stopped(pid) && start.elapsed() < STOP_WAIT {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        self.resume_restored(pid, &[])?;
-        crate::sys::kill(pid, libc::SIGCONT).map_err(|e| Self::fail(format!("cannot continue process {pid}: {e}"), None))?;
-        Ok(())
-    }
-
     fn section(value: &serde_json::Value) -> Result<Section, EngineError> {
         serde_json::from_value(value.clone()).map_err(|e| Self::fail(format!("unreadable cuda section in the manifest: {e}"), None))
     }
@@ -511,20 +426,11 @@ impl DeviceEngine for DriverEngine {
             }
         }
         let several = gpus_of.into_iter().filter(|(_, n)| *n > 1).collect();
-        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several, stopped: Mutex::new(Vec::new()) })))
+        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several })))
     }
 
     fn recover(&self, pids: &[i32], _gone: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
-        // A process left stopped with its device state away is one hiber stopped for the
-        // checkpoint (see `checkpoint_stopped`): it is continued once its state is back.
-        self.parallel(pids, |pid| {
-            let held = !matches!(self.api.state(pid), Ok(ProcessState::Running));
-            if held && crate::proctree::is_stopped(pid) {
-                self.resume_stopped(pid)
-            } else {
-                self.resume_one(pid, &[])
-            }
-        })
+        self.parallel(pids, |pid| self.resume_one(pid, &[]))
     }
 
     fn begin_restore(&self, value: &serde_json::Value, opts: &DeviceRestoreOptions) -> Result<Box<dyn RestoreSession>, EngineError> {
@@ -564,8 +470,6 @@ struct DriverCheckpoint {
     pids: Vec<i32>,
     /// Claimed processes on several GPUs, and on how many.
     several: Vec<(i32, usize)>,
-    /// The processes hiber stopped for their checkpoint, to continue at resume.
-    stopped: Mutex<Vec<i32>>,
 }
 
 impl CheckpointSession for DriverCheckpoint {
@@ -601,8 +505,7 @@ impl CheckpointSession for DriverCheckpoint {
             }
         }
         let start = std::time::Instant::now();
-        let stopped = &self.stopped;
-        e.parallel(&self.pids, |pid| e.checkpoint_stopped(pid, stopped))?;
+        e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| e.step_fail("checkpoint", pid, &err)))?;
         let checkpoint_seconds = start.elapsed().as_secs_f64();
         let processes = self
             .pids
@@ -627,8 +530,7 @@ impl CheckpointSession for DriverCheckpoint {
         let e = &self.engine;
         // A process that died during the checkpoint has nothing left to undo.
         let alive: Vec<i32> = self.pids.iter().copied().filter(|&p| e.api.alive(p)).collect();
-        let stopped = std::mem::take(&mut *self.stopped.lock().unwrap_or_else(|e| e.into_inner()));
-        e.parallel(&alive, |pid| if stopped.contains(&pid) { e.resume_stopped(pid) } else { e.resume_one(pid, &[]) })
+        e.parallel(&alive, |pid| e.resume_one(pid, &[]))
     }
 }
 
