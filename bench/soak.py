@@ -141,7 +141,12 @@ def main():
     cmd = base + ["--steps", str(steps), "--interval-ms", str(a.interval_ms)]
 
     # The commit of the code that runs, taken now (HEAD may move during a long run).
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # Binaries carried to the GPU machine say which commit they were built from.
+    carried = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(hiber))), "COMMIT")
+    if os.path.isfile(carried):
+        commit = open(carried).read().strip()
+    else:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     work = tempfile.mkdtemp(prefix="hiber-soak-")
     state = os.path.join(work, "state")
     images = os.path.join(work, "images")
