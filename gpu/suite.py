@@ -984,9 +984,7 @@ def agent_jax_sharded_two_gpus(m):
     ref = sh("python3", JAX_SHARDED, "--steps", steps, *args, timeout=300, env=JAX_ENV)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-400:]} {ref.stderr[-1200:]}"
-    # The agent answers XLA's lookups of NCCL only when told to (the redirect is off by
-    # default while this scenario fails).
-    run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=dict(JAX_ENV, HIBER_NCCL_DLSYM="1"))
+    run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=JAX_ENV)
     wait_step("jaxs", 40, 240)
     m["gpus_per_process"] = gpus_per_process("jaxs")
     assert any(n > 1 for n in m["gpus_per_process"].values()), f"one process on both GPUs: {m['gpus_per_process']}"

@@ -73,7 +73,7 @@ impl<'a> Checkpoint<'a> {
             cut_passed: false,
         };
         let mut journal = Journal::begin(&ctx.state, entry).map_err(CheckpointError::Journal)?;
-        let opts = CheckpointOptions { leave_running: req.leave_running };
+        let opts = CheckpointOptions { leave_running: req.leave_running, in_freeze: ctx.criu_version.device_notify() };
         let mut sessions: Vec<Engaged> = Vec::new();
         for engine in &ctx.engines {
             match engine.begin_checkpoint(&tree, opts) {
@@ -248,7 +248,9 @@ impl<'a> Checkpoint<'a> {
             .collect();
         let (ctx, leave_running, dest) = (self.ctx, self.req.leave_running, &self.req.dest);
         let root = (self.req.pid, self.tree[0].start_time);
-        let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
+        // Threads that run alone while device state is taken inside CRIU's freeze.
+        let device_threads: Vec<i32> = self.sessions.iter().flat_map(|(_, s)| s.frozen_threads()).collect();
+        let (sink, journal, sessions, steps) = (&mut self.sink, &mut self.journal, &mut self.sessions, &mut self.steps);
         let mut commit_error: Option<CheckpointError> = None;
         ctx.phase("dumping process state (CRIU)");
         let dumped = loop {
@@ -261,10 +263,14 @@ impl<'a> Checkpoint<'a> {
                 external_mounts,
                 external_files: external_files.clone(),
                 skip_network_lock,
+                device_threads: device_threads.clone(),
             };
             let dumped = ctx.criu.dump(&opts, &mut |script| {
-                if script != "post-dump" {
-                    return Ok(());
+                match script {
+                    "checkpoint-devices" => return checkpoint_frozen(sessions, &mut manifest, steps),
+                    "resume-devices" => return resume_frozen(sessions, steps),
+                    "post-dump" => {}
+                    _ => return Ok(()),
                 }
                 // Refusing the notification fails the dump, and CRIU resumes the tree.
                 let still_there = |&&(pid, start, _): &&(i32, u64, String)| proctree::stat(pid).is_ok_and(|s| s.start_time == start) && proctree::alive(pid);
@@ -477,6 +483,43 @@ impl<'a> Checkpoint<'a> {
 
 /// Lets every engine write what it still holds, then commits the image and advances the
 /// journal.
+/// CRIU's "checkpoint-devices": the engines take the device state that must not be away
+/// while the process runs, the tree held (their sections in the manifest updated). An
+/// error refuses the notification, and CRIU fails the dump and gives the state back.
+fn checkpoint_frozen(sessions: &mut [Engaged], manifest: &mut Manifest, steps: &mut Vec<(String, Duration)>) -> Result<(), String> {
+    for (kind, s) in sessions.iter_mut() {
+        let t = Instant::now();
+        let r = s.checkpoint_frozen();
+        steps.push((format!("{} checkpoint in CRIU's freeze", kind.name()), t.elapsed()));
+        match r {
+            Ok(Some(state)) => {
+                if let Some(d) = manifest.devices.iter_mut().find(|d| d.engine == kind.name()) {
+                    d.state = state;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
+}
+
+/// CRIU's "resume-devices": device state back before CRIU lets the tree run, in reverse
+/// order. What fails here is retried by the resume that follows the dump.
+fn resume_frozen(sessions: &mut [Engaged], steps: &mut Vec<(String, Duration)>) -> Result<(), String> {
+    let mut first = None;
+    for (kind, s) in sessions.iter_mut().rev() {
+        let t = Instant::now();
+        let r = s.resume_frozen();
+        steps.push((format!("{} resume in CRIU's freeze", kind.name()), t.elapsed()));
+        if let Err(e) = r {
+            tracing::warn!(engine = kind.name(), error = %e, "device state not back inside CRIU's freeze");
+            first.get_or_insert(e.to_string());
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 fn commit(sink: &mut ImageWriter, journal: &mut Option<Journal>, sessions: &mut [Engaged], manifest: Manifest) -> Result<(), CheckpointError> {
     let mut known: Vec<FileEntry> = Vec::new();
     for (_, s) in sessions.iter_mut() {

@@ -91,6 +91,22 @@ pub struct CriuVersion {
     pub minor: i32,
     pub sublevel: i32,
     pub gitid: Option<String>,
+    /// The name the version reply gives: hiber's patched CRIU names itself
+    /// [`DEVICE_NOTIFY`] (scripts/criu-patches/0004).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// The name of a CRIU that sends the device notifications: with `CRIU_DEVICE_THREADS` set,
+/// "checkpoint-devices" once it holds the tree and "resume-devices" before it lets a tree
+/// that runs on go, the listed threads running alone meanwhile.
+pub const DEVICE_NOTIFY: &str = "hiber-device-notify";
+
+impl CriuVersion {
+    /// Whether this CRIU lets hiber take device state while it holds the tree.
+    pub fn device_notify(&self) -> bool {
+        self.name.as_deref() == Some(DEVICE_NOTIFY)
+    }
 }
 
 impl std::fmt::Display for CriuVersion {
@@ -120,6 +136,10 @@ pub struct DumpOptions<'a> {
     /// Dump without locking the network (CRIU locks it with iptables or nftables): for a
     /// tree whose network namespace has only loopback, where no traffic comes from outside.
     pub skip_network_lock: bool,
+    /// Threads of the tree that run alone while hiber takes device state inside CRIU's
+    /// freeze (the "checkpoint-devices" and "resume-devices" notifications; a CRIU with
+    /// [`CriuVersion::device_notify`]). Empty: no such notification.
+    pub device_threads: Vec<i32>,
 }
 
 pub struct RestoreOptions<'a> {
@@ -184,11 +204,11 @@ impl Criu {
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
             .create(&dir)
             .map_err(|source| CriuError::Io { step: "create a private directory", source })?;
-        let resp = self.call(request(CriuReqType::Version, None), &[], &mut |_| Ok(()), "version", &dir, None);
+        let resp = self.call(request(CriuReqType::Version, None), &[], &[], &mut |_| Ok(()), "version", &dir, None);
         let _ = std::fs::remove_dir_all(&dir);
         let resp = resp?;
         let v = resp.version.ok_or_else(|| CriuError::Protocol("VERSION reply without a version".into()))?;
-        Ok(CriuVersion { major: v.major_number, minor: v.minor_number, sublevel: v.sublevel.unwrap_or(0), gitid: v.gitid })
+        Ok(CriuVersion { major: v.major_number, minor: v.minor_number, sublevel: v.sublevel.unwrap_or(0), gitid: v.gitid, name: v.name })
     }
 
     /// Fails with [`CriuError::TooOld`] unless the CRIU found is recent enough.
@@ -210,7 +230,7 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Check, Some(opts)), &[], &mut |_| Ok(()), "check", work_dir, Some("check.log")).map(|_| ())
+        self.call(request(CriuReqType::Check, Some(opts)), &[], &[], &mut |_| Ok(()), "check", work_dir, Some("check.log")).map(|_| ())
     }
 
     /// Dumps the tree rooted at `opts.pid`. `on_notify` is called for each of CRIU's
@@ -251,7 +271,9 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Dump, Some(o)), &[], on_notify, "dump", opts.work_dir, Some("dump.log")).map(|_| ())
+        let threads: Vec<String> = opts.device_threads.iter().map(i32::to_string).collect();
+        let env: Vec<(&str, String)> = if threads.is_empty() { Vec::new() } else { vec![("CRIU_DEVICE_THREADS", threads.join(","))] };
+        self.call(request(CriuReqType::Dump, Some(o)), &[], &env, on_notify, "dump", opts.work_dir, Some("dump.log")).map(|_| ())
     }
 
     /// Restores an image as a child of the calling process and returns its root's PID.
@@ -280,11 +302,11 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, on_notify, "restore", opts.work_dir, Some("restore.log"))?;
+        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, &[], on_notify, "restore", opts.work_dir, Some("restore.log"))?;
         resp.restore.map(|r| r.pid).ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
     }
 
-    fn spawn(&self, inherit: &[RawFd], work_dir: &Path) -> Result<(Child, File), CriuError> {
+    fn spawn(&self, inherit: &[RawFd], env: &[(&str, String)], work_dir: &Path) -> Result<(Child, File), CriuError> {
         // What CRIU prints before its log file is set up goes here.
         let stderr = File::create(work_dir.join(STDERR_FILE)).map_err(|source| CriuError::Io { step: "create stderr file", source })?;
         let (ours, theirs) = sys::seqpacket_pair().map_err(|source| CriuError::Io { step: "socketpair", source })?;
@@ -298,6 +320,7 @@ impl Criu {
         let mut cmd = Command::new(&self.path);
         cmd.arg("swrk").arg(theirs.as_raw_fd().to_string()).stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
         cmd.env("CRIU_MEMWRITE_WRITERS", page_writers().to_string());
+        cmd.env_remove("CRIU_DEVICE_THREADS").envs(env.iter().map(|(k, v)| (k, v)));
         // CRIU outlives a killed hiber: in its own process group, a signal to hiber's group
         // does not reach it, so it can finish and resume the tree (see the journal).
         cmd.process_group(0);
@@ -322,12 +345,13 @@ impl Criu {
         &self,
         req: rpc::CriuReq,
         inherit: &[RawFd],
+        env: &[(&str, String)],
         on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
         op: &'static str,
         work_dir: &Path,
         log: Option<&str>,
     ) -> Result<rpc::CriuResp, CriuError> {
-        let (mut child, mut sock) = self.spawn(inherit, work_dir)?;
+        let (mut child, mut sock) = self.spawn(inherit, env, work_dir)?;
         let log = log.map(|l| work_dir.join(l));
         let result = exchange(&mut sock, req, on_notify, op, log);
         drop(sock);
@@ -447,7 +471,7 @@ mod tests {
 
     #[test]
     fn version_display() {
-        let v = CriuVersion { major: 4, minor: 1, sublevel: 1, gitid: None };
+        let v = CriuVersion { major: 4, minor: 1, sublevel: 1, gitid: None, name: None };
         assert_eq!(v.to_string(), "4.1.1");
         assert!((v.major, v.minor) >= crate::criu::MIN_VERSION);
     }

@@ -109,6 +109,9 @@ pub struct DeviceRestoreOptions {
 pub struct CheckpointOptions {
     /// The application runs on after the checkpoint.
     pub leave_running: bool,
+    /// CRIU lets the engines take device state while it holds the tree
+    /// ([`CheckpointSession::checkpoint_frozen`]).
+    pub in_freeze: bool,
 }
 
 /// A restored process: its PID inside its namespace (as recorded in the image) and the
@@ -228,6 +231,27 @@ pub trait CheckpointSession: Send {
     /// Moves the device state of the quiesced processes where the CRIU dump (or the
     /// engine's own files) will take it. Returns the engine's manifest section.
     fn capture(&mut self, tree: &[ProcessInfo]) -> Result<serde_json::Value, EngineError>;
+
+    /// Threads that must run while CRIU holds the tree, for
+    /// [`checkpoint_frozen`](Self::checkpoint_frozen) and
+    /// [`resume_frozen`](Self::resume_frozen) (the CUDA driver's restore threads): none by
+    /// default, and then neither is called.
+    fn frozen_threads(&self) -> Vec<i32> {
+        Vec::new()
+    }
+
+    /// Takes the device state that must not be away while the process runs, once CRIU
+    /// holds the tree (only [`frozen_threads`](Self::frozen_threads) run). Returns the
+    /// engine's manifest section again where it changed.
+    fn checkpoint_frozen(&mut self) -> Result<Option<serde_json::Value>, EngineError> {
+        Ok(None)
+    }
+
+    /// Gives that device state back before CRIU lets a tree that runs on go (with
+    /// `--leave-running`, or after a dump that failed), the tree still held.
+    fn resume_frozen(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
 
     /// Brings the processes back to running from whatever state quiesce/capture left them
     /// in. Idempotent: safe on processes that were never touched. Device data that only

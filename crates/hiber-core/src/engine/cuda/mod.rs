@@ -7,6 +7,16 @@
 //! CRIU restored the tree, restore (optionally onto other GPUs) and unlock each process.
 //! `resume` undoes whatever state a failed checkpoint left: CHECKPOINTED → restore →
 //! LOCKED → unlock → RUNNING.
+//!
+//! No thread of a process but the driver's restore thread may run while its device state is
+//! away: libcuda's own threads in an XLA process read device mappings on their own, and
+//! died of SIGSEGV 1.6 to 6.6 s after the driver's checkpoint whenever the process ran
+//! meanwhile (`bench/probes/jax_gap.sh`). With hiber's CRIU (scripts/criu-patches/0004) the
+//! checkpoint is therefore taken inside CRIU's freeze, with only the restore threads running
+//! ([`CheckpointSession::checkpoint_frozen`]), and given back before CRIU lets a tree that
+//! runs on go ([`CheckpointSession::resume_frozen`]), as CRIU's own CUDA plugin does. With
+//! another CRIU, or where the driver names no restore thread, the process is checkpointed
+//! before the dump, as before.
 
 pub(crate) mod ffi;
 pub(crate) mod gpumap;
@@ -14,6 +24,7 @@ pub(crate) mod gpumap;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -398,7 +409,7 @@ impl DeviceEngine for DriverEngine {
         &KIND
     }
 
-    fn begin_checkpoint(&self, tree: &[ProcessInfo], _opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
+    fn begin_checkpoint(&self, tree: &[ProcessInfo], opts: CheckpointOptions) -> Result<Option<Box<dyn CheckpointSession>>, EngineError> {
         let mut pids = Vec::new();
         // Only processes that hold the NVIDIA device files can have CUDA state; asking the
         // driver about others costs time and answers nothing useful.
@@ -426,7 +437,7 @@ impl DeviceEngine for DriverEngine {
             }
         }
         let several = gpus_of.into_iter().filter(|(_, n)| *n > 1).collect();
-        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several })))
+        Ok(Some(Box::new(DriverCheckpoint { engine: self.clone(), pids, several, in_freeze: opts.in_freeze, frozen: Vec::new(), section: None })))
     }
 
     fn recover(&self, pids: &[i32], _gone: &[i32], _dirs: &[&Path]) -> Result<(), EngineError> {
@@ -470,6 +481,13 @@ struct DriverCheckpoint {
     pids: Vec<i32>,
     /// Claimed processes on several GPUs, and on how many.
     several: Vec<(i32, usize)>,
+    /// CRIU lets the checkpoint happen while it holds the tree.
+    in_freeze: bool,
+    /// The processes checkpointed inside CRIU's freeze, each with the driver's restore
+    /// thread, which runs alone meanwhile.
+    frozen: Vec<(i32, i32)>,
+    /// The section as captured, for the time the checkpoint inside the freeze adds.
+    section: Option<Section>,
 }
 
 impl CheckpointSession for DriverCheckpoint {
@@ -504,8 +522,25 @@ impl CheckpointSession for DriverCheckpoint {
                 entry.1 += bytes;
             }
         }
-        let start = std::time::Instant::now();
-        e.parallel(&self.pids, |pid| e.api.checkpoint(pid).map_err(|err| e.step_fail("checkpoint", pid, &err)))?;
+        // With a CRIU that holds the tree for it, a process whose restore thread the driver
+        // names is checkpointed inside the freeze (`checkpoint_frozen`); others now.
+        if self.in_freeze {
+            self.frozen = self
+                .pids
+                .iter()
+                .filter_map(|&pid| match e.api.restore_thread(pid) {
+                    Ok(Some(tid)) => Some((pid, tid)),
+                    Ok(None) => None,
+                    Err(err) => {
+                        tracing::warn!(pid, error = %err, "restore thread query failed; checkpointing the process before the dump");
+                        None
+                    }
+                })
+                .collect();
+        }
+        let now: Vec<i32> = self.pids.iter().copied().filter(|p| !self.frozen.iter().any(|(f, _)| f == p)).collect();
+        let start = Instant::now();
+        e.parallel(&now, |pid| e.api.checkpoint(pid).map_err(|err| e.step_fail("checkpoint", pid, &err)))?;
         let checkpoint_seconds = start.elapsed().as_secs_f64();
         let processes = self
             .pids
@@ -523,7 +558,32 @@ impl CheckpointSession for DriverCheckpoint {
             })
             .collect();
         let section = Section { driver_version: e.api.driver_version(), gpus: gpus.into_iter().map(|(g, _)| g).collect(), processes, checkpoint_seconds };
-        Ok(serde_json::to_value(section).expect("section serializes"))
+        let value = serde_json::to_value(&section).expect("section serializes");
+        self.section = Some(section);
+        Ok(value)
+    }
+
+    fn frozen_threads(&self) -> Vec<i32> {
+        self.frozen.iter().map(|&(_, tid)| tid).collect()
+    }
+
+    fn checkpoint_frozen(&mut self) -> Result<Option<serde_json::Value>, EngineError> {
+        if self.frozen.is_empty() {
+            return Ok(None);
+        }
+        let e = &self.engine;
+        let pids: Vec<i32> = self.frozen.iter().map(|&(pid, _)| pid).collect();
+        let start = Instant::now();
+        e.parallel(&pids, |pid| e.api.checkpoint(pid).map_err(|err| e.step_fail("checkpoint", pid, &err)))?;
+        let Some(section) = self.section.as_mut() else { return Ok(None) };
+        section.checkpoint_seconds += start.elapsed().as_secs_f64();
+        Ok(Some(serde_json::to_value(&*section).expect("section serializes")))
+    }
+
+    fn resume_frozen(&mut self) -> Result<(), EngineError> {
+        let e = &self.engine;
+        let alive: Vec<i32> = self.frozen.iter().map(|&(pid, _)| pid).filter(|&p| e.api.alive(p)).collect();
+        e.parallel(&alive, |pid| e.resume_one(pid, &[]))
     }
 
     fn resume(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {

@@ -447,3 +447,65 @@ fn processes_on_several_gpus_are_named_with_their_count() {
     assert_eq!(s.on_several_gpus(), vec![(10, 2)]);
     assert!(!s.restores_peer_access(), "the driver alone does not restore peer access");
 }
+
+/// With a CRIU that holds the tree for it, a process whose restore thread the driver names
+/// is only locked at capture, checkpointed inside the freeze (the restore thread named to
+/// CRIU), and given back inside it; the resume after CRIU has nothing left to do.
+#[test]
+fn with_criu_holding_the_tree_the_checkpoint_happens_inside_the_freeze() {
+    let mut d = FakeDriver::new(&[10, 11]);
+    d.restore_tid = Some(77);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let tree = [proc_info(10, 1, true), proc_info(11, 2, true)];
+    let mut s = e.begin_checkpoint(&tree, CheckpointOptions { leave_running: true, in_freeze: true }).unwrap().unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    s.capture(&tree).unwrap();
+    assert_eq!(d.state_of(10), ProcessState::Locked, "not checkpointed before CRIU holds the tree");
+    assert_eq!(s.frozen_threads(), vec![77, 77]);
+    let section: Section = serde_json::from_value(s.checkpoint_frozen().unwrap().expect("the section, with the freeze's time")).unwrap();
+    assert_eq!(section.processes.len(), 2);
+    assert_eq!((d.state_of(10), d.state_of(11)), (ProcessState::Checkpointed, ProcessState::Checkpointed));
+    s.resume_frozen().unwrap();
+    assert_eq!((d.state_of(10), d.state_of(11)), (ProcessState::Running, ProcessState::Running));
+    let before = d.log.lock().unwrap().len();
+    s.resume(&NoFiles, &Local::default()).unwrap();
+    assert_eq!(d.log.lock().unwrap().len(), before, "nothing left for the resume after CRIU");
+}
+
+/// A checkpoint inside the freeze that fails for one process is given back whole: CRIU
+/// then sends "resume-devices", which restores what was checkpointed and unlocks the rest.
+#[test]
+fn a_failed_checkpoint_inside_the_freeze_is_given_back() {
+    let mut d = FakeDriver::new(&[10, 11]);
+    d.restore_tid = Some(77);
+    d.fail_checkpoint = Some(11);
+    let d = Arc::new(d);
+    let e = engine(&d);
+    let tree = [proc_info(10, 1, true), proc_info(11, 2, true)];
+    let mut s = e.begin_checkpoint(&tree, CheckpointOptions { leave_running: false, in_freeze: true }).unwrap().unwrap();
+    s.quiesce(&NoFiles, &Local::default()).unwrap();
+    s.capture(&tree).unwrap();
+    let err = s.checkpoint_frozen().unwrap_err();
+    assert!(err.to_string().contains("checkpoint of process 11"), "{err}");
+    s.resume_frozen().unwrap();
+    assert_eq!((d.state_of(10), d.state_of(11)), (ProcessState::Running, ProcessState::Running));
+}
+
+/// With a CRIU that does not hold the tree for it, or a driver that names no restore
+/// thread, the process is checkpointed at capture, as before.
+#[test]
+fn without_the_freeze_or_a_restore_thread_capture_checkpoints() {
+    for (in_freeze, tid) in [(false, Some(77)), (true, None)] {
+        let mut d = FakeDriver::new(&[10]);
+        d.restore_tid = tid;
+        let d = Arc::new(d);
+        let tree = [proc_info(10, 1, true)];
+        let mut s = engine(&d).begin_checkpoint(&tree, CheckpointOptions { leave_running: false, in_freeze }).unwrap().unwrap();
+        s.quiesce(&NoFiles, &Local::default()).unwrap();
+        s.capture(&tree).unwrap();
+        assert_eq!(d.state_of(10), ProcessState::Checkpointed, "in_freeze {in_freeze}, restore thread {tid:?}");
+        assert!(s.frozen_threads().is_empty());
+        assert!(s.checkpoint_frozen().unwrap().is_none());
+    }
+}
