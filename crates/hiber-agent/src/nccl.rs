@@ -1563,10 +1563,18 @@ pub fn unique_id() -> Result<UniqueId, String> {
 }
 
 /// The unique id communicator `key` is rebuilt with.
+/// Every rank of it in this process takes it: a process that drives several GPUs (XLA's)
+/// holds several ranks of one communicator.
 pub fn set_id(key: u64, id: UniqueId) -> Result<(), String> {
     let mut s = lock();
-    let e = s.comms.values_mut().find(|e| e.key == key && !e.failed).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
-    e.next_id = Some(id);
+    let mut found = false;
+    for e in s.comms.values_mut().filter(|e| e.key == key && !e.failed) {
+        e.next_id = Some(id);
+        found = true;
+    }
+    if !found {
+        return Err(format!("no NCCL communicator {key:016x}"));
+    }
     Ok(())
 }
 

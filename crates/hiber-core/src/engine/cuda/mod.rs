@@ -580,10 +580,17 @@ impl CheckpointSession for DriverCheckpoint {
         Ok(Some(serde_json::to_value(&*section).expect("section serializes")))
     }
 
+    /// Restores the device state, and leaves the processes locked as quiesce had them: the
+    /// resume after CRIU unlocks them, and a dump made again (CRIU's staging area was too
+    /// small) checkpoints them again.
     fn resume_frozen(&mut self) -> Result<(), EngineError> {
         let e = &self.engine;
         let alive: Vec<i32> = self.frozen.iter().map(|&(pid, _)| pid).filter(|&p| e.api.alive(p)).collect();
-        e.parallel(&alive, |pid| e.resume_one(pid, &[]))
+        e.parallel(&alive, |pid| match e.api.state(pid) {
+            Ok(ProcessState::Checkpointed) => e.api.restore(pid, &[]).map_err(|err| e.step_fail("restore", pid, &err)),
+            Ok(_) => Ok(()),
+            Err(err) => Err(e.step_fail("state query", pid, &err)),
+        })
     }
 
     fn resume(&mut self, _sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
