@@ -984,19 +984,22 @@ def agent_jax_sharded_two_gpus(m):
     ref = sh("python3", JAX_SHARDED, "--steps", steps, *args, timeout=300, env=JAX_ENV)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-400:]} {ref.stderr[-1200:]}"
-    run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=JAX_ENV)
+    # Both experimental: the agent answers XLA's lookups of NCCL (in the job), and hiber
+    # checkpoints the process inside CRIU's freeze (in hiber's checkpoints).
+    env = dict(JAX_ENV, HIBER_NCCL_DLSYM="1", HIBER_DEVICE_IN_FREEZE="1")
+    run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=env)
     wait_step("jaxs", 40, 240)
     m["gpus_per_process"] = gpus_per_process("jaxs")
     assert any(n > 1 for n in m["gpus_per_process"].values()), f"one process on both GPUs: {m['gpus_per_process']}"
     img = image_of("jaxs")
-    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "jaxs", "--leave-running", "--out", img, env=JAX_ENV)
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "jaxs", "--leave-running", "--out", img, env=env)
     m["checkpoint_s"] = round(ck["total_seconds"], 2)
     assert_verified("jaxs", 300)
     assert_on_reference("jaxs", ref_traj)
     m["step_gap_ms"] = step_gap_ms("jaxs", 2, int(steps))
     for name, extra in (("jaxs-r", ("--gpu-map", "0=1,1=0")), ("jaxs-r2", ())):
         t0 = time.time()
-        hiber_logged(m, "restore_log_" + name, "restore", img, "--name", name, *extra, env=JAX_ENV)
+        hiber_logged(m, "restore_log_" + name, "restore", img, "--name", name, *extra, env=env)
         wait_step(name, 0, 180)
         m.setdefault("restore_until_step_s", []).append(round(time.time() - t0, 2))
         if name == "jaxs-r2":
@@ -1004,9 +1007,9 @@ def agent_jax_sharded_two_gpus(m):
             at = progress(name)[-1][0] + 20
             wait_step(name, at, 180)
             img2 = image_of("jaxs-again")
-            hiber_logged(m, "checkpoint_again_log", "checkpoint", name, "--out", img2, env=JAX_ENV)
+            hiber_logged(m, "checkpoint_again_log", "checkpoint", name, "--out", img2, env=env)
             before = progress(name)
-            hiber_logged(m, "restore_again_log", "restore", img2, "--name", "jaxs-r3", env=JAX_ENV)
+            hiber_logged(m, "restore_again_log", "restore", img2, "--name", "jaxs-r3", env=env)
             assert_verified("jaxs-r3", 300)
             again = assert_on_reference("jaxs-r3", ref_traj)
             assert again[0][0] == before[-1][0] + 1, f"jaxs-r3 resumes at {again[0][0]}, after {before[-1][0]}"

@@ -22,10 +22,11 @@
 //! communicator in the same order (as NCCL itself requires).
 //!
 //! Programs that resolve NCCL with `dlsym` (XLA's NCCL stub `dlopen`s `libnccl.so.2` and
-//! looks up each entry point, so JAX reaches NCCL so) get the agent's exports too: the
-//! agent's `dlsym` answers `nccl*` names that NCCL defines with the agent's export of the
-//! same name ([`redirect_dlsym`]). `HIBER_NCCL_DLSYM=0` turns that off; hiber then refuses
-//! such programs, as it does programs that link NCCL statically.
+//! looks up each entry point, so JAX reaches NCCL so) can get the agent's exports too, with
+//! `HIBER_NCCL_DLSYM=1`: the agent's `dlsym` then answers `nccl*` names that NCCL defines
+//! with the agent's export of the same name ([`redirect_dlsym`]). It is off by default
+//! until such a process is verified to survive its checkpoint (see `dlsym_redirect_on`);
+//! without it hiber refuses them, as it does programs that link NCCL statically.
 //!
 //! Not covered: registered buffers, windows and the device API (the handles they return
 //! would not survive a rebuild): a communicator that used them refuses the checkpoint.
@@ -129,13 +130,15 @@ pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: 
     ours
 }
 
-/// Whether `nccl*` lookups by name are answered with the agent's entry points: unless
-/// `HIBER_NCCL_DLSYM=0`. (Off until #41 found why the driver's checkpoint of JAX sharded
-/// over two GPUs killed it: libcuda's own threads touched device mappings while the process
-/// ran checkpointed, which hiber's driver engine no longer lets happen.)
+/// Whether `nccl*` lookups by name are answered with the agent's entry points: only with
+/// `HIBER_NCCL_DLSYM=1`, for now. XLA's process on two GPUs died at its checkpoint because
+/// libcuda's own threads ran while its device state was away; hiber's checkpoint inside
+/// CRIU's freeze (`HIBER_DEVICE_IN_FREEZE=1`, experimental) prevents that, and with both
+/// the process survived its checkpoint once (2×H200, #41). Until the GPU suite has passed
+/// with them, such a job is refused before anything stops and runs on.
 fn dlsym_redirect_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("HIBER_NCCL_DLSYM").is_none_or(|v| v != "0"))
+    *ON.get_or_init(|| std::env::var_os("HIBER_NCCL_DLSYM").is_some_and(|v| v == "1"))
 }
 
 /// A handle to the agent's own library, for looking up its exports by name.

@@ -204,7 +204,7 @@ impl Criu {
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
             .create(&dir)
             .map_err(|source| CriuError::Io { step: "create a private directory", source })?;
-        let resp = self.call(request(CriuReqType::Version, None), &[], &[], &mut |_| Ok(()), "version", &dir, None);
+        let resp = self.call(request(CriuReqType::Version, None), (&[], &[]), &mut |_| Ok(()), "version", &dir, None);
         let _ = std::fs::remove_dir_all(&dir);
         let resp = resp?;
         let v = resp.version.ok_or_else(|| CriuError::Protocol("VERSION reply without a version".into()))?;
@@ -230,7 +230,7 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        self.call(request(CriuReqType::Check, Some(opts)), &[], &[], &mut |_| Ok(()), "check", work_dir, Some("check.log")).map(|_| ())
+        self.call(request(CriuReqType::Check, Some(opts)), (&[], &[]), &mut |_| Ok(()), "check", work_dir, Some("check.log")).map(|_| ())
     }
 
     /// Dumps the tree rooted at `opts.pid`. `on_notify` is called for each of CRIU's
@@ -273,7 +273,7 @@ impl Criu {
         };
         let threads: Vec<String> = opts.device_threads.iter().map(i32::to_string).collect();
         let env: Vec<(&str, String)> = if threads.is_empty() { Vec::new() } else { vec![("CRIU_DEVICE_THREADS", threads.join(","))] };
-        self.call(request(CriuReqType::Dump, Some(o)), &[], &env, on_notify, "dump", opts.work_dir, Some("dump.log")).map(|_| ())
+        self.call(request(CriuReqType::Dump, Some(o)), (&[], &env), on_notify, "dump", opts.work_dir, Some("dump.log")).map(|_| ())
     }
 
     /// Restores an image as a child of the calling process and returns its root's PID.
@@ -302,7 +302,7 @@ impl Criu {
             log_level: Some(4),
             ..Default::default()
         };
-        let resp = self.call(request(CriuReqType::Restore, Some(o)), &fds, &[], on_notify, "restore", opts.work_dir, Some("restore.log"))?;
+        let resp = self.call(request(CriuReqType::Restore, Some(o)), (&fds, &[]), on_notify, "restore", opts.work_dir, Some("restore.log"))?;
         resp.restore.map(|r| r.pid).ok_or_else(|| CriuError::Protocol("RESTORE reply without a pid".into()))
     }
 
@@ -344,8 +344,7 @@ impl Criu {
     fn call(
         &self,
         req: rpc::CriuReq,
-        inherit: &[RawFd],
-        env: &[(&str, String)],
+        (inherit, env): (&[RawFd], &[(&str, String)]),
         on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
         op: &'static str,
         work_dir: &Path,
