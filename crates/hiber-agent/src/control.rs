@@ -1,12 +1,13 @@
 //! The agent's control thread: started in a process the first time it initializes CUDA,
-//! it answers hiber on the job's abstract socket (see `hiber_wire` for the protocol).
+//! it answers hiber on the job's abstract socket (see `hiber_wire::agent` for the protocol).
 //! Processes that never initialize CUDA get no thread and no socket.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-use hiber_wire::{socket, Reply, Request, Status};
+use hiber_wire::agent::{Reply, Request, Status};
+use hiber_wire::socket;
 
 use crate::{cuda, gate, ipc, log, memory, nccl, stack};
 
@@ -25,8 +26,8 @@ pub fn start() {
     if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
         return;
     }
-    let Ok(token) = std::env::var(hiber_wire::TOKEN_ENV) else { return };
-    let name = hiber_wire::socket_name(&token, pid);
+    let Ok(token) = std::env::var(hiber_wire::agent::TOKEN_ENV) else { return };
+    let name = hiber_wire::agent::socket_name(&token, pid);
     let listener = match socket::listen(&name) {
         Ok(l) => l,
         Err(e) => {

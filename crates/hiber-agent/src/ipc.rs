@@ -95,7 +95,7 @@ pub fn is_event_handle(b: &[u8; HANDLE_SIZE]) -> bool {
 static TOKEN: OnceLock<String> = OnceLock::new();
 
 fn token() -> &'static str {
-    TOKEN.get_or_init(|| std::env::var(hiber_wire::TOKEN_ENV).unwrap_or_else(|_| "-".into()))
+    TOKEN.get_or_init(|| std::env::var(hiber_wire::agent::TOKEN_ENV).unwrap_or_else(|_| "-".into()))
 }
 
 /// The exporter's socket: per job (its agent token) and process.

@@ -31,7 +31,7 @@ use std::io::Write;
 
 /// Appends a line to the agent's log file, when hiber gave it one.
 pub(crate) fn log(line: &str) {
-    let Some(path) = std::env::var_os(hiber_wire::LOG_ENV) else { return };
+    let Some(path) = std::env::var_os(hiber_wire::agent::LOG_ENV) else { return };
     let f = std::fs::OpenOptions::new().append(true).create(true).open(path);
     if let Ok(mut f) = f {
         let _ = writeln!(f, "hiber-agent[{}]: {line}", std::process::id());

@@ -262,7 +262,7 @@ fn real_group(end: bool) -> NcclResult {
 
 // ---- what the agent records ---------------------------------------------------------
 
-pub use hiber_wire::Lane;
+pub use hiber_wire::agent::Lane;
 
 /// A copy of the application's `ncclConfig_t`, with the strings it points to.
 #[derive(Clone)]

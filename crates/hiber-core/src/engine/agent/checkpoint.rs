@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hiber_wire::{socket, Reply, Request};
+use hiber_wire::agent::{Reply, Request};
+use hiber_wire::socket;
 
 use super::device::{self, DeviceMem, Gpus, Place, GRANULE};
 use super::{chunk_prefix, connect, cuda_fail, fail, nccl, passthrough, AgentProcess, Allocation, Mode, Placed, Section, Target};

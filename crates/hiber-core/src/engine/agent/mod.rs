@@ -38,7 +38,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use hiber_wire::{Reply, Request, Status};
+use hiber_wire::agent::{Reply, Request, Status};
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{self, ffi, Gpu};
@@ -99,8 +99,11 @@ fn agent_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
         return None;
     }
     let token = super::layer::token()?;
-    let mut env =
-        vec![super::layer::preload(&lib), (hiber_wire::TOKEN_ENV.into(), token), (hiber_wire::LOG_ENV.into(), job_dir.join("agent.log").display().to_string())];
+    let mut env = vec![
+        super::layer::preload(&lib),
+        (hiber_wire::agent::TOKEN_ENV.into(), token),
+        (hiber_wire::agent::LOG_ENV.into(), job_dir.join("agent.log").display().to_string()),
+    ];
     // NCCL's RAS service (2.24 and newer) outlives every communicator: its thread starts
     // with the first one and ends at exit (ras.cc, 2.28.9), keeping a listening socket on a
     // random port of the bootstrap interface, one for the `ncclras` client on
@@ -324,7 +327,7 @@ fn shared_state(s: &Status) -> Option<String> {
 
 /// The agent token in a process's environment, as `hiber run` set it.
 fn agent_token(pid: i32) -> Option<String> {
-    crate::proctree::env_var(pid, hiber_wire::TOKEN_ENV)
+    crate::proctree::env_var(pid, hiber_wire::agent::TOKEN_ENV)
 }
 
 /// A control connection to the agent of host process `pid`.
@@ -410,7 +413,7 @@ impl DeviceEngine for AgentEngine {
         let mut targets = Vec::new();
         for p in tree.iter().filter(|p| p.holds_device("/dev/nvidia")) {
             let Some(token) = agent_token(p.pid) else { continue };
-            let name = hiber_wire::socket_name(&token, p.ns_pid);
+            let name = hiber_wire::agent::socket_name(&token, p.ns_pid);
             let status = match connect(p.pid, &name).and_then(|c| c.call::<Reply>(&Request::Status, None)) {
                 Ok(Reply::Status(s)) => s,
                 Ok(_) | Err(_) => {
@@ -507,7 +510,7 @@ fn nccl_down(pids: &[i32]) -> Vec<nccl::Rank> {
 fn recovered_name(pid: i32) -> Option<String> {
     let token = agent_token(pid)?;
     let ns_pid = crate::proctree::read_process(pid).ok()?.ns_pid;
-    Some(hiber_wire::socket_name(&token, ns_pid))
+    Some(hiber_wire::agent::socket_name(&token, ns_pid))
 }
 
 /// The user's `--gpu-map` resolved for the GPUs the section's allocations used (old UUID →

@@ -37,7 +37,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use hiber_wire::{socket, Lane, Reply, Request};
+use hiber_wire::agent::{Lane, Reply, Request};
+use hiber_wire::socket;
 
 use super::{connect, fail, ENGINE};
 use crate::coordinator::{Coordinator, Phase};
@@ -653,7 +654,7 @@ mod tests {
                     }
                     Request::NcclOpen if !built && !live.is_empty() => send(Reply::Err("NCCL communicators are torn down; rebuild them".into())),
                     Request::Status => {
-                        send(Reply::Status(hiber_wire::Status { gate_closed: fail == "closed", nccl: comms.len() as u64, ..Default::default() }))
+                        send(Reply::Status(hiber_wire::agent::Status { gate_closed: fail == "closed", nccl: comms.len() as u64, ..Default::default() }))
                     }
                     _ => send(Reply::Ok),
                 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use hiber_wire::{Reply, Request};
+use hiber_wire::agent::{Reply, Request};
 
 use std::os::fd::AsFd;
 
