@@ -2,10 +2,11 @@
 //! it answers hiber on the job's abstract socket (see `hiber_wire::agent` for the protocol).
 //! Processes that never initialize CUDA get no thread and no socket.
 
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use hiber_layer::control::{ControlThread, Spec};
 use hiber_wire::agent::{Reply, Request, Status};
 use hiber_wire::socket;
 
@@ -15,48 +16,29 @@ use crate::{cuda, gate, ipc, log, memory, nccl, stack};
 /// back in its exporter (hiber hands every process its memory before it resumes any).
 const IPC_PATIENCE: Duration = Duration::from_secs(30);
 
-static STARTED_IN: AtomicI32 = AtomicI32::new(0);
-/// The control socket's descriptor (owned by the control thread), or -1.
-static LISTENER: AtomicI32 = AtomicI32::new(-1);
+static CONTROL: ControlThread = ControlThread::new();
 
 /// Starts the control thread once per process (a forked child that initializes CUDA gets
 /// its own). Without `HIBER_AGENT_TOKEN` the agent only serves allocations.
 pub fn start() {
-    let pid = std::process::id() as i32;
-    if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
-        return;
-    }
-    let Ok(token) = std::env::var(hiber_wire::agent::TOKEN_ENV) else { return };
-    let name = hiber_wire::agent::socket_name(&token, pid);
-    let listener = match socket::listen(&name) {
-        Ok(l) => l,
-        Err(e) => {
-            log(&format!("pid {pid}: cannot listen on @{name}: {e}; checkpoints will use the driver alone"));
-            return;
-        }
+    let spec = Spec {
+        token_env: hiber_wire::agent::TOKEN_ENV,
+        socket_name: hiber_wire::agent::socket_name,
+        thread: "hiber-agent",
+        log,
+        without: "checkpoints will use the driver alone",
     };
-    LISTENER.store(listener.as_raw_fd(), Ordering::SeqCst);
-    let spawned = std::thread::Builder::new().name("hiber-agent".into()).spawn(move || serve(listener));
-    if let Err(e) = spawned {
-        // The listener was dropped (closed) with the closure.
-        LISTENER.store(-1, Ordering::SeqCst);
-        log(&format!("pid {pid}: cannot start the control thread: {e}"));
-    }
+    CONTROL.start(&spec, serve);
 }
 
 /// Whether this process has initialized CUDA through the agent.
 pub(crate) fn started() -> bool {
-    STARTED_IN.load(Ordering::SeqCst) == std::process::id() as i32
+    CONTROL.started()
 }
 
 /// In a forked child: closes the parent's control socket, whose thread did not come along.
 pub(crate) fn forget_listener() {
-    let fd = LISTENER.swap(-1, Ordering::SeqCst);
-    if fd >= 0 {
-        // SAFETY: `fd` is the parent's listening socket; in the child no thread owns it (the
-        // control thread exists only in the parent), so it is closed once, here.
-        unsafe { libc::close(fd) };
-    }
+    CONTROL.forget_listener();
 }
 
 fn serve(listener: OwnedFd) {

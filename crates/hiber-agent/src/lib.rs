@@ -18,7 +18,7 @@
 pub mod control;
 pub mod cuda;
 pub mod fork;
-pub use hiber_wire::gate;
+pub use hiber_layer::gate;
 pub mod hooks;
 pub mod ipc;
 pub mod memory;
@@ -27,15 +27,9 @@ pub mod poll;
 pub mod sharing;
 pub mod stack;
 
-use std::io::Write;
-
 /// Appends a line to the agent's log file, when hiber gave it one.
 pub(crate) fn log(line: &str) {
-    let Some(path) = std::env::var_os(hiber_wire::agent::LOG_ENV) else { return };
-    let f = std::fs::OpenOptions::new().append(true).create(true).open(path);
-    if let Ok(mut f) = f {
-        let _ = writeln!(f, "hiber-agent[{}]: {line}", std::process::id());
-    }
+    hiber_layer::log(hiber_wire::agent::LOG_ENV, "hiber-agent", line);
 }
 
 pub(crate) fn close_fd(fd: std::ffi::c_int) {

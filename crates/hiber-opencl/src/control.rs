@@ -3,37 +3,30 @@
 //! Processes that never call OpenCL get no thread and no socket.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use hiber_wire::gate;
+use hiber_layer::control::{ControlThread, Spec};
+use hiber_layer::gate;
 use hiber_wire::opencl::{Reply, Request, Status};
 use hiber_wire::socket;
 
 use crate::objects::{self as o, Kind};
 use crate::{log, replay};
 
-static STARTED_IN: AtomicI32 = AtomicI32::new(0);
+static CONTROL: ControlThread = ControlThread::new();
 
 /// Starts the control thread once per process. Without `HIBER_OPENCL_TOKEN` the layer
 /// only virtualizes.
 pub fn start() {
-    let pid = std::process::id() as i32;
-    if STARTED_IN.swap(pid, Ordering::SeqCst) == pid {
-        return;
-    }
-    let Ok(token) = std::env::var(hiber_wire::opencl::TOKEN_ENV) else { return };
-    let name = hiber_wire::opencl::socket_name(&token, pid);
-    let listener = match socket::listen(&name) {
-        Ok(l) => l,
-        Err(e) => {
-            log(&format!("cannot listen on @{name}: {e}; hiber cannot checkpoint this process's OpenCL state"));
-            return;
-        }
+    let spec = Spec {
+        token_env: hiber_wire::opencl::TOKEN_ENV,
+        socket_name: hiber_wire::opencl::socket_name,
+        thread: "hiber-opencl",
+        log,
+        without: "hiber cannot checkpoint this process's OpenCL state",
     };
-    if let Err(e) = std::thread::Builder::new().name("hiber-opencl".into()).spawn(move || serve(listener)) {
-        log(&format!("cannot start the control thread: {e}"));
-    }
+    CONTROL.start(&spec, serve);
 }
 
 fn serve(listener: OwnedFd) {

@@ -20,13 +20,7 @@ pub mod control;
 pub mod objects;
 pub mod replay;
 
-use std::io::Write;
-
 /// Appends a line to the layer's log file, when hiber gave it one.
 pub(crate) fn log(line: &str) {
-    let Some(path) = std::env::var_os(hiber_wire::opencl::LOG_ENV) else { return };
-    let f = std::fs::OpenOptions::new().append(true).create(true).open(path);
-    if let Ok(mut f) = f {
-        let _ = writeln!(f, "hiber-opencl[{}]: {line}", std::process::id());
-    }
+    hiber_layer::log(hiber_wire::opencl::LOG_ENV, "hiber-opencl", line);
 }

@@ -14,7 +14,7 @@ use std::ptr::null_mut;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hiber_wire::gate;
+use hiber_layer::gate;
 
 use crate::cl::{self, cl_int, cl_uint, ImageDesc, H};
 use crate::objects::{self as o, Arg, Kind, Obj, ProgramSource, Record, Shape};

@@ -1,11 +1,10 @@
 //! What hiber and the layers it preloads into applications share: each layer's control
-//! protocol ([`agent`], [`opencl`]), their transport ([`socket`]: an abstract
-//! `SOCK_SEQPACKET` socket, one ASCII message each way, descriptors beside some), and the
-//! gate in front of an application's calls ([`gate`]). Each protocol's messages implement
-//! [`Message`]; replies implement [`Answer`].
+//! protocol ([`agent`], [`opencl`]) and their transport ([`socket`]: an abstract
+//! `SOCK_SEQPACKET` socket, one ASCII message each way, descriptors beside some). Each
+//! protocol's messages implement [`Message`]; replies implement [`Answer`]. What the layers
+//! run on inside the application is `hiber-layer`'s.
 
 pub mod agent;
-pub mod gate;
 pub mod opencl;
 pub mod socket;
 

@@ -19,7 +19,7 @@ use std::ptr::null_mut;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use hiber_wire::gate;
+use hiber_layer::gate;
 
 use crate::cl::{self, cl_bitfield, cl_bool, cl_int, cl_uint, ImageDesc, ImageFormat, H};
 use crate::objects::{self as o, Arg, EventNotify, Kind, Obj, ProgramSource, Record, Shape};

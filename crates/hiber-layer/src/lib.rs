@@ -1,0 +1,22 @@
+//! What every layer hiber preloads into applications (the CUDA agent, the OpenCL layer) runs
+//! on inside them: the [`gate`] in front of the application's calls, the [`control`] thread
+//! that answers hiber over the layer's protocol (`hiber_wire`), and the layer's [`log`].
+//!
+//! Rules for code here: it runs inside someone else's program. It never writes to the
+//! application's stdout or stderr, never unwinds across `extern "C"`, and starts no thread
+//! until the application uses what the layer stands in front of.
+
+pub mod control;
+pub mod gate;
+
+use std::io::Write;
+
+/// Appends `line` to the file named by the environment variable `env`, when hiber gave the
+/// layer one, as `who[PID]: line`.
+pub fn log(env: &str, who: &str, line: &str) {
+    let Some(path) = std::env::var_os(env) else { return };
+    let f = std::fs::OpenOptions::new().append(true).create(true).open(path);
+    if let Ok(mut f) = f {
+        let _ = writeln!(f, "{who}[{}]: {line}", std::process::id());
+    }
+}
