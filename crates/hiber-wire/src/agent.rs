@@ -29,7 +29,7 @@
 //! `list` asks an agent whose hiber died mid-checkpoint what it released: one `evacuated`
 //! (id, bytes, GPU UUID) per allocation, then `done`; `hiber recover` loads them back.
 //!
-//! NCCL communicators (see the agent's `nccl.rs`) are cut and torn down before `quiesce`,
+//! NCCL communicators (see the agent's `nccl/`) are cut and torn down before `quiesce`,
 //! with every rank of the job in step, and built again after `resume`:
 //!
 //! ```text

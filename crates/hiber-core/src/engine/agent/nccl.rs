@@ -1,6 +1,6 @@
 //! NCCL jobs: one cut across every rank before the agents quiesce, and the communicators
 //! built again after they resume (the agent's side, and why, is in hiber-agent's
-//! `nccl.rs`).
+//! `nccl/`).
 //!
 //! The cut, over one connection to each rank's agent:
 //! 1. `nccl-hold` every rank: no new submission, and the counts each reports are final;
