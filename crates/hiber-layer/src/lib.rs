@@ -1,6 +1,7 @@
 //! What every layer hiber preloads into applications (the CUDA agent, the OpenCL layer) runs
-//! on inside them: the [`gate`] in front of the application's calls, the [`control`] thread
-//! that answers hiber over the layer's protocol (`hiber_wire`), and the layer's [`log`].
+//! on inside them: the [`gate`] in front of the application's calls, the [`table`] of the
+//! virtual handles it gives the application, the [`control`] thread that answers hiber over
+//! the layer's protocol (`hiber_wire`), and the layer's [`log`].
 //!
 //! Rules for code here: it runs inside someone else's program. It never writes to the
 //! application's stdout or stderr, never unwinds across `extern "C"`, and starts no thread
@@ -8,6 +9,7 @@
 
 pub mod control;
 pub mod gate;
+pub mod table;
 
 use std::io::Write;
 

@@ -1,25 +1,26 @@
 //! Virtual OpenCL objects: what the application holds instead of the platform's handles.
 //!
-//! Each handle the application gets is the address of an [`Obj`]: the real handle it stands
-//! for (swapped when hiber re-creates the object), the application's reference count, and
-//! a [`Record`] of how the object was made, which names the objects it was made from. A
+//! Each handle the application gets is the address of an [`Obj`], in `hiber-layer`'s table
+//! of virtual handles (the real handle it stands for, swapped when hiber re-creates the
+//! object, and the application's reference count), with this layer's [`Data`]: a
+//! [`Record`] of how the object was made, which names the objects it was made from. A
 //! record keeps those alive, as OpenCL keeps a kernel's program alive, so every object
 //! still in use can be re-created in creation order after the real ones were released.
 //!
-//! Locks: the registry's is never held while another is taken or the platform is called,
+//! Locks: the table's is never held while another is taken or the platform is called,
 //! and no `Arc<Obj>` is dropped while it is held (a drop may release the object, which
-//! takes the registry). A record's lock may be taken while holding that of a record that
+//! takes the table). A record's lock may be taken while holding that of a record that
 //! names it (a kernel's, then its program's), never the other way: records name only
 //! older objects, so these waits cannot form a cycle.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hiber_layer::table::{self, Layer, Table};
 
 use crate::cl::{self, cl_int, ImageDesc, ImageFormat, H};
-
-const MAGIC: u64 = 0x3143_7265_6269_6821; // "!hiberC1"
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
@@ -146,21 +147,23 @@ pub type ContextNotify = Option<unsafe extern "C" fn(*const std::ffi::c_char, *c
 /// A destructor callback the application registered on a context, memory object or program.
 pub type Destructor = (unsafe extern "C" fn(H, *mut c_void), usize);
 
-/// One virtual object. `#[repr(C)]` keeps `magic` first, where handles are checked.
-#[repr(C)]
-#[derive(Debug)]
-pub struct Obj {
-    magic: u64,
-    pub kind: Kind,
-    pub seq: u64,
-    real: AtomicPtr<c_void>,
-    app_refs: AtomicU32,
+/// One virtual object.
+pub type Obj = table::Obj<Opencl>;
+
+/// What the layer keeps of each object besides its handle and real handle.
+pub struct Data {
     /// Outstanding maps of a memory object (clEnqueueMap* minus clEnqueueUnmapMemObject).
     pub maps: AtomicI64,
     pub rec: Mutex<Record>,
     pub destructors: Mutex<Vec<Destructor>>,
     /// An event's callbacks that have not run yet.
     pub callbacks: Mutex<Vec<PendingCallback>>,
+}
+
+impl Data {
+    pub fn rec(&self) -> MutexGuard<'_, Record> {
+        self.rec.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// An event callback the application registered that has not run yet. A checkpoint releases
@@ -227,56 +230,34 @@ pub fn next_callback_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-impl Obj {
-    pub fn real(&self) -> H {
-        self.real.load(Ordering::Acquire)
+/// The OpenCL layer, as `hiber-layer`'s table knows it.
+pub struct Opencl;
+
+static TABLE: Table<Opencl> = Table::new();
+
+impl Layer for Opencl {
+    type Kind = Kind;
+    type Data = Data;
+    type State = State;
+    const MAGIC: u64 = 0x3143_7265_6269_6821; // "!hiberC1"
+
+    fn table() -> &'static Table<Opencl> {
+        &TABLE
     }
 
-    pub fn set_real(&self, real: H) {
-        let old = self.real.swap(real, Ordering::AcqRel);
-        let mut reg = registry();
-        if !old.is_null() && reg.by_real.get(&(old as usize)).is_some_and(|&(_, v)| v == self.handle() as usize) {
-            reg.by_real.remove(&(old as usize));
-        }
-        if !real.is_null() {
-            reg.by_real.insert(real as usize, (self.kind, self.handle() as usize));
-        }
+    /// Platforms and devices live as long as the process.
+    fn is_root(kind: Kind) -> bool {
+        matches!(kind, Kind::Platform | Kind::Device)
     }
 
-    pub fn rec(&self) -> MutexGuard<'_, Record> {
-        self.rec.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The handle the application holds.
-    pub fn handle(&self) -> H {
-        self as *const Obj as H
-    }
-
-    pub fn app_refs(&self) -> u32 {
-        self.app_refs.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for Obj {
-    fn drop(&mut self) {
-        let real = *self.real.get_mut();
-        let me = self.handle() as usize;
-        let mut reg = registry();
-        reg.live.remove(&self.seq);
-        reg.handles.remove(&me);
-        // Before the release: once released, the platform may give the address to a new
-        // object, whose entry this must not remove.
-        if !real.is_null() && reg.by_real.get(&(real as usize)).is_some_and(|&(_, v)| v == me) {
-            reg.by_real.remove(&(real as usize));
-        }
-        drop(reg);
-        let callbacks = std::mem::take(self.destructors.get_mut().unwrap_or_else(|e| e.into_inner()));
+    fn dropped(kind: Kind, real: H, me: usize, data: &mut Data) {
+        let callbacks = std::mem::take(data.destructors.get_mut().unwrap_or_else(|e| e.into_inner()));
         // The application's destructor callbacks run when the platform deletes the object,
         // which may be after commands still using it finish: handed to the platform's own
         // callback where it has one, else called now.
-        let callbacks = if callbacks.is_empty() || real.is_null() { callbacks } else { hand_to_platform(self.kind, real, callbacks, me) };
+        let callbacks = if callbacks.is_empty() || real.is_null() { callbacks } else { hand_to_platform(kind, real, callbacks, me) };
         if !real.is_null() {
-            release_real(self.kind, real);
+            release_real(kind, real);
         }
         run_destructors(callbacks, me);
     }
@@ -335,17 +316,9 @@ pub(crate) fn release_real(kind: Kind, real: H) {
     }
 }
 
+/// What the layer keeps for the whole process (reached through [`registry`]).
 #[derive(Default)]
-pub struct Registry {
-    next_seq: u64,
-    /// Every object not yet destroyed, by creation order.
-    pub live: BTreeMap<u64, Weak<Obj>>,
-    /// Real handle → (kind, virtual handle), for answers that name objects.
-    by_real: HashMap<usize, (Kind, usize)>,
-    /// Every virtual handle not yet destroyed, and its kind.
-    handles: HashMap<usize, Kind>,
-    /// Platforms and devices live as long as the process.
-    pub roots: Vec<Arc<Obj>>,
+pub struct State {
     /// OpenCL features used that hiber cannot checkpoint.
     pub refused: BTreeSet<&'static str>,
     /// The real objects were released for a checkpoint and not yet re-created.
@@ -357,27 +330,9 @@ pub struct Registry {
     pub active: bool,
 }
 
-static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
-
-pub struct RegistryGuard(MutexGuard<'static, Option<Registry>>);
-
-impl std::ops::Deref for RegistryGuard {
-    type Target = Registry;
-    fn deref(&self) -> &Registry {
-        self.0.as_ref().expect("initialized by registry()")
-    }
-}
-
-impl std::ops::DerefMut for RegistryGuard {
-    fn deref_mut(&mut self) -> &mut Registry {
-        self.0.as_mut().expect("initialized by registry()")
-    }
-}
-
-pub fn registry() -> RegistryGuard {
-    let mut g = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
-    g.get_or_insert_with(Registry::default);
-    RegistryGuard(g)
+/// The table, locked: the layer's [`State`] and its objects.
+pub fn registry() -> table::Guard<Opencl> {
+    TABLE.lock()
 }
 
 /// Marks a feature the process used that hiber cannot checkpoint.
@@ -389,89 +344,35 @@ pub fn refuse(what: &'static str) {
     }
 }
 
-/// A new object for `real`, held once by the application (roots are held by the registry).
+/// A new object for `real`, held once by the application (roots are held by the table).
 pub fn make(kind: Kind, real: H, rec: Record) -> Arc<Obj> {
-    let mut reg = registry();
-    reg.next_seq += 1;
-    let o = Arc::new(Obj {
-        magic: MAGIC,
-        kind,
-        seq: reg.next_seq,
-        real: AtomicPtr::new(real),
-        app_refs: AtomicU32::new(1),
-        maps: AtomicI64::new(0),
-        rec: Mutex::new(rec),
-        destructors: Mutex::new(Vec::new()),
-        callbacks: Mutex::new(Vec::new()),
-    });
-    reg.live.insert(o.seq, Arc::downgrade(&o));
-    reg.handles.insert(Arc::as_ptr(&o) as usize, kind);
-    if !real.is_null() {
-        reg.by_real.insert(real as usize, (kind, Arc::as_ptr(&o) as usize));
-    }
-    if matches!(kind, Kind::Platform | Kind::Device) {
-        reg.roots.push(o.clone());
-    }
-    o
+    let data = Data { maps: AtomicI64::new(0), rec: Mutex::new(rec), destructors: Mutex::new(Vec::new()), callbacks: Mutex::new(Vec::new()) };
+    TABLE.make(kind, real, data)
 }
 
 /// Hands a new object to the application: the handle owns one strong count.
 pub fn give(o: Arc<Obj>) -> H {
-    Arc::into_raw(o) as H
+    Table::give(o)
 }
 
 /// The object behind an application handle, if it is one of ours of `kind`.
 pub fn get(h: H, kind: Kind) -> Option<Arc<Obj>> {
-    if h.is_null() {
-        return None;
-    }
-    let p = h as *const Obj;
-    // SAFETY: a non-null handle the application passes for an OpenCL object is either one
-    // of ours (an `Obj`, whose first field is `magic`) or a pointer to an implementation's
-    // object, which also starts with a pointer-sized field (its ICD dispatch table). Reading
-    // eight bytes is valid either way.
-    let magic = unsafe { std::ptr::read(p as *const u64) };
-    if magic != MAGIC {
-        return None;
-    }
-    // SAFETY: the magic says `p` is an `Obj` made by `give` or `make`+`roots`, alive while
-    // the application holds its handle; a second strong count keeps it alive for the call.
-    let o = unsafe {
-        Arc::increment_strong_count(p);
-        Arc::from_raw(p)
-    };
-    (o.kind == kind).then_some(o)
+    Table::get(h, kind)
 }
 
 /// The object of `kind` whose handle is the value `h`, if there is one: for values that
 /// may be handles or plain data (a kernel argument), never read through.
 pub fn lookup(h: H, kind: Kind) -> Option<Arc<Obj>> {
-    if registry().handles.get(&(h as usize)) != Some(&kind) {
-        return None;
-    }
-    get(h, kind)
+    TABLE.lookup(h, kind)
 }
 
 /// The real handle behind `h`, or OpenCL's error for a bad handle of `kind`. On every
 /// call's path, so it takes no reference: the application holds the handle for the call.
+/// Safe with any value the application passed as a handle (see [`Table::get`]).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn real_of(h: H, kind: Kind) -> Result<H, cl_int> {
-    if h.is_null() {
-        return Err(kind.invalid());
-    }
-    let p = h as *const Obj;
-    // SAFETY: as in `get`: eight bytes are readable behind any handle the application
-    // passes.
-    if unsafe { std::ptr::read(p as *const u64) } != MAGIC {
-        return Err(kind.invalid());
-    }
-    // SAFETY: the magic says `p` is an `Obj`, which lives while the application holds its
-    // handle, as it does for the length of the call it passed it to.
-    let o = unsafe { &*p };
-    let r = o.real();
-    if o.kind != kind || r.is_null() {
-        return Err(kind.invalid());
-    }
-    Ok(r)
+    // SAFETY: the reference ends here, within the application's call.
+    unsafe { borrow(h, kind) }.map(|o| o.real())
 }
 
 /// The live object of `kind` behind handle `h`, borrowed for the call that passed it (the
@@ -481,21 +382,8 @@ pub fn real_of(h: H, kind: Kind) -> Result<H, cl_int> {
 /// # Safety
 /// The reference must not outlive the application's call.
 pub unsafe fn borrow<'a>(h: H, kind: Kind) -> Result<&'a Obj, cl_int> {
-    if h.is_null() {
-        return Err(kind.invalid());
-    }
-    let p = h as *const Obj;
-    // SAFETY: as in `get`: eight bytes are readable behind any handle the application passes.
-    if unsafe { std::ptr::read(p as *const u64) } != MAGIC {
-        return Err(kind.invalid());
-    }
-    // SAFETY: the magic says `p` is an `Obj`, alive while the application holds its handle,
-    // as it does for the call; the caller keeps the reference within it.
-    let o = unsafe { &*p };
-    if o.kind != kind || o.real().is_null() {
-        return Err(kind.invalid());
-    }
-    Ok(o)
+    // SAFETY: the caller's contract.
+    unsafe { Table::borrow(h, kind) }.ok_or(kind.invalid())
 }
 
 /// Real handles for a list of `n` virtual ones (a wait list, a device list).
@@ -526,55 +414,31 @@ pub unsafe fn objs(list: *const H, n: u32, kind: Kind) -> Result<Vec<Arc<Obj>>, 
 
 /// The application's handle for a real one, when the layer knows it.
 pub fn virtual_of(real: H) -> Option<H> {
-    if real.is_null() {
-        return None;
-    }
-    registry().by_real.get(&(real as usize)).map(|&(_, v)| v as H)
+    TABLE.virtual_of(real)
 }
 
-/// `clRetain*`. An object the application had let go of but that is still alive (a
-/// queue keeps its context, and `clGetCommandQueueInfo` hands the context out again) is
-/// the application's again: its handle takes back the strong count it gave up.
+/// `clRetain*` (see [`Table::retain`]).
 pub fn retain(h: H, kind: Kind) -> cl_int {
-    match get(h, kind) {
-        Some(o) => {
-            if o.app_refs.fetch_add(1, Ordering::AcqRel) == 0 && !matches!(kind, Kind::Platform | Kind::Device) {
-                // SAFETY: `o` (from `get`) keeps the object alive; the application's handle
-                // owns this new count, given back by its last release.
-                unsafe { Arc::increment_strong_count(Arc::as_ptr(&o)) };
-            }
-            cl::CL_SUCCESS
-        }
-        None => kind.invalid(),
+    if Table::<Opencl>::retain(h, kind) {
+        cl::CL_SUCCESS
+    } else {
+        kind.invalid()
     }
 }
 
 /// `clRelease*`: the application's last release lets the object go (now, or when the
 /// objects made from it go).
 pub fn release(h: H, kind: Kind) -> cl_int {
-    let Some(o) = get(h, kind) else { return kind.invalid() };
-    if matches!(kind, Kind::Platform | Kind::Device) {
-        return cl::CL_SUCCESS;
-    }
-    let last = o.app_refs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).map(|n| n == 1);
-    match last {
-        Ok(true) => {
-            let p = Arc::as_ptr(&o);
-            drop(o);
-            // SAFETY: the application's handle owned one strong count (see `give`), which
-            // its last release gives back, once.
-            unsafe { Arc::decrement_strong_count(p) };
-            cl::CL_SUCCESS
-        }
-        Ok(false) => cl::CL_SUCCESS,
-        Err(_) => kind.invalid(),
+    if Table::<Opencl>::release(h, kind) {
+        cl::CL_SUCCESS
+    } else {
+        kind.invalid()
     }
 }
 
 /// Every object not yet destroyed, in creation order.
 pub fn all_live() -> Vec<Arc<Obj>> {
-    let reg = registry();
-    reg.live.values().filter_map(Weak::upgrade).collect()
+    TABLE.all_live()
 }
 
 /// Whether `f` holds within a second. Tests run side by side in one process, and another
