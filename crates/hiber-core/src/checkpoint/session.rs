@@ -253,7 +253,7 @@ impl<'a> Checkpoint<'a> {
         let root = (self.req.pid, self.tree[0].start_time);
         // Threads that run alone while device state is taken inside CRIU's freeze.
         let device_threads: Vec<i32> = self.sessions.iter().flat_map(|(_, s)| s.frozen_threads()).collect();
-        let (sink, journal, sessions, steps) = (&mut self.sink, &mut self.journal, &mut self.sessions, &mut self.steps);
+        let (sink, journal, sessions) = (&mut self.sink, &mut self.journal, &mut self.sessions);
         let mut commit_error: Option<CheckpointError> = None;
         ctx.phase("dumping process state (CRIU)");
         let dumped = loop {
@@ -270,8 +270,8 @@ impl<'a> Checkpoint<'a> {
             };
             let dumped = ctx.criu.dump(&opts, &mut |script| {
                 match script {
-                    "checkpoint-devices" => return checkpoint_frozen(sessions, &mut manifest, steps),
-                    "resume-devices" => return resume_frozen(sessions, steps),
+                    "checkpoint-devices" => return checkpoint_frozen(sessions, &mut manifest),
+                    "resume-devices" => return resume_frozen(sessions),
                     "post-dump" => {}
                     _ => return Ok(()),
                 }
@@ -484,16 +484,15 @@ impl<'a> Checkpoint<'a> {
     }
 }
 
-/// Lets every engine write what it still holds, then commits the image and advances the
-/// journal.
 /// CRIU's "checkpoint-devices": the engines take the device state that must not be away
 /// while the process runs, the tree held (their sections in the manifest updated). An
 /// error refuses the notification, and CRIU fails the dump and gives the state back.
-fn checkpoint_frozen(sessions: &mut [Engaged], manifest: &mut Manifest, steps: &mut Vec<(String, Duration)>) -> Result<(), String> {
+/// (Their time is part of CRIU's dump in the pause's steps.)
+fn checkpoint_frozen(sessions: &mut [Engaged], manifest: &mut Manifest) -> Result<(), String> {
     for (kind, s) in sessions.iter_mut() {
         let t = Instant::now();
         let r = s.checkpoint_frozen();
-        steps.push((format!("{} checkpoint in CRIU's freeze", kind.name()), t.elapsed()));
+        tracing::info!(engine = kind.name(), seconds = t.elapsed().as_secs_f64(), ok = r.is_ok(), "device state taken inside CRIU's freeze");
         match r {
             Ok(Some(state)) => {
                 if let Some(d) = manifest.devices.iter_mut().find(|d| d.engine == kind.name()) {
@@ -509,12 +508,12 @@ fn checkpoint_frozen(sessions: &mut [Engaged], manifest: &mut Manifest, steps: &
 
 /// CRIU's "resume-devices": device state back before CRIU lets the tree run, in reverse
 /// order. What fails here is retried by the resume that follows the dump.
-fn resume_frozen(sessions: &mut [Engaged], steps: &mut Vec<(String, Duration)>) -> Result<(), String> {
+fn resume_frozen(sessions: &mut [Engaged]) -> Result<(), String> {
     let mut first = None;
     for (kind, s) in sessions.iter_mut().rev() {
         let t = Instant::now();
         let r = s.resume_frozen();
-        steps.push((format!("{} resume in CRIU's freeze", kind.name()), t.elapsed()));
+        tracing::info!(engine = kind.name(), seconds = t.elapsed().as_secs_f64(), ok = r.is_ok(), "device state back inside CRIU's freeze");
         if let Err(e) = r {
             tracing::warn!(engine = kind.name(), error = %e, "device state not back inside CRIU's freeze");
             first.get_or_insert(e.to_string());
@@ -523,6 +522,8 @@ fn resume_frozen(sessions: &mut [Engaged], steps: &mut Vec<(String, Duration)>) 
     first.map_or(Ok(()), Err)
 }
 
+/// Lets every engine write what it still holds, then commits the image and advances the
+/// journal.
 fn commit(sink: &mut ImageWriter, journal: &mut Option<Journal>, sessions: &mut [Engaged], manifest: Manifest) -> Result<(), CheckpointError> {
     let mut known: Vec<FileEntry> = Vec::new();
     for (_, s) in sessions.iter_mut() {
