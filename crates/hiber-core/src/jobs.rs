@@ -25,6 +25,10 @@ const EXIT_FILE: &str = "exit.json";
 const RESTORING_FILE: &str = "restoring.json";
 const ROOT_FILE: &str = "root.json";
 const RESTORE_LOCK: &str = "restore.lock";
+/// In the directory of a job `hiber run` is starting, until its shim recorded it: the
+/// [`crate::state::hiber_tag`] of that hiber, so that a name whose hiber was killed before
+/// the job started is free again.
+const STARTING_FILE: &str = "starting";
 /// A directory a restore prepares under a hidden name before it takes the job's name.
 const RESERVING_SUFFIX: &str = ".reserving";
 pub const STDOUT_LOG: &str = "stdout.log";
@@ -160,17 +164,49 @@ impl Registry {
         self.dir_of(name).join(STDERR_LOG)
     }
 
-    /// Reserves `name` by creating its directory (0700); fails if it exists.
+    /// Reserves `name` for a job `hiber run` starts: its directory (0700) appears with a
+    /// [`STARTING_FILE`] naming this hiber in it (prepared under a hidden name, then renamed),
+    /// until [`started`](Self::started). Fails if the name is taken, unless by a start whose
+    /// hiber was killed before its job started, which is cleared first.
     pub fn create_dir(&self, name: &str) -> Result<PathBuf, JobError> {
         validate_name(name)?;
         let io_err = |step| move |source| JobError::Io { name: name.to_string(), step, source };
         fs::DirBuilder::new().recursive(true).create(&self.dir).map_err(io_err("create jobs dir"))?;
+        let tag = crate::state::hiber_tag().map_err(io_err("read hiber's own start time"))?;
+        let tmp = self.dir.join(format!(".{name}.{tag}{RESERVING_SUFFIX}"));
+        let _ = fs::remove_dir_all(&tmp);
+        let prepared = (|| {
+            fs::DirBuilder::new().mode(0o700).create(&tmp).map_err(io_err("create job dir"))?;
+            write_atomically(&tmp, STARTING_FILE, tag.as_bytes()).map_err(io_err("write the start marker"))
+        })();
         let dir = self.dir_of(name);
-        match fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => Ok(dir),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(JobError::Exists(name.to_string())),
-            Err(e) => Err(io_err("create job dir")(e)),
+        let taken = prepared.and_then(|()| {
+            let rename = || sys::rename_noreplace(&tmp, &dir);
+            match rename() {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && self.abandoned_start(name) => {
+                    let _ = fs::remove_dir_all(&dir);
+                    rename()
+                }
+                r => r,
+            }
+            .map_err(|e| if e.kind() == io::ErrorKind::AlreadyExists { JobError::Exists(name.to_string()) } else { io_err("rename job dir")(e) })
+        });
+        if taken.is_err() {
+            let _ = fs::remove_dir_all(&tmp);
         }
+        taken.map(|()| dir)
+    }
+
+    /// Ends a start: the job's shim has recorded it.
+    pub fn started(&self, name: &str) {
+        let _ = fs::remove_file(self.dir_of(name).join(STARTING_FILE));
+    }
+
+    /// Whether `name` is a start whose hiber was killed before its job was recorded.
+    fn abandoned_start(&self, name: &str) -> bool {
+        let dir = self.dir_of(name);
+        let Ok(tag) = fs::read_to_string(dir.join(STARTING_FILE)) else { return false };
+        !dir.join(JOB_FILE).exists() && !dir.join(RESTORING_FILE).exists() && crate::state::made_by_a_gone_hiber(tag.trim())
     }
 
     /// Takes `name` for a job being restored: its directory appears with `marker` and a
@@ -235,13 +271,24 @@ impl Registry {
         self.dir_of(name).join(JOB_FILE).exists()
     }
 
-    /// Removes the directories that restores prepared but never got to name (their hiber
-    /// was killed in between). Returns how many.
+    /// Removes the directories that restores and starts prepared but never got to name,
+    /// and the names of starts whose job never started (their hiber was killed in between);
+    /// a start whose job was recorded loses its marker. Returns how many were removed.
     pub fn remove_abandoned_reservations(&self) -> usize {
         let Ok(dir) = fs::read_dir(&self.dir) else { return 0 };
         let mut removed = 0;
         for e in dir.filter_map(Result::ok) {
             let name = e.file_name().to_string_lossy().into_owned();
+            if validate_name(&name).is_ok() {
+                if self.abandoned_start(&name) {
+                    if fs::remove_dir_all(e.path()).is_ok() {
+                        removed += 1;
+                    }
+                } else if fs::read_to_string(e.path().join(STARTING_FILE)).is_ok_and(|t| crate::state::made_by_a_gone_hiber(t.trim())) {
+                    self.started(&name);
+                }
+                continue;
+            }
             let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(RESERVING_SUFFIX)) else { continue };
             let Some((_, tag)) = rest.rsplit_once('.') else { continue };
             if crate::state::made_by_a_gone_hiber(tag) && fs::remove_dir_all(e.path()).is_ok() {
@@ -272,13 +319,7 @@ impl Registry {
     }
 
     pub fn save(&self, job: &Job) -> Result<(), JobError> {
-        let io_err = |step| move |source| JobError::Io { name: job.name.clone(), step, source };
-        let dir = self.dir_of(&job.name);
-        let tmp = dir.join(".job.json.tmp");
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io_err("write job.json"))?;
-        f.write_all(&serde_json::to_vec_pretty(job).expect("job serializes")).map_err(io_err("write job.json"))?;
-        f.sync_all().map_err(io_err("fsync job.json"))?;
-        fs::rename(&tmp, dir.join(JOB_FILE)).map_err(io_err("rename job.json"))
+        write_record(&self.dir_of(&job.name), job).map_err(|source| JobError::Io { name: job.name.clone(), step: "write job.json", source })
     }
 
     /// The job's record; for a job whose restore has not recorded it yet, what its restore
@@ -395,6 +436,12 @@ pub fn write_exit(job_dir: &Path, status: ExitStatus) -> io::Result<()> {
     fs::rename(tmp, job_dir.join(EXIT_FILE))
 }
 
+/// Writes a job's record (`job.json`) into its directory, whole or not at all: hiber's
+/// commands, and the shim of a job `hiber run` starts, before it reports the job to hiber.
+pub fn write_record(job_dir: &Path, job: &Job) -> io::Result<()> {
+    write_atomically(job_dir, JOB_FILE, &serde_json::to_vec_pretty(job).expect("job serializes"))
+}
+
 /// Called by a restore's shim once CRIU restored the tree rooted at `pid`, before it
 /// reports the tree to hiber.
 pub fn write_restored_root(job_dir: &Path, pid: i32) -> io::Result<RestoredRoot> {
@@ -429,6 +476,45 @@ mod tests {
         for bad in ["", ".hidden", "-x", "a/b", "a b", "..", &"n".repeat(65)] {
             assert!(validate_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// A name `hiber run` took is free again when that hiber was killed before its job was
+    /// recorded; not while it runs, nor once the job is recorded (#41: a killed run).
+    #[test]
+    fn a_start_whose_hiber_is_gone_frees_its_name() {
+        let root = std::env::temp_dir().join(format!("hiber-jobs-start-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let reg = Registry::new(&StateDir::at(&root));
+        let dir = reg.create_dir("s-1").unwrap();
+        let me = crate::state::hiber_tag().unwrap();
+        assert_eq!(fs::read_to_string(dir.join(STARTING_FILE)).unwrap(), me, "the start names its hiber");
+        assert!(matches!(reg.create_dir("s-1"), Err(JobError::Exists(_))), "taken while its hiber runs");
+        // Its hiber gone (PID 1 never started at tick 1): the name is free again.
+        let gone = "1-1";
+        fs::write(dir.join(STARTING_FILE), gone).unwrap();
+        fs::write(dir.join(STDOUT_LOG), "old").unwrap();
+        let again = reg.create_dir("s-1").unwrap();
+        assert!(!again.join(STDOUT_LOG).exists(), "the abandoned start's files went with it");
+        // A job recorded by its shim is a job, whoever started it; it only loses the marker.
+        fs::write(again.join(STARTING_FILE), gone).unwrap();
+        let job = Job {
+            name: "s-1".into(),
+            pid: i32::MAX - 1,
+            start_time: 1,
+            command: vec!["sleep".into()],
+            created: "t".into(),
+            restored_from: None,
+            checkpointed_to: None,
+            last_image: None,
+        };
+        write_record(&again, &job).unwrap();
+        assert!(matches!(reg.create_dir("s-1"), Err(JobError::Exists(_))));
+        // Sweeps: an abandoned start goes, a recorded one loses its marker.
+        let other = reg.create_dir("s-2").unwrap();
+        fs::write(other.join(STARTING_FILE), gone).unwrap();
+        assert_eq!(reg.remove_abandoned_reservations(), 1);
+        assert!(!other.exists() && again.join(JOB_FILE).exists() && !again.join(STARTING_FILE).exists());
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -212,8 +212,12 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
     }
     let stopped = matches!(&request.task, ShimTask::Restore(t) if t.leave_stopped);
     let started = match request.task {
-        // SAFETY: a child forked from a single-threaded process has one thread too.
-        ShimTask::Run(cmd) => unsafe { start_in_namespace(&cmd) },
+        ShimTask::Run(cmd) => {
+            let mut start_time = 0;
+            // SAFETY: a child forked from a single-threaded process has one thread too.
+            let started = unsafe { start_in_namespace(&cmd, &mut start_time) };
+            recorded_run(&request.job_dir, cmd.argv.clone(), start_time, started)
+        }
         ShimTask::Restore(task) => recorded(&request.job_dir, restore(task)),
     };
     send(&mut report, &started);
@@ -292,6 +296,31 @@ fn recorded(job_dir: &Path, started: Started) -> Started {
             let _ = sys::kill(pid, libc::SIGKILL);
             let _ = sys::waitpid(pid);
             Started::Failed { message: format!("cannot record the restored tree in the job's directory: {e}"), hint: None, log: None }
+        }
+    }
+}
+
+/// Inside the shim of a job `hiber run` starts: the job is recorded (`job.json`) before
+/// hiber hears of it, so that a job whose hiber is killed meanwhile is a job like any other.
+/// A job that cannot be recorded is killed: it would run with nobody knowing of it.
+fn recorded_run(job_dir: &Path, argv: Vec<String>, start_time: u64, started: Started) -> Started {
+    let Started::Running { pid } = started else { return started };
+    let job = jobs::Job {
+        name: job_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        pid,
+        start_time,
+        command: argv,
+        created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        restored_from: None,
+        checkpointed_to: None,
+        last_image: None,
+    };
+    match jobs::write_record(job_dir, &job) {
+        Ok(()) => started,
+        Err(e) => {
+            let _ = sys::kill(pid, libc::SIGKILL);
+            let _ = sys::waitpid(pid);
+            Started::Failed { message: format!("cannot record the job in its directory: {e}"), hint: None, log: None }
         }
     }
 }
@@ -469,13 +498,14 @@ struct Exec {
 }
 
 /// Runs inside the shim: makes a PID namespace and starts `cmd` as its init. Returns once
-/// the command has been exec'd (or failed to be).
+/// the command has been exec'd (or failed to be), with the init's start time (read before
+/// the job mounts its own /proc over the shim's, where the init's PID means nothing).
 ///
 /// # Safety
 ///
 /// The calling process must be single-threaded: it forks, and the child runs ordinary
 /// Rust until it execs.
-unsafe fn start_in_namespace(cmd: &Command) -> Started {
+unsafe fn start_in_namespace(cmd: &Command, start_time: &mut u64) -> Started {
     let failed = |message: String| Started::Failed { message, hint: None, log: None };
     let exec = match cmd.prepare() {
         Ok(e) => e,
@@ -544,6 +574,7 @@ unsafe fn start_in_namespace(cmd: &Command) -> Started {
                     }
                     continue;
                 }
+                *start_time = crate::proctree::stat(pid).map(|s| s.start_time).unwrap_or(0);
                 if let Err(e) = go_wr.write_all(b"g") {
                     let _ = sys::waitpid(pid);
                     return failed(format!("cannot start the job's init: {e}"));

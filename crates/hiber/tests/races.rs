@@ -4,7 +4,10 @@
 //!   interrupted restore), `hiber recover` adopts it where its tree can run on and removes
 //!   it where it cannot, `hiber rm -f` removes it, and the name is free again;
 //! - two checkpoints of one job at once: the second is refused at once, naming the hiber
-//!   that holds the job, and the first succeeds.
+//!   that holds the job, and the first succeeds;
+//! - `hiber run` killed once the job's name is taken, or once the job runs: the name is
+//!   free again in the first case, and in the second the job is listed and runs on, as
+//!   any job.
 
 mod common;
 
@@ -245,4 +248,40 @@ fn a_second_checkpoint_of_a_job_is_refused_while_the_first_runs() {
     assert_continues(&h.progress("tw"), &copy, copy[0].0);
     // Once the first is done, checkpoints go on as ever.
     h.ok(&["checkpoint", "tw", "--leave-running", "--out", second.to_str().unwrap()]);
+}
+
+/// `hiber run` killed once it took the job's name, before the job started: the name is
+/// free again for the next `hiber run` (before, the empty directory kept it: "a job named
+/// ... already exists"), and no process was left.
+#[test]
+fn a_run_killed_before_its_job_started_frees_the_name() {
+    let h = Hiber::new("race-run-reserved");
+    let args = ["run", "--name", "rr", "--", HIBER, "workload", "cpu", "--steps", "631", "--mem-mib", "8", "--interval-ms", "40"];
+    sigkill(spawn_paused(&h, &args, &[("HIBER_PAUSE_AT", "run-reserved")]));
+    assert_eq!(running_with_steps("631"), 0, "nothing started");
+    assert!(listed(&h, "rr").is_none(), "no job");
+    h.ok(&args);
+    h.wait_step("rr", 3);
+    assert_eq!(listed(&h, "rr").expect("listed")["state"], "running");
+    assert_eq!(h.ok(&["rm", "-f", "rr"]).trim(), "removed job rr");
+}
+
+/// `hiber run` killed once its job runs, before it heard back from the job's shim in full:
+/// the shim recorded the job first, so it is listed with its PID, runs on, and goes with
+/// `hiber rm -f` (before, it ran untracked and kept its name).
+#[test]
+fn a_run_killed_once_its_job_runs_leaves_a_listed_job() {
+    let h = Hiber::new("race-run-started");
+    let args = ["run", "--name", "rs", "--", HIBER, "workload", "cpu", "--steps", "637", "--mem-mib", "8", "--interval-ms", "40"];
+    sigkill(spawn_paused(&h, &args, &[("HIBER_PAUSE_AT", "run-started")]));
+    let job = listed(&h, "rs").expect("the job is listed");
+    assert_eq!(job["state"], "running", "{job}");
+    assert_eq!(job["pid"].as_i64(), Some(h.pid_of("rs") as i64), "{job}");
+    h.wait_step("rs", 3);
+    assert_eq!(running_with_steps("637"), 1);
+    recover(&h);
+    assert!(!h.state.join("jobs/rs/starting").exists(), "the start's marker is swept");
+    assert_eq!(h.ok(&["rm", "-f", "rs"]).trim(), "removed job rs");
+    assert_eq!(running_with_steps("637"), 0);
+    assert!(listed(&h, "rs").is_none());
 }

@@ -2,7 +2,6 @@
 
 use hiber_core::jobs::{Job, Registry};
 use hiber_core::launch::{self, Started};
-use hiber_core::proctree;
 use hiber_core::state::StateDir;
 
 use crate::cli_error::{CliError, ENVIRONMENT, FAILED};
@@ -68,6 +67,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     let base = std::path::Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
     let name = name.unwrap_or_else(|| registry.free_name(&base));
     let dir = registry.create_dir(&name)?;
+    pause_for_tests("run-reserved");
     let started = (|| {
         registry.open_logs(&name)?;
         let cwd = std::env::current_dir()?;
@@ -103,25 +103,25 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             Err(e) => Err(CliError::new(FAILED, e.to_string())),
         }
     })();
-    let pid = match started {
-        Ok(pid) => pid,
-        Err(e) => {
-            let _ = registry.remove(&name);
-            return Err(e);
+    if let Err(e) = started {
+        let _ = registry.remove(&name);
+        return Err(e);
+    }
+    // The job's shim recorded it before it reported it started.
+    pause_for_tests("run-started");
+    registry.started(&name);
+    Ok(registry.load(&name)?)
+}
+
+/// Fault injection for tests of a killed `hiber run`: `HIBER_PAUSE_AT=run-reserved` holds
+/// it once the job's name is taken, `run-started` once the job runs, until it is killed.
+fn pause_for_tests(at: &str) {
+    if std::env::var("HIBER_PAUSE_AT").is_ok_and(|v| v == at) {
+        eprintln!("hiber: paused at {at} (HIBER_PAUSE_AT)");
+        loop {
+            std::thread::park();
         }
-    };
-    let job = Job {
-        name,
-        pid,
-        start_time: proctree::stat(pid).map(|s| s.start_time).unwrap_or(0),
-        command,
-        created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        restored_from: None,
-        checkpointed_to: None,
-        last_image: None,
-    };
-    registry.save(&job)?;
-    Ok(job)
+    }
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
