@@ -26,8 +26,9 @@ const RESTORING_FILE: &str = "restoring.json";
 const ROOT_FILE: &str = "root.json";
 const RESTORE_LOCK: &str = "restore.lock";
 /// In the directory of a job `hiber run` is starting, until its shim recorded it: the
-/// [`crate::state::hiber_tag`] of that hiber, so that a name whose hiber was killed before
-/// the job started is free again.
+/// [`crate::state::hiber_tag`] of that hiber, under an exclusive lock that hiber takes and
+/// the job's shim inherits, so that a name whose hiber and shim are both gone before the
+/// job was recorded is free again.
 const STARTING_FILE: &str = "starting";
 /// A directory a restore prepares under a hidden name before it takes the job's name.
 const RESERVING_SUFFIX: &str = ".reserving";
@@ -165,10 +166,12 @@ impl Registry {
     }
 
     /// Reserves `name` for a job `hiber run` starts: its directory (0700) appears with a
-    /// [`STARTING_FILE`] naming this hiber in it (prepared under a hidden name, then renamed),
-    /// until [`started`](Self::started). Fails if the name is taken, unless by a start whose
-    /// hiber was killed before its job started, which is cleared first.
-    pub fn create_dir(&self, name: &str) -> Result<PathBuf, JobError> {
+    /// [`STARTING_FILE`] in it, locked (prepared under a hidden name, then renamed). Returns
+    /// the directory and the lock, which the job's shim must inherit (see
+    /// [`launch::Command::hold`](crate::launch::Command::hold)). Fails if the name is taken,
+    /// unless by a start whose hiber and shim are both gone with no job recorded, which is
+    /// cleared first.
+    pub fn create_dir(&self, name: &str) -> Result<(PathBuf, fs::File), JobError> {
         validate_name(name)?;
         let io_err = |step| move |source| JobError::Io { name: name.to_string(), step, source };
         fs::DirBuilder::new().recursive(true).create(&self.dir).map_err(io_err("create jobs dir"))?;
@@ -177,36 +180,51 @@ impl Registry {
         let _ = fs::remove_dir_all(&tmp);
         let prepared = (|| {
             fs::DirBuilder::new().mode(0o700).create(&tmp).map_err(io_err("create job dir"))?;
-            write_atomically(&tmp, STARTING_FILE, tag.as_bytes()).map_err(io_err("write the start marker"))
+            let mut lock =
+                OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp.join(STARTING_FILE)).map_err(io_err("create the start marker"))?;
+            sys::flock(&lock, true).map_err(io_err("lock the start marker"))?;
+            lock.write_all(tag.as_bytes()).map_err(io_err("write the start marker"))?;
+            Ok(lock)
         })();
         let dir = self.dir_of(name);
-        let taken = prepared.and_then(|()| {
+        let taken = prepared.and_then(|lock| {
             let rename = || sys::rename_noreplace(&tmp, &dir);
             match rename() {
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && self.abandoned_start(name) => {
-                    let _ = fs::remove_dir_all(&dir);
-                    rename()
-                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && self.reclaim_abandoned_start(name) => rename(),
                 r => r,
             }
+            .map(|()| lock)
             .map_err(|e| if e.kind() == io::ErrorKind::AlreadyExists { JobError::Exists(name.to_string()) } else { io_err("rename job dir")(e) })
         });
         if taken.is_err() {
             let _ = fs::remove_dir_all(&tmp);
         }
-        taken.map(|()| dir)
+        taken.map(|lock| (dir, lock))
     }
 
     /// Ends a start: the job's shim has recorded it.
     pub fn started(&self, name: &str) {
-        let _ = fs::remove_file(self.dir_of(name).join(STARTING_FILE));
+        clear_start(&self.dir_of(name));
     }
 
-    /// Whether `name` is a start whose hiber was killed before its job was recorded.
-    fn abandoned_start(&self, name: &str) -> bool {
+    /// Removes `name` if it is a start that nobody finishes: no job recorded, and neither
+    /// its hiber nor its shim holds the marker's lock (this takes it, so two hibers never
+    /// both remove one). The directory is moved aside before it goes, while still locked,
+    /// so that only that directory goes. Whether it was removed.
+    fn reclaim_abandoned_start(&self, name: &str) -> bool {
         let dir = self.dir_of(name);
-        let Ok(tag) = fs::read_to_string(dir.join(STARTING_FILE)) else { return false };
-        !dir.join(JOB_FILE).exists() && !dir.join(RESTORING_FILE).exists() && crate::state::made_by_a_gone_hiber(tag.trim())
+        let Ok(marker) = fs::File::open(dir.join(STARTING_FILE)) else { return false };
+        if !sys::try_flock_exclusive(&marker).unwrap_or(false) || dir.join(JOB_FILE).exists() || dir.join(RESTORING_FILE).exists() {
+            return false;
+        }
+        let tag = crate::state::hiber_tag().unwrap_or_default();
+        let aside = self.dir.join(format!(".{name}.{tag}.abandoned"));
+        let _ = fs::remove_dir_all(&aside);
+        if fs::rename(&dir, &aside).is_err() {
+            return false;
+        }
+        let _ = fs::remove_dir_all(&aside);
+        true
     }
 
     /// Takes `name` for a job being restored: its directory appears with `marker` and a
@@ -280,12 +298,8 @@ impl Registry {
         for e in dir.filter_map(Result::ok) {
             let name = e.file_name().to_string_lossy().into_owned();
             if validate_name(&name).is_ok() {
-                if self.abandoned_start(&name) {
-                    if fs::remove_dir_all(e.path()).is_ok() {
-                        removed += 1;
-                    }
-                } else if fs::read_to_string(e.path().join(STARTING_FILE)).is_ok_and(|t| crate::state::made_by_a_gone_hiber(t.trim())) {
-                    self.started(&name);
+                if self.reclaim_abandoned_start(&name) {
+                    removed += 1;
                 }
                 continue;
             }
@@ -442,6 +456,11 @@ pub fn write_record(job_dir: &Path, job: &Job) -> io::Result<()> {
     write_atomically(job_dir, JOB_FILE, &serde_json::to_vec_pretty(job).expect("job serializes"))
 }
 
+/// Ends the start of the job in `job_dir` (its record is written): hiber, or the job's shim.
+pub fn clear_start(job_dir: &Path) {
+    let _ = fs::remove_file(job_dir.join(STARTING_FILE));
+}
+
 /// Called by a restore's shim once CRIU restored the tree rooted at `pid`, before it
 /// reports the tree to hiber.
 pub fn write_restored_root(job_dir: &Path, pid: i32) -> io::Result<RestoredRoot> {
@@ -478,25 +497,25 @@ mod tests {
         }
     }
 
-    /// A name `hiber run` took is free again when that hiber was killed before its job was
-    /// recorded; not while it runs, nor once the job is recorded (#41: a killed run).
+    /// A name `hiber run` took is free again once nobody holds its start (its hiber and the
+    /// job's shim gone) with no job recorded; not while either holds it, nor once the job is
+    /// recorded (#41: a killed run).
     #[test]
-    fn a_start_whose_hiber_is_gone_frees_its_name() {
+    fn a_start_nobody_holds_frees_its_name() {
         let root = std::env::temp_dir().join(format!("hiber-jobs-start-test-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         let reg = Registry::new(&StateDir::at(&root));
-        let dir = reg.create_dir("s-1").unwrap();
+        let (dir, lock) = reg.create_dir("s-1").unwrap();
         let me = crate::state::hiber_tag().unwrap();
         assert_eq!(fs::read_to_string(dir.join(STARTING_FILE)).unwrap(), me, "the start names its hiber");
-        assert!(matches!(reg.create_dir("s-1"), Err(JobError::Exists(_))), "taken while its hiber runs");
-        // Its hiber gone (PID 1 never started at tick 1): the name is free again.
-        let gone = "1-1";
-        fs::write(dir.join(STARTING_FILE), gone).unwrap();
+        assert!(matches!(reg.create_dir("s-1"), Err(JobError::Exists(_))), "taken while its lock is held");
+        assert_eq!(reg.remove_abandoned_reservations(), 0);
         fs::write(dir.join(STDOUT_LOG), "old").unwrap();
-        let again = reg.create_dir("s-1").unwrap();
+        // Its hiber and shim gone (the lock's descriptors closed): the name is free again.
+        drop(lock);
+        let (again, lock) = reg.create_dir("s-1").unwrap();
         assert!(!again.join(STDOUT_LOG).exists(), "the abandoned start's files went with it");
-        // A job recorded by its shim is a job, whoever started it; it only loses the marker.
-        fs::write(again.join(STARTING_FILE), gone).unwrap();
+        // A job recorded by its shim is a job, whoever started it.
         let job = Job {
             name: "s-1".into(),
             pid: i32::MAX - 1,
@@ -508,12 +527,13 @@ mod tests {
             last_image: None,
         };
         write_record(&again, &job).unwrap();
+        drop(lock);
         assert!(matches!(reg.create_dir("s-1"), Err(JobError::Exists(_))));
-        // Sweeps: an abandoned start goes, a recorded one loses its marker.
-        let other = reg.create_dir("s-2").unwrap();
-        fs::write(other.join(STARTING_FILE), gone).unwrap();
+        // The sweep: an abandoned start goes, a recorded one stays.
+        let (other, lock) = reg.create_dir("s-2").unwrap();
+        drop(lock);
         assert_eq!(reg.remove_abandoned_reservations(), 1);
-        assert!(!other.exists() && again.join(JOB_FILE).exists() && !again.join(STARTING_FILE).exists());
+        assert!(!other.exists() && again.join(JOB_FILE).exists());
         fs::remove_dir_all(&root).unwrap();
     }
 
@@ -523,7 +543,7 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
         let reg = Registry::new(&StateDir::at(&root));
         assert_eq!(reg.free_name("/usr/bin/python3"), "usrbinpython3-1");
-        let dir = reg.create_dir("a-1").unwrap();
+        let (dir, _lock) = reg.create_dir("a-1").unwrap();
         assert!(matches!(reg.create_dir("a-1"), Err(JobError::Exists(_))));
         assert_eq!(reg.free_name("a"), "a-2");
         let job = Job {

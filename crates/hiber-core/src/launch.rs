@@ -25,7 +25,7 @@
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -98,7 +98,7 @@ impl ShimTask {
     /// The descriptors the shim must inherit.
     fn fds(&self) -> Vec<RawFd> {
         match self {
-            ShimTask::Run(_) => Vec::new(),
+            ShimTask::Run(c) => c.hold.into_iter().collect(),
             ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).chain(r.hold).collect(),
         }
     }
@@ -216,7 +216,14 @@ pub unsafe fn shim_main(mut input: impl Read) -> i32 {
             let mut start_time = 0;
             // SAFETY: a child forked from a single-threaded process has one thread too.
             let started = unsafe { start_in_namespace(&cmd, &mut start_time) };
-            recorded_run(&request.job_dir, cmd.argv.clone(), start_time, started)
+            let started = recorded_run(&request.job_dir, cmd.argv.clone(), start_time, started);
+            // Recorded (or failed): the start's lock has nothing left to guard.
+            if let Some(fd) = cmd.hold {
+                // SAFETY: `fd` is the start's lock hiber passed this shim under this number
+                // (kept by `detach`), which nothing else here owns or uses: closed once.
+                drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+            }
+            started
         }
         ShimTask::Restore(task) => recorded(&request.job_dir, restore(task)),
     };
@@ -316,7 +323,10 @@ fn recorded_run(job_dir: &Path, argv: Vec<String>, start_time: u64, started: Sta
         last_image: None,
     };
     match jobs::write_record(job_dir, &job) {
-        Ok(()) => started,
+        Ok(()) => {
+            jobs::clear_start(job_dir);
+            started
+        }
         Err(e) => {
             let _ = sys::kill(pid, libc::SIGKILL);
             let _ = sys::waitpid(pid);
@@ -370,6 +380,9 @@ pub struct Command {
     /// Give the job an IPC namespace of its own (see [`Command::host_ipc`]).
     #[serde(default = "yes")]
     private_ipc: bool,
+    /// See [`Command::hold`].
+    #[serde(default)]
+    hold: Option<RawFd>,
 }
 
 fn yes() -> bool {
@@ -411,6 +424,14 @@ pub fn io_uring_filter() -> Vec<libc::sock_filter> {
 }
 
 impl Command {
+    /// A descriptor of hiber's that the job's shim keeps open for as long as it lives and
+    /// hands to nobody: the lock of the job's start (see `Registry::create_dir`), which so
+    /// stays held while hiber or the shim runs.
+    pub fn hold(mut self, fd: RawFd) -> Command {
+        self.hold = Some(fd);
+        self
+    }
+
     /// Lets the job use io_uring; it cannot be checkpointed while it holds an instance.
     pub fn allow_io_uring(mut self, allow: bool) -> Command {
         self.allow_io_uring = allow;
@@ -462,6 +483,7 @@ impl Command {
             avoid_namespaces: Vec::new(),
             private_shm: true,
             private_ipc: true,
+            hold: None,
         };
         cmd.prepare().map_err(LaunchError::Start)?;
         Ok(cmd)

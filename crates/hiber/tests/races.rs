@@ -279,8 +279,9 @@ fn a_run_killed_once_its_job_runs_leaves_a_listed_job() {
     assert_eq!(job["pid"].as_i64(), Some(h.pid_of("rs") as i64), "{job}");
     h.wait_step("rs", 3);
     assert_eq!(running_with_steps("637"), 1);
+    assert!(!h.state.join("jobs/rs/starting").exists(), "the shim ended the start once it recorded the job");
     recover(&h);
-    assert!(!h.state.join("jobs/rs/starting").exists(), "the start's marker is swept");
+    assert_eq!(listed(&h, "rs").expect("still listed")["state"], "running", "recover leaves a job alone");
     assert_eq!(h.ok(&["rm", "-f", "rs"]).trim(), "removed job rs");
     assert_eq!(running_with_steps("637"), 0);
     assert!(listed(&h, "rs").is_none());

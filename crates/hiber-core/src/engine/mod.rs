@@ -235,7 +235,8 @@ pub trait CheckpointSession: Send {
     /// Threads that must run while CRIU holds the tree, for
     /// [`checkpoint_frozen`](Self::checkpoint_frozen) and
     /// [`resume_frozen`](Self::resume_frozen) (the CUDA driver's restore threads): none by
-    /// default, and then neither is called.
+    /// default. CRIU sends its device notifications only when some session names threads;
+    /// both hooks are then called on every session, and do nothing by default.
     fn frozen_threads(&self) -> Vec<i32> {
         Vec::new()
     }

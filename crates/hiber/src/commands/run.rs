@@ -1,5 +1,7 @@
 //! `hiber run [--name NAME] -- CMD [ARGS...]`
 
+use std::os::fd::AsRawFd;
+
 use hiber_core::jobs::{Job, Registry};
 use hiber_core::launch::{self, Started};
 use hiber_core::state::StateDir;
@@ -66,7 +68,9 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
     }
     let base = std::path::Path::new(&command[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
     let name = name.unwrap_or_else(|| registry.free_name(&base));
-    let dir = registry.create_dir(&name)?;
+    // The start's lock: held by this hiber, then by the job's shim too, so that the name
+    // is only ever reclaimed from a start that both left before the job was recorded.
+    let (dir, start_lock) = registry.create_dir(&name)?;
     pause_for_tests("run-reserved");
     let started = (|| {
         registry.open_logs(&name)?;
@@ -79,7 +83,8 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             .allow_io_uring(opts.allow_io_uring)
             .host_shm(opts.host_shm)
             .host_ipc(opts.host_ipc)
-            .avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces());
+            .avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces())
+            .hold(start_lock.as_raw_fd());
         // What the device engines prepare for a job: the agent's preload, say.
         let mut skip = Vec::new();
         if !opts.agent {
@@ -104,7 +109,10 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         }
     })();
     if let Err(e) = started {
-        let _ = registry.remove(&name);
+        // A job the shim recorded runs, whatever hiber heard: it stays, as a job.
+        if !registry.has_record(&name) {
+            let _ = registry.remove(&name);
+        }
         return Err(e);
     }
     // The job's shim recorded it before it reported it started.
