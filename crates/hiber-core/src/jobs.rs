@@ -202,11 +202,6 @@ impl Registry {
         taken.map(|lock| (dir, lock))
     }
 
-    /// Ends a start: the job's shim has recorded it.
-    pub fn started(&self, name: &str) {
-        clear_start(&self.dir_of(name));
-    }
-
     /// Removes `name` if it is a start that nobody finishes: no job recorded, and neither
     /// its hiber nor its shim holds the marker's lock (this takes it, so two hibers never
     /// both remove one). The directory is moved aside before it goes, while still locked,
@@ -456,7 +451,7 @@ pub fn write_record(job_dir: &Path, job: &Job) -> io::Result<()> {
     write_atomically(job_dir, JOB_FILE, &serde_json::to_vec_pretty(job).expect("job serializes"))
 }
 
-/// Ends the start of the job in `job_dir` (its record is written): hiber, or the job's shim.
+/// Ends the start of the job in `job_dir` (its shim has written its record).
 pub fn clear_start(job_dir: &Path) {
     let _ = fs::remove_file(job_dir.join(STARTING_FILE));
 }

@@ -65,6 +65,21 @@ fn counted(file: &Path) -> (u64, u64) {
     (b[0] - a[0], b[1] - a[1])
 }
 
+/// A `--leave-running` dump of `pid` into `images`, logging to `work`, with `threads` run
+/// alone for the device notifications.
+fn leave_running<'a>(pid: u32, images: &'a Dir, work: &'a Dir, threads: Vec<i32>) -> DumpOptions<'a> {
+    DumpOptions {
+        pid: pid as i32,
+        images_dir: &images.0,
+        work_dir: &work.0,
+        leave_running: true,
+        external_mounts: false,
+        external_files: Vec::new(),
+        skip_network_lock: true,
+        device_threads: threads,
+    }
+}
+
 #[test]
 fn the_listed_thread_runs_alone_while_criu_holds_the_tree() {
     let criu = Criu::locate().expect("CRIU (scripts/setup.sh builds hiber's)");
@@ -87,16 +102,7 @@ fn the_listed_thread_runs_alone_while_criu_holds_the_tree() {
     let helper = slots(&file)[2] as i32;
     let (images, work) = (private_dir("images"), private_dir("log"));
     let mut seen: Vec<(String, (u64, u64))> = Vec::new();
-    let opts = DumpOptions {
-        pid: child.id() as i32,
-        images_dir: &images.0,
-        work_dir: &work.0,
-        leave_running: true,
-        external_mounts: false,
-        external_files: Vec::new(),
-        skip_network_lock: true,
-        device_threads: vec![helper],
-    };
+    let opts = leave_running(child.id(), &images, &work, vec![helper]);
     let dumped = criu.dump(&opts, &mut |script| {
         if matches!(script, "checkpoint-devices" | "resume-devices" | "post-dump") {
             seen.push((script.to_string(), counted(&file)));
@@ -130,16 +136,7 @@ fn no_threads_no_notification_and_a_stranger_fails_the_dump() {
     for (threads, ok) in [(vec![], true), (vec![std::process::id() as i32], false)] {
         let (images, work) = (private_dir("images2"), private_dir("log2"));
         let mut seen = Vec::new();
-        let opts = DumpOptions {
-            pid: child.id() as i32,
-            images_dir: &images.0,
-            work_dir: &work.0,
-            leave_running: true,
-            external_mounts: false,
-            external_files: Vec::new(),
-            skip_network_lock: true,
-            device_threads: threads.clone(),
-        };
+        let opts = leave_running(child.id(), &images, &work, threads.clone());
         let r = criu.dump(&opts, &mut |script| {
             seen.push(script.to_string());
             Ok(())
