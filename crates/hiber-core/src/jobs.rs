@@ -166,7 +166,7 @@ impl Registry {
     }
 
     /// Reserves `name` for a job `hiber run` starts: its directory (0700) appears with a
-    /// [`STARTING_FILE`] in it, locked (prepared under a hidden name, then renamed). Returns
+    /// `starting` marker in it, locked (prepared under a hidden name, then renamed). Returns
     /// the directory and the lock, which the job's shim must inherit (see
     /// [`launch::Command::hold`](crate::launch::Command::hold)). Fails if the name is taken,
     /// unless by a start whose hiber and shim are both gone with no job recorded, which is

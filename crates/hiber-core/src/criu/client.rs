@@ -92,7 +92,7 @@ pub struct CriuVersion {
     pub sublevel: i32,
     pub gitid: Option<String>,
     /// The name the version reply gives: hiber's patched CRIU names itself
-    /// [`DEVICE_NOTIFY`] (scripts/criu-patches/0004).
+    /// `DEVICE_NOTIFY` (scripts/criu-patches/0004).
     #[serde(default)]
     pub name: Option<String>,
 }
