@@ -984,9 +984,9 @@ def agent_jax_sharded_two_gpus(m):
     ref = sh("python3", JAX_SHARDED, "--steps", steps, *args, timeout=300, env=JAX_ENV)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-400:]} {ref.stderr[-1200:]}"
-    # Both experimental: the agent answers XLA's lookups of NCCL (in the job), and hiber
-    # checkpoints the process inside CRIU's freeze (in hiber's checkpoints).
-    env = dict(JAX_ENV, HIBER_NCCL_DLSYM="1", HIBER_DEVICE_IN_FREEZE="1")
+    # Defaults only: the agent answers XLA's lookups of NCCL, and hiber checkpoints the
+    # process inside CRIU's freeze.
+    env = JAX_ENV
     run_job("jaxs", "python3", JAX_SHARDED, "--steps", steps, *args, agent=True, limit=240, env=env)
     wait_step("jaxs", 40, 240)
     m["gpus_per_process"] = gpus_per_process("jaxs")

@@ -7,12 +7,16 @@
 # loaded runs, beside Xid 109 (CTX SWITCH TIMEOUT) on both GPUs, and passed apart.
 # Results: $OUT/{p,a,b}/results.md.
 # Usage (from the repository root, with .carry/ from scripts/gpu-carry.sh): bash gpu/two_gpus.sh
+# SUITE_GROUPS=p or SUITE_GROUPS=a,b runs only those groups (the whole script is longer than one device
+# call may run).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/hiber-gpu-out}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 mkdir -p "$out/p" "$out/a" "$out/b"
 p=gpu_map_onto_the_other_gpu_agent,gpu_map_onto_the_other_gpu_no_agent,gpu_swap_two_jobs_agent,gpu_swap_two_jobs_no_agent
+# JAX sharded over both GPUs (#41, item 8): XLA preallocates 75% of each GPU, so it runs alone.
+p=$p,agent_jax_sharded_two_gpus
 a=nccl_ddp_refused_cleanly_no_agent,nccl_ddp_leave_running_and_restored_twice,nccl_fsdp_leave_running_and_restored_twice
 a=$a,nccl_allreduce_leave_running_and_restored_twice,nccl_ddp_stop_and_restore
 a=$a,nccl_rank_killed_during_checkpoint_fails_the_other,nccl_rank_and_hiber_killed_recover_fails_the_other
@@ -23,18 +27,16 @@ b=$b,gpu_one_process_on_both_gpus_in_place_no_agent,gpu_two_gpus_without_peer_ac
 b=$b,gpu_cuda_visible_devices_1_agent,gpu_cuda_visible_devices_1_no_agent
 # An NVML monitor (reads both GPUs) beside a training process.
 b=$b,agent_nvml_monitor_beside_training
-# Not here: agent_jax_sharded_two_gpus (#41, item 8), which needs the experimental
-# HIBER_NCCL_DLSYM and HIBER_DEVICE_IN_FREEZE (it sets them) and has not passed yet: run it
-# alone, with SUITE_ONLY, under a timeout.
 suite() { # GROUP ONLY [VAR=VALUE...]
     local g=$1 only=$2
     shift 2
     env OUT="$out/$g" SUITE_STATE="/tmp/hiber-gpu-state-$g" SUITE_BUILD="/tmp/hiber-gpu-build-$g" SUITE_ONLY="$only" "$@" \
         timeout "${SUITE_TIMEOUT:-900}" python3 gpu/suite.py >"$out/$g/suite.log" 2>&1
 }
-suite p "$p"
-suite a "$a" SUITE_XHOST_SPREAD=1 SUITE_XHOST_FAIL_AT=quiesced,captured &
-suite b "$b" &
+want() { [[ ",${SUITE_GROUPS:-p,a,b}," == *",$1,"* ]]; }
+want p && suite p "$p"
+want a && suite a "$a" SUITE_XHOST_SPREAD=1 SUITE_XHOST_FAIL_AT=quiesced,captured &
+want b && suite b "$b" &
 wait
 rm -f "$out"/*/results.json
 grep -h "^\[\|passed,\|hiber commit" "$out"/*/suite.log | cut -c1-400

@@ -69,9 +69,9 @@ fn polls_through_the_agent_behave_as_glibc_s() {
 
 /// A program that opens a library defining NCCL's names with `dlopen(RTLD_LOCAL)` and looks
 /// them up with `dlsym` (XLA's NCCL stub does so with libnccl.so.2): with
-/// `HIBER_NCCL_DLSYM=1`, a name the agent exports (every entry point that takes a
-/// communicator) is answered with the agent's own, others with the library's; without it,
-/// and without the agent, with the library's. The library here
+/// the agent, a name the agent exports (every entry point that takes a communicator) is
+/// answered with the agent's own, others with the library's; with `HIBER_NCCL_DLSYM=0`, and
+/// without the agent, with the library's. The library here
 /// is a stand-in compiled by the test (this machine has no NCCL); the GPU suite's
 /// `agent_jax_sharded_two_gpus` runs JAX with the real one.
 #[test]
@@ -109,10 +109,10 @@ int main(int argc, char **argv) {
     let library = "ncclCommCount library\nncclGetVersion library\nncclNoSuchName none\n";
     let (plain, _) = run(&script, false);
     assert_eq!(plain, library);
-    // Off by default (HIBER_NCCL_DLSYM): the library's own, as without the agent.
-    let (off, err) = run(&script, true);
+    // Turned off (HIBER_NCCL_DLSYM=0): the library's own, as without the agent.
+    let (off, err) = run(&format!("HIBER_NCCL_DLSYM=0 {script}"), true);
     assert_eq!(off, library, "{err}");
-    let (with, err) = run(&format!("HIBER_NCCL_DLSYM=1 {script}"), true);
+    let (with, err) = run(&script, true);
     assert_eq!(with, "ncclCommCount agent\nncclGetVersion library\nncclNoSuchName none\n", "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -22,11 +22,11 @@
 //! communicator in the same order (as NCCL itself requires).
 //!
 //! Programs that resolve NCCL with `dlsym` (XLA's NCCL stub `dlopen`s `libnccl.so.2` and
-//! looks up each entry point, so JAX reaches NCCL so) can get the agent's exports too, with
-//! `HIBER_NCCL_DLSYM=1`: the agent's `dlsym` then answers `nccl*` names that NCCL defines
-//! with the agent's export of the same name ([`redirect_dlsym`]). It is off by default
-//! until such a process is verified to survive its checkpoint (see `dlsym_redirect_on`);
-//! without it hiber refuses them, as it does programs that link NCCL statically.
+//! looks up each entry point, so JAX reaches NCCL so) get the agent's exports too: the
+//! agent's `dlsym` answers `nccl*` names that NCCL defines with the agent's export of the
+//! same name ([`redirect_dlsym`]). `HIBER_NCCL_DLSYM=0` turns that off (see
+//! `dlsym_redirect_on`); hiber then refuses such processes, as it does programs that link
+//! NCCL statically.
 //!
 //! Not covered: registered buffers, windows and the device API (the handles they return
 //! would not survive a rebuild): a communicator that used them refuses the checkpoint.

@@ -51,15 +51,15 @@ pub unsafe fn redirect_dlsym(handle: *mut c_void, symbol: *const c_char, found: 
     ours
 }
 
-/// Whether `nccl*` lookups by name are answered with the agent's entry points: only with
-/// `HIBER_NCCL_DLSYM=1`, for now. XLA's process on two GPUs died at its checkpoint because
-/// libcuda's own threads ran while its device state was away; hiber's checkpoint inside
-/// CRIU's freeze (`HIBER_DEVICE_IN_FREEZE=1`, experimental) prevents that, and with both
-/// the process survived its checkpoint once (2×H200, #41). Until the GPU suite has passed
-/// with them, such a job is refused before anything stops and runs on.
+/// Whether `nccl*` lookups by name are answered with the agent's entry points: yes unless
+/// `HIBER_NCCL_DLSYM=0`. Without it a process that looks NCCL up by name (XLA's) holds
+/// communicators the agent cannot cut, and hiber refuses its checkpoint before anything
+/// stops. Such a process also needs the driver's checkpoint inside CRIU's freeze (hiber's
+/// CRIU, patch 0004): libcuda's own threads in an XLA process die if it runs while its
+/// device state is away (#41).
 pub(super) fn dlsym_redirect_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("HIBER_NCCL_DLSYM").is_some_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var_os("HIBER_NCCL_DLSYM").is_none_or(|v| v != "0"))
 }
 
 /// A handle to the agent's own library, for looking up its exports by name.

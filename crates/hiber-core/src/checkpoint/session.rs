@@ -73,9 +73,9 @@ impl<'a> Checkpoint<'a> {
             cut_passed: false,
         };
         let mut journal = Journal::begin(&ctx.state, entry).map_err(CheckpointError::Journal)?;
-        // The driver's checkpoint inside CRIU's freeze: experimental until the GPU suite has
-        // passed with it (`HIBER_DEVICE_IN_FREEZE=1`, and hiber's CRIU).
-        let in_freeze = ctx.criu_version.device_notify() && std::env::var_os("HIBER_DEVICE_IN_FREEZE").is_some_and(|v| v == "1");
+        // The driver's checkpoint inside CRIU's freeze, wherever hiber's CRIU can hold it
+        // there (`HIBER_DEVICE_IN_FREEZE=0` takes the checkpoint before the dump instead).
+        let in_freeze = ctx.criu_version.device_notify() && std::env::var_os("HIBER_DEVICE_IN_FREEZE").is_none_or(|v| v != "0");
         let opts = CheckpointOptions { leave_running: req.leave_running, in_freeze };
         let mut sessions: Vec<Engaged> = Vec::new();
         for engine in &ctx.engines {

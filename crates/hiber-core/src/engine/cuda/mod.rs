@@ -11,9 +11,8 @@
 //! No thread of a process but the driver's restore thread may run while its device state is
 //! away: libcuda's own threads in an XLA process read device mappings on their own, and
 //! died of SIGSEGV 1.6 to 6.6 s after the driver's checkpoint whenever the process ran
-//! meanwhile (`bench/probes/jax_gap.sh`). With hiber's CRIU (scripts/criu-patches/0004) and
-//! `HIBER_DEVICE_IN_FREEZE=1` (experimental: the GPU suite has not passed with it yet) the
-//! checkpoint is taken inside CRIU's freeze, with only the restore threads running
+//! meanwhile (`bench/probes/jax_gap.sh`). With hiber's CRIU (scripts/criu-patches/0004), unless
+//! `HIBER_DEVICE_IN_FREEZE=0`, the checkpoint is taken inside CRIU's freeze, with only the restore threads running
 //! ([`CheckpointSession::checkpoint_frozen`]), and the state given back before CRIU lets a
 //! tree that runs on go ([`CheckpointSession::resume_frozen`]), as CRIU's own CUDA plugin
 //! does. Otherwise, or where the driver names no restore thread, the process is
