@@ -64,8 +64,18 @@ class Skip(Exception):
     pass
 
 
+# SUITE_TRACE=1: each command and how it ended, on stderr as it happens, so a run cut by a
+# timeout still shows where it was.
+TRACE = os.environ.get("SUITE_TRACE") == "1"
+
+
 def sh(*args, check=True, env=None, timeout=600):
+    t0 = time.time()
+    if TRACE:
+        print(f"[trace] {time.strftime('%H:%M:%S')} {' '.join(map(str, args))[-200:]}", file=sys.stderr, flush=True)
     p = subprocess.run(list(map(str, args)), capture_output=True, text=True, env=env or ENV, timeout=timeout)
+    if TRACE:
+        print(f"[trace] rc={p.returncode} after {time.time() - t0:.1f}s {p.stderr.strip()[-300:]}", file=sys.stderr, flush=True)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return p
@@ -97,6 +107,8 @@ def wait(what, limit, cond):
         if time.time() - start > limit:
             raise AssertionError(f"timed out after {limit}s waiting for {what}")
         time.sleep(0.05)
+    if TRACE:
+        print(f"[trace] {time.strftime('%H:%M:%S')} {what}: {time.time() - start:.1f}s", file=sys.stderr, flush=True)
 
 
 def wait_step(job, step, limit=60):
