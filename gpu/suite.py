@@ -157,6 +157,13 @@ def job_log_tails():
 
 
 def cleanup():
+    if TRACE and (STATE / "jobs").exists():
+        # Every job's logs (hiber's, the agent's, the program's), kept under OUT/jobs.
+        for f in (STATE / "jobs").glob("*/*.log"):
+            if f.stat().st_size <= 4 << 20:
+                dest = OUT / "jobs" / f.relative_to(STATE / "jobs")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, dest)
     if (STATE / "jobs").exists():
         for j in (STATE / "jobs").iterdir():
             hiber("rm", "-f", j.name, check=False)
@@ -989,8 +996,8 @@ def agent_jax_sharded_two_gpus(m):
     (dlopen, then dlsym of each entry point), one rank per GPU in this one process, and
     the agent's dlsym hands it the agent's entry points. Checkpointed with --leave-running
     mid-run, it trains on, on the uninterrupted trajectory; the image restores twice, with
-    the GPUs swapped and in place, each copy going on from the cut on the same trajectory;
-    a copy's stopping checkpoint restores too (the preemption loop)."""
+    in place and with the GPUs swapped, each copy going on from the cut on the same
+    trajectory; a copy's stopping checkpoint restores too (the preemption loop)."""
     need_two_gpus()
     steps, args = "300", ("--interval-ms", "10")
     ref = sh("python3", JAX_SHARDED, "--steps", steps, *args, timeout=300, env=JAX_ENV)
@@ -1009,7 +1016,8 @@ def agent_jax_sharded_two_gpus(m):
     assert_verified("jaxs", 300)
     assert_on_reference("jaxs", ref_traj)
     m["step_gap_ms"] = step_gap_ms("jaxs", 2, int(steps))
-    for name, extra in (("jaxs-r", ("--gpu-map", "0=1,1=0")), ("jaxs-r2", ())):
+    # In place first (with the preemption loop), then with the GPUs swapped.
+    for name, extra in (("jaxs-r2", ()), ("jaxs-r", ("--gpu-map", "0=1,1=0"))):
         t0 = time.time()
         hiber_logged(m, "restore_log_" + name, "restore", img, "--name", name, *extra, env=env)
         wait_step(name, 0, 180)
