@@ -158,11 +158,13 @@ macro_rules! real_table {
         /// The ICD loader's entry points; `None` where the loader lacks one.
         pub struct Real {
             $(pub $name: Option<unsafe extern "C" fn($($arg),*) -> $ret>,)*
-            _lib: libloading::Library,
+            /// The loader these came from; `None` for the proxy's stubs ([`crate::remote`]).
+            pub(crate) _lib: Option<libloading::Library>,
         }
 
         impl Real {
-            fn load() -> Result<Real, String> {
+            /// Loads the ICD loader's entry points from `libOpenCL.so.1`.
+            pub fn load() -> Result<Real, String> {
                 // SAFETY: loading the ICD loader runs its initializers, which take no
                 // arguments from us; it is already loaded in a process that calls OpenCL.
                 let lib = unsafe { libloading::Library::new("libOpenCL.so.1") }.map_err(|e| e.to_string())?;
@@ -172,16 +174,16 @@ macro_rules! real_table {
                         // signature the OpenCL headers give as written here.
                         $name: unsafe { lib.get::<unsafe extern "C" fn($($arg),*) -> $ret>(concat!(stringify!($name), "\0").as_bytes()) }.ok().map(|s| *s),
                     )*
-                    _lib: lib,
+                    _lib: Some(lib),
                 })
             }
         }
     };
 }
 
-type Notify = Option<unsafe extern "C" fn(*const i8, *const c_void, usize, *mut c_void)>;
-type ProgramNotify = Option<unsafe extern "C" fn(H, *mut c_void)>;
-type EventNotify = Option<unsafe extern "C" fn(H, cl_int, *mut c_void)>;
+pub type Notify = Option<unsafe extern "C" fn(*const i8, *const c_void, usize, *mut c_void)>;
+pub type ProgramNotify = Option<unsafe extern "C" fn(H, *mut c_void)>;
+pub type EventNotify = Option<unsafe extern "C" fn(H, cl_int, *mut c_void)>;
 
 real_table! {
     clGetPlatformIDs: fn(cl_uint, *mut H, *mut cl_uint) -> cl_int;
@@ -287,13 +289,22 @@ real_table! {
 }
 
 /// The loader's entry points, loaded on first use; `None` where there is no ICD loader.
+/// In proxy mode ([`crate::remote::enabled`]), the stubs that forward to the proxy.
 pub fn real() -> Option<&'static Real> {
     static REAL: OnceLock<Option<Real>> = OnceLock::new();
-    REAL.get_or_init(|| match Real::load() {
-        Ok(r) => Some(r),
-        Err(e) => {
-            crate::log(&format!("cannot load the OpenCL ICD loader (libOpenCL.so.1): {e}"));
-            None
+    REAL.get_or_init(|| {
+        let table = if crate::remote::enabled() {
+            crate::remote::set_connect(crate::proxy::connect);
+            Ok(crate::remote::client::table())
+        } else {
+            Real::load()
+        };
+        match table {
+            Ok(r) => Some(r),
+            Err(e) => {
+                crate::log(&format!("cannot load the OpenCL ICD loader (libOpenCL.so.1): {e}"));
+                None
+            }
         }
     })
     .as_ref()
