@@ -69,6 +69,7 @@ pub fn status() -> Status {
         released: reg.released,
         pending: reg.pending.len() as u64,
         refused: reg.refused.iter().map(|s| s.split_whitespace().next().unwrap_or(s).to_string()).collect(),
+        proxy: crate::remote::enabled(),
     }
 }
 
@@ -90,12 +91,19 @@ fn session(conn: &OwnedFd) -> std::io::Result<()> {
             Request::Release if !quiesced => reply(conn, Reply::Err("release without quiesce".into()))?,
             Request::Release => match replay::release() {
                 Ok(()) => {
+                    // Proxy mode: nothing of the proxy stays open in the process either.
+                    if crate::remote::enabled() {
+                        crate::proxy::disconnect();
+                    }
                     reply(conn, Reply::Ok)?;
                     return Ok(());
                 }
                 Err(e) => reply(conn, Reply::Err(e))?,
             },
-            Request::Replay { device } => {
+            Request::Replay { device, proxy } => {
+                if let Some(p) = &proxy {
+                    crate::proxy::set_path(p);
+                }
                 let r = replay::replay(device.as_deref());
                 if let Err(e) = &r {
                     log(&format!("replay: {e}"));

@@ -626,6 +626,9 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
             None => d.set_real(null_mut()),
         }
     }
+    // Platforms by their name too (in proxy mode a new proxy's handles are all new; a
+    // platform none of whose devices the process listed has no device to be found by).
+    rebind_platforms(&objects, &all)?;
     for x in &objects {
         if matches!(x.kind, Kind::Platform | Kind::Device) || !x.real().is_null() {
             continue;
@@ -649,6 +652,45 @@ pub fn replay(selector: Option<&str>) -> Result<(), String> {
     // The gate stays closed until hiber has written back every one of these.
     reg.pending = pending;
     Ok(())
+}
+
+/// Gives each platform object the real platform of its name (the n-th of that name for
+/// the n-th object of that name), unless a device of it was bound to one already.
+fn rebind_platforms(objects: &[Arc<Obj>], all: &[Vec<RealDevice>]) -> Result<(), String> {
+    let platforms: Vec<&Arc<Obj>> = objects.iter().filter(|x| x.kind == Kind::Platform).collect();
+    if platforms.is_empty() {
+        return Ok(());
+    }
+    let bound: Vec<H> = all.iter().flatten().map(|d| d.platform).collect();
+    let mut reals = real_platforms()?;
+    // The ones a device moved onto are taken already.
+    for p in &platforms {
+        if bound.contains(&p.real()) {
+            reals.retain(|(h, _)| *h != p.real());
+        }
+    }
+    for p in platforms.into_iter().filter(|p| !bound.contains(&p.real())) {
+        let name = match &*p.rec() {
+            Record::Platform { name } => name.clone(),
+            _ => continue,
+        };
+        match reals.iter().position(|(_, n)| *n == name) {
+            Some(i) => p.set_real(reals.remove(i).0),
+            None => p.set_real(null_mut()),
+        }
+    }
+    Ok(())
+}
+
+fn real_platforms() -> Result<Vec<(H, String)>, String> {
+    let get_platforms = f!(clGetPlatformIDs);
+    let mut n = 0;
+    // SAFETY: counting platforms into our variable.
+    check("listing OpenCL platforms", unsafe { get_platforms(0, null_mut(), &mut n) })?;
+    let mut ps = vec![null_mut(); n as usize];
+    // SAFETY: `n` platforms into a list of `n`.
+    check("listing OpenCL platforms", unsafe { get_platforms(n, ps.as_mut_ptr(), null_mut()) })?;
+    Ok(ps.into_iter().map(|p| (p, platform_name(p))).collect())
 }
 
 fn real_list(objs: &[Arc<Obj>]) -> Vec<H> {

@@ -18,7 +18,9 @@
 //!
 //! ```text
 //! hiber → replay 0:1        re-create every object from its record, on platform 0,
-//! layer → ok                device 1 (`cpu`, `gpu`, or `-` for the devices it had)
+//! layer → ok                device 1 (`cpu`, `gpu`, or `-` for the devices it had);
+//!                           in proxy mode `replay 0:1 proxy=SOCKET` names the new job's
+//!                           proxy, which the layer connects to first
 //! hiber → load 7            + memfd: write these bytes into memory object 7
 //! layer → ok
 //! hiber → resume            layer opens its gate
@@ -33,6 +35,9 @@ use crate::{message, num, one_line, Answer, ParseError, MAX_MESSAGE};
 pub const TOKEN_ENV: &str = "HIBER_OPENCL_TOKEN";
 /// Where the layer may log (never the application's stdout or stderr).
 pub const LOG_ENV: &str = "HIBER_OPENCL_LOG";
+/// Proxy mode: the socket of the job's OpenCL proxy. With it the layer never loads the
+/// ICD loader itself; every call to the platform goes to a proxy process.
+pub const PROXY_ENV: &str = "HIBER_OPENCL_PROXY";
 
 /// The abstract socket name (without the leading NUL) of the layer in process `ns_pid`.
 pub fn socket_name(token: &str, ns_pid: i32) -> String {
@@ -47,8 +52,11 @@ pub enum Request {
     },
     Release,
     /// Re-create the objects; `None` keeps each device, `Some` names the one to move to.
+    /// `proxy`: in proxy mode, the socket of the proxy to make them through from now on
+    /// (`None`: the one the layer used before).
     Replay {
         device: Option<String>,
+        proxy: Option<String>,
     },
     Load {
         id: u64,
@@ -115,6 +123,8 @@ pub struct Status {
     pub pending: u64,
     /// OpenCL features the process used that hiber cannot checkpoint, by API name.
     pub refused: Vec<String>,
+    /// The layer sends the platform's calls to a proxy process (proxy mode).
+    pub proxy: bool,
 }
 
 impl Request {
@@ -123,7 +133,14 @@ impl Request {
             Request::Status => "status".into(),
             Request::Quiesce { timeout_ms } => format!("quiesce {timeout_ms}"),
             Request::Release => "release".into(),
-            Request::Replay { device } => format!("replay {}", device.as_deref().unwrap_or("-")),
+            Request::Replay { device, proxy } => {
+                let mut line = format!("replay {}", device.as_deref().unwrap_or("-"));
+                if let Some(p) = proxy {
+                    // The rest of the line: a path may hold spaces.
+                    line.push_str(&format!(" proxy={}", one_line(p, MAX_MESSAGE - 64)));
+                }
+                line
+            }
             Request::Load { id } => format!("load {id}"),
             Request::Resume => "resume".into(),
         }
@@ -135,11 +152,15 @@ impl Request {
             Some("status") => Request::Status,
             Some("quiesce") => Request::Quiesce { timeout_ms: num(w.next(), line)? },
             Some("release") => Request::Release,
-            Some("replay") => match w.next() {
-                Some("-") => Request::Replay { device: None },
-                Some(d) => Request::Replay { device: Some(d.to_string()) },
-                None => return Err(ParseError(line.into())),
-            },
+            Some("replay") => {
+                let device = match w.next() {
+                    Some("-") => None,
+                    Some(d) => Some(d.to_string()),
+                    None => return Err(ParseError(line.into())),
+                };
+                let proxy = line.split_once(" proxy=").map(|(_, p)| p.to_string()).filter(|p| !p.is_empty());
+                Request::Replay { device, proxy }
+            }
             Some("load") => Request::Load { id: num(w.next(), line)? },
             Some("resume") => Request::Resume,
             _ => return Err(ParseError(line.into())),
@@ -148,7 +169,7 @@ impl Request {
 }
 
 impl Status {
-    fn fields(&self) -> [(&'static str, u64); 13] {
+    fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("active", self.active as u64),
             ("contexts", self.contexts),
@@ -163,6 +184,7 @@ impl Status {
             ("closed", self.gate_closed as u64),
             ("released", self.released as u64),
             ("pending", self.pending),
+            ("proxy", self.proxy as u64),
         ]
     }
 }
@@ -216,6 +238,7 @@ impl Reply {
                         "closed" => s.gate_closed = v != 0,
                         "released" => s.released = v != 0,
                         "pending" => s.pending = v,
+                        "proxy" => s.proxy = v != 0,
                         _ => {} // newer layers may say more
                     }
                 }
@@ -264,8 +287,9 @@ mod tests {
             Request::Status,
             Request::Quiesce { timeout_ms: 5 },
             Request::Release,
-            Request::Replay { device: None },
-            Request::Replay { device: Some("0:1".into()) },
+            Request::Replay { device: None, proxy: None },
+            Request::Replay { device: Some("0:1".into()), proxy: None },
+            Request::Replay { device: None, proxy: Some("/var/lib/hiber state/jobs/a/opencl-proxy.sock".into()) },
             Request::Load { id: 9 },
             Request::Resume,
         ] {
@@ -283,6 +307,7 @@ mod tests {
             mems: 3,
             mem_bytes: 12288,
             refused: vec!["clSVMAlloc".into(), "clCreateFromGLBuffer".into()],
+            proxy: true,
             ..Status::default()
         };
         for r in [

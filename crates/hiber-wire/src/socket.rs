@@ -2,7 +2,7 @@
 //! descriptor at a time. All of the protocol's unsafe code is here.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 fn address(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
@@ -91,6 +91,12 @@ pub fn set_recv_timeout(sock: &OwnedFd, timeout: Option<std::time::Duration>) ->
 
 /// The user id of the process at the other end of `sock`.
 pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
+    Ok(peer_cred(sock.as_fd())?.uid)
+}
+
+/// The credentials (PID in this process's PID namespace, uid, gid) of the process at the
+/// other end of the Unix socket `sock`, as it connected.
+pub fn peer_cred(sock: std::os::fd::BorrowedFd<'_>) -> io::Result<libc::ucred> {
     // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes of it.
     unsafe {
         let mut cred: libc::ucred = std::mem::zeroed();
@@ -98,7 +104,7 @@ pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
         if libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(cred.uid)
+        Ok(cred)
     }
 }
 

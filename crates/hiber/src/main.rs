@@ -3,6 +3,7 @@
 
 mod cli_error;
 mod commands;
+mod opencl_proxy;
 mod workload;
 
 use clap::{Parser, Subcommand};
@@ -48,6 +49,9 @@ enum Command {
     /// A job's shim: hiber runs itself so, with a task on stdin (see hiber_core::launch).
     #[command(name = hiber_core::launch::SHIM_COMMAND, hide = true)]
     Shim,
+    /// A job's OpenCL proxy (see opencl_proxy.rs).
+    #[command(name = "__opencl-proxy", hide = true)]
+    OpenclProxy(opencl_proxy::Args),
     /// A checkpoint's keeper of device memory (see hiber_core::keeper).
     #[command(name = hiber_core::keeper::KEEP_COMMAND, hide = true)]
     Keep { targets: Vec<String> },
@@ -68,6 +72,9 @@ fn main() {
         // it owns a descriptor above 2 yet.
         unsafe { hiber_core::sys::close_from_except(3, &[]) };
         std::process::exit(hiber_core::keeper::main(targets));
+    }
+    if let Command::OpenclProxy(a) = cli.command {
+        std::process::exit(opencl_proxy::main(a));
     }
     let filter = if cli.verbose { "debug" } else { "warn" };
     tracing_subscriber::fmt()
@@ -92,7 +99,7 @@ fn main() {
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
                 Command::Coordinate(a) => commands::coordinate::run(a),
-                Command::Recover | Command::Workload(_) | Command::Shim | Command::Keep { .. } => unreachable!("handled above"),
+                Command::Recover | Command::Workload(_) | Command::Shim | Command::Keep { .. } | Command::OpenclProxy(_) => unreachable!("handled above"),
             }
         }
     };

@@ -62,8 +62,9 @@ fn devices_in(log: &str) -> Vec<String> {
     out
 }
 
-fn start(h: &Hiber, name: &str, bin: &PathBuf, args: &[&str]) {
-    let mut cmd = h.command(&["run", "--name", name, "--"]);
+fn start(h: &Hiber, mode: &str, name: &str, bin: &PathBuf, args: &[&str]) {
+    let opencl = format!("--opencl={mode}");
+    let mut cmd = h.command(&["run", &opencl, "--name", name, "--"]);
     // The layer overwrites each memory object before releasing it: PoCL hands the same host
     // memory back when an object is made again, which would hide bytes hiber did not load.
     cmd.arg(bin).args(args).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1");
@@ -85,13 +86,12 @@ fn opencl_section(image: &str) -> serde_json::Value {
     s["state"].clone()
 }
 
-#[test]
-fn stencil_moves_to_the_other_device_and_goes_on_identically() {
-    let h = Hiber::new("ocl-stencil");
+fn stencil_moves_to_the_other_device_and_goes_on_identically(mode: &str) {
+    let h = Hiber::new(&format!("ocl-stencil-{mode}"));
     let bin = program(&h, "stencil");
     let args = ["300", "65536", "0", "10"];
     let want = reference(&bin, &args);
-    start(&h, "st", &bin, &args);
+    start(&h, mode, "st", &bin, &args);
     h.wait_step("st", 40);
     let image = h.images_dir().join("st").display().to_string();
     h.ok(&["checkpoint", "st", "--out", &image]);
@@ -120,13 +120,12 @@ fn stencil_moves_to_the_other_device_and_goes_on_identically() {
     assert_continues(&want, &h.progress("st2"), at + 1);
 }
 
-#[test]
-fn two_queues_leave_running_then_two_restores() {
-    let h = Hiber::new("ocl-reduce");
+fn two_queues_leave_running_then_two_restores(mode: &str) {
+    let h = Hiber::new(&format!("ocl-reduce-{mode}"));
     let bin = program(&h, "reduce");
     let args = ["200", "32768", "1", "10"];
     let want = reference(&bin, &args);
-    start(&h, "rd", &bin, &args);
+    start(&h, mode, "rd", &bin, &args);
     h.wait_step("rd", 30);
     let image = h.images_dir().join("rd").display().to_string();
     h.ok(&["checkpoint", "rd", "--leave-running", "--out", &image]);
@@ -151,13 +150,12 @@ fn two_queues_leave_running_then_two_restores() {
     }
 }
 
-#[test]
-fn images_and_a_sampler_round_trip_and_move() {
-    let h = Hiber::new("ocl-image");
+fn images_and_a_sampler_round_trip_and_move(mode: &str) {
+    let h = Hiber::new(&format!("ocl-image-{mode}"));
     let bin = program(&h, "image");
     let args = ["200", "96", "1", "10"];
     let want = reference(&bin, &args);
-    start(&h, "im", &bin, &args);
+    start(&h, mode, "im", &bin, &args);
     h.wait_step("im", 30);
     let image = h.images_dir().join("im").display().to_string();
     h.ok(&["checkpoint", "im", "--out", &image]);
@@ -173,13 +171,12 @@ fn images_and_a_sampler_round_trip_and_move() {
     assert_continues(&want, &h.progress("im2"), at + 1);
 }
 
-#[test]
-fn a_chain_of_checkpoints_keeps_the_trajectory() {
-    let h = Hiber::new("ocl-chain");
+fn a_chain_of_checkpoints_keeps_the_trajectory(mode: &str) {
+    let h = Hiber::new(&format!("ocl-chain-{mode}"));
     let bin = program(&h, "stencil");
     let args = ["400", "16384", "0", "10"];
     let want = reference(&bin, &args);
-    start(&h, "c0", &bin, &args);
+    start(&h, mode, "c0", &bin, &args);
     let mut job = "c0".to_string();
     for i in 1..=3 {
         let step = h.last_step(&job).unwrap_or(0);
@@ -207,12 +204,11 @@ fn a_chain_of_checkpoints_keeps_the_trajectory() {
     assert_continues(&want, &p, p[0].0);
 }
 
-#[test]
-fn features_it_cannot_recreate_are_refused_before_anything_stops() {
-    let h = Hiber::new("ocl-refuse");
+fn features_it_cannot_recreate_are_refused_before_anything_stops(mode: &str) {
+    let h = Hiber::new(&format!("ocl-refuse-{mode}"));
     let bin = program(&h, "stencil");
-    for (job, mode, says) in [("mapped", "map", "mapped"), ("svm", "svm", "clSVMAlloc")] {
-        start(&h, job, &bin, &["100000", "4096", "0", "10", mode]);
+    for (job, feature, says) in [("mapped", "map", "mapped"), ("svm", "svm", "clSVMAlloc")] {
+        start(&h, mode, job, &bin, &["100000", "4096", "0", "10", feature]);
         h.wait_step(job, 5);
         let image = h.images_dir().join(job).display().to_string();
         let f = h.fails(&["checkpoint", job, "--out", &image]);
@@ -225,11 +221,10 @@ fn features_it_cannot_recreate_are_refused_before_anything_stops() {
     }
 }
 
-#[test]
-fn a_device_that_is_not_here_is_refused_with_the_list() {
-    let h = Hiber::new("ocl-baddev");
+fn a_device_that_is_not_here_is_refused_with_the_list(mode: &str) {
+    let h = Hiber::new(&format!("ocl-baddev-{mode}"));
     let bin = program(&h, "stencil");
-    start(&h, "bd", &bin, &["100000", "4096", "0", "10"]);
+    start(&h, mode, "bd", &bin, &["100000", "4096", "0", "10"]);
     h.wait_step("bd", 5);
     let image = h.images_dir().join("bd").display().to_string();
     h.ok(&["checkpoint", "bd", "--out", &image]);
@@ -246,11 +241,10 @@ fn a_device_that_is_not_here_is_refused_with_the_list() {
 
 /// clpeak (Debian's package; nobody here wrote it), checkpointed in the middle of its
 /// bandwidth test and restored onto the other device, where it finishes its run.
-#[test]
-fn clpeak_moves_mid_run_and_finishes() {
-    let h = Hiber::new("ocl-clpeak");
+fn clpeak_moves_mid_run_and_finishes(mode: &str) {
+    let h = Hiber::new(&format!("ocl-clpeak-{mode}"));
     let args = ["-p", "0", "-d", "0", "--global-bandwidth", "--compute-sp", "--kernel-latency"];
-    start(&h, "cp", &PathBuf::from("clpeak"), &args);
+    start(&h, mode, "cp", &PathBuf::from("clpeak"), &args);
     wait("clpeak to start its bandwidth test", Duration::from_secs(60), || h.log("cp").contains("Global memory bandwidth"));
     std::thread::sleep(Duration::from_secs(2));
     let image = h.images_dir().join("cp").display().to_string();
@@ -273,12 +267,11 @@ fn clpeak_moves_mid_run_and_finishes() {
 
 /// A program made from a device's binary cannot move to another device, and the restore
 /// says so; on its own device it restores.
-#[test]
-fn a_binary_program_stays_on_its_device() {
-    let h = Hiber::new("ocl-binary");
+fn a_binary_program_stays_on_its_device(mode: &str) {
+    let h = Hiber::new(&format!("ocl-binary-{mode}"));
     let bin = program(&h, "stencil");
     let args = ["300", "4096", "0", "10", "binary"];
-    start(&h, "bn", &bin, &args);
+    start(&h, mode, "bn", &bin, &args);
     h.wait_step("bn", 10);
     let image = h.images_dir().join("bn").display().to_string();
     h.ok(&["checkpoint", "bn", "--out", &image]);
@@ -295,13 +288,12 @@ fn a_binary_program_stays_on_its_device() {
 /// the program waits at the layer's gate, and `hiber recover` has the layer make its
 /// objects again and loads their bytes back from the partial image; the program goes on
 /// with the trajectory of an uninterrupted run.
-#[test]
-fn hiber_killed_after_the_release_recovers() {
-    let h = Hiber::new("ocl-recover");
+fn hiber_killed_after_the_release_recovers(mode: &str) {
+    let h = Hiber::new(&format!("ocl-recover-{mode}"));
     let bin = program(&h, "stencil");
     let args = ["200", "16384", "0", "10"];
     let want = reference(&bin, &args);
-    start(&h, "rv", &bin, &args);
+    start(&h, mode, "rv", &bin, &args);
     h.wait_step("rv", 20);
     let image = h.images_dir().join("rv").display().to_string();
     let mut hiber = h
@@ -331,14 +323,18 @@ fn hiber_killed_after_the_release_recovers() {
 /// `--leave-running` and when it would stop the job, rather than commit an image whose
 /// device state has no process to go back into; no image is left, and the rest of the job
 /// runs on to its own check on an uninterrupted run's trajectory.
-#[test]
-fn a_process_that_ends_during_the_checkpoint_fails_it() {
-    let h = Hiber::new("ocl-ended");
+fn a_process_that_ends_during_the_checkpoint_fails_it(mode: &str) {
+    let h = Hiber::new(&format!("ocl-ended-{mode}"));
     let bin = program(&h, "stencil");
     let args = ["1500", "4096", "0", "10"];
     let want = reference(&bin, &args);
     let cmd = format!("{b} {a} >/dev/null 2>&1 & {b} {a} >/dev/null 2>&1 & {b} {a}; wait", b = bin.display(), a = args.join(" "));
-    let out = h.command(&["run", "--name", "ke", "--", "sh", "-c", &cmd]).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1").output().unwrap();
+    let out = h
+        .command(&["run", &format!("--opencl={mode}"), "--name", "ke", "--", "sh", "-c", &cmd])
+        .env("POCL_DEVICES", DEVICES)
+        .env("HIBER_OPENCL_POISON", "1")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
     h.wait_step("ke", 20);
     let root = h.pid_of("ke");
@@ -381,11 +377,10 @@ fn a_process_that_ends_during_the_checkpoint_fails_it() {
 /// waiting at the layer's gate inside an enqueue), checkpointed with --leave-running three
 /// times: every call after each replay must reach the new objects, which its own check of
 /// every step against the host shows.
-#[test]
-fn checkpoints_in_a_tight_enqueue_loop() {
-    let h = Hiber::new("ocl-tight");
+fn checkpoints_in_a_tight_enqueue_loop(mode: &str) {
+    let h = Hiber::new(&format!("ocl-tight-{mode}"));
     let bin = program(&h, "stencil");
-    start(&h, "tl", &bin, &["4000", "4096", "0", "0"]);
+    start(&h, mode, "tl", &bin, &["4000", "4096", "0", "0"]);
     h.wait_step("tl", 100);
     for i in 0..3 {
         let image = h.images_dir().join(format!("tl{i}")).display().to_string();
@@ -400,16 +395,15 @@ fn checkpoints_in_a_tight_enqueue_loop() {
 /// It keeps built programs in a cache and loads them as binaries, which cannot move to
 /// another device (the restore says so); with its cache off (PYOPENCL_NO_CACHE) it builds
 /// from source and moves.
-#[test]
-fn pyopencl_restores_and_moves_without_its_binary_cache() {
-    let h = Hiber::new("ocl-pyopencl");
+fn pyopencl_restores_and_moves_without_its_binary_cache(mode: &str) {
+    let h = Hiber::new(&format!("ocl-pyopencl-{mode}"));
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/opencl/pyopencl_loop.py");
     let python = PathBuf::from("/usr/bin/python3");
     let args = [script.to_str().unwrap(), "300", "0", "0.01"];
     // Warm its cache, so the job below loads its programs as binaries.
     let warm = Command::new(&python).args([script.to_str().unwrap(), "2", "0", "0"]).env("POCL_DEVICES", DEVICES).output().unwrap();
     assert!(warm.status.success(), "{}", String::from_utf8_lossy(&warm.stderr));
-    start(&h, "py", &python, &args);
+    start(&h, mode, "py", &python, &args);
     h.wait_step("py", 20);
     let image = h.images_dir().join("py").display().to_string();
     h.ok(&["checkpoint", "py", "--out", &image]);
@@ -419,7 +413,7 @@ fn pyopencl_restores_and_moves_without_its_binary_cache() {
     restore(&h, &image, "py2", &[]);
     h.assert_verified("py2", Duration::from_secs(90));
 
-    let mut cmd = h.command(&["run", "--name", "nc", "--"]);
+    let mut cmd = h.command(&["run", &format!("--opencl={mode}"), "--name", "nc", "--"]);
     cmd.arg(&python).args(args).env("POCL_DEVICES", DEVICES).env("HIBER_OPENCL_POISON", "1").env("PYOPENCL_NO_CACHE", "1");
     assert!(cmd.output().unwrap().status.success());
     h.wait_step("nc", 20);
@@ -438,13 +432,12 @@ fn pyopencl_restores_and_moves_without_its_binary_cache() {
 /// is the parent by default); the first image is then removed, and the second still
 /// restores, and the program goes on identically. A job restored from an image takes that
 /// image as the parent of its first checkpoint, and `--no-parent` writes everything.
-#[test]
-fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
-    let h = Hiber::new("ocl-weights");
+fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it(mode: &str) {
+    let h = Hiber::new(&format!("ocl-weights-{mode}"));
     let bin = program(&h, "weights");
     let args = ["400", "160", "0", "10"];
     let want = reference(&bin, &args);
-    start(&h, "wt", &bin, &args);
+    start(&h, mode, "wt", &bin, &args);
     h.wait_step("wt", 20);
     let checkpoint = |job: &str, out: &str, extra: &[&str]| -> serde_json::Value {
         let mut a = vec!["checkpoint", job, "--out", out, "--json"];
@@ -504,13 +497,12 @@ fn an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it() {
 /// `--compress`: the device data that compresses is stored as zstd frames (and the image
 /// says so), what does not is stored as it is, and the program restores and goes on
 /// identically.
-#[test]
-fn compressed_chunks_restore_identically() {
-    let h = Hiber::new("ocl-zstd");
+fn compressed_chunks_restore_identically(mode: &str) {
+    let h = Hiber::new(&format!("ocl-zstd-{mode}"));
     let bin = program(&h, "weights");
     let args = ["200", "64", "0", "10", "small"];
     let want = reference(&bin, &args);
-    start(&h, "wz", &bin, &args);
+    start(&h, mode, "wz", &bin, &args);
     h.wait_step("wz", 20);
     let image = h.images_dir().join("wz").display().to_string();
     let r: serde_json::Value = serde_json::from_str(&h.ok(&["checkpoint", "wz", "--out", &image, "--compress=3", "--json"])).unwrap();
@@ -532,13 +524,12 @@ fn compressed_chunks_restore_identically() {
 /// checkpoint runs, once, when the restored program sets the event; every step's kernel
 /// event callback runs exactly once, including those whose command finished just before
 /// the layer released the real events. Checked by the program itself, on the other device.
-#[test]
-fn event_callbacks_run_once_across_a_checkpoint() {
-    let h = Hiber::new("ocl-callbacks");
+fn event_callbacks_run_once_across_a_checkpoint(mode: &str) {
+    let h = Hiber::new(&format!("ocl-callbacks-{mode}"));
     let bin = program(&h, "callbacks");
     let args = ["300", "150", "0", "5"];
     let want = reference(&bin, &args);
-    start(&h, "cb", &bin, &args);
+    start(&h, mode, "cb", &bin, &args);
     h.wait_step("cb", 40);
     let image = h.images_dir().join("cb").display().to_string();
     h.ok(&["checkpoint", "cb", "--out", &image]);
@@ -548,3 +539,34 @@ fn event_callbacks_run_once_across_a_checkpoint() {
     h.assert_verified("cb2", Duration::from_secs(120));
     assert_continues(&want, &h.progress("cb2"), at + 1);
 }
+
+/// Every test above twice: with the layer calling the platform in the application
+/// (`inline`), and through the job's OpenCL proxy (`proxy`).
+macro_rules! in_both_modes {
+    ($($name:ident),* $(,)?) => {
+        mod inline {
+            $(#[test] fn $name() { super::$name("inline") })*
+        }
+        mod proxy {
+            $(#[test] fn $name() { super::$name("proxy") })*
+        }
+    };
+}
+
+in_both_modes!(
+    stencil_moves_to_the_other_device_and_goes_on_identically,
+    two_queues_leave_running_then_two_restores,
+    images_and_a_sampler_round_trip_and_move,
+    a_chain_of_checkpoints_keeps_the_trajectory,
+    features_it_cannot_recreate_are_refused_before_anything_stops,
+    a_device_that_is_not_here_is_refused_with_the_list,
+    clpeak_moves_mid_run_and_finishes,
+    a_binary_program_stays_on_its_device,
+    hiber_killed_after_the_release_recovers,
+    a_process_that_ends_during_the_checkpoint_fails_it,
+    checkpoints_in_a_tight_enqueue_loop,
+    pyopencl_restores_and_moves_without_its_binary_cache,
+    an_unchanged_model_is_shared_with_the_parent_image_and_outlives_it,
+    compressed_chunks_restore_identically,
+    event_callbacks_run_once_across_a_checkpoint,
+);

@@ -280,6 +280,13 @@ pub trait RestoreSession: Send {
     fn wants_stopped_tree(&self) -> bool {
         false
     }
+
+    /// Before CRIU starts: the directory of the job the restore makes, for sessions that
+    /// start a helper beside the job (the OpenCL proxy). An error stops the restore before
+    /// anything runs.
+    fn job_dir(&mut self, _dir: &Path) -> Result<(), EngineError> {
+        Ok(())
+    }
 }
 
 /// The engines this machine can run, in [`KINDS`] order.

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -84,10 +85,104 @@ pub fn probe() -> (bool, String) {
         return (false, "no OpenCL ICD loader vendors (/etc/OpenCL/vendors); OpenCL jobs run without the layer".into());
     }
     match super::layer::library("HIBER_OPENCL_LIB", "libhiber_opencl.so") {
-        Some(lib) if lib.exists() => (true, format!("jobs get the OpenCL layer ({})", lib.display())),
+        Some(lib) if lib.exists() => {
+            let icds = registered_icds();
+            let mode = match default_mode() {
+                Mode::Proxy => "in proxy mode: a platform that keeps device files open is registered",
+                Mode::Inline => "inline: only platforms that keep no device files open are registered",
+            };
+            (true, format!("jobs get the OpenCL layer ({}), {mode} ({})", lib.display(), icds.join(", ")))
+        }
         Some(lib) => (false, format!("the OpenCL layer is missing ({}); build it with scripts/setup.sh", lib.display())),
         None => (false, "cannot tell where the OpenCL layer is".into()),
     }
+}
+
+/// How a job's OpenCL calls reach the platform.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The layer calls the ICD loader in the application's own process.
+    Inline,
+    /// The layer sends every call to a proxy process beside the job (CheCL's design): the
+    /// application never loads the vendor's library, so a platform that keeps device files
+    /// open (NVIDIA's) leaves none in it for CRIU.
+    Proxy,
+}
+
+/// The ICD libraries registered here (`OCL_ICD_FILENAMES`, the `.icd` files of
+/// `OCL_ICD_VENDORS` or `/etc/OpenCL/vendors`).
+pub fn registered_icds() -> Vec<String> {
+    if let Some(names) = std::env::var_os("OCL_ICD_FILENAMES") {
+        return names.to_string_lossy().split(':').filter(|s| !s.is_empty()).map(String::from).collect();
+    }
+    let vendors = std::env::var_os("OCL_ICD_VENDORS").map_or_else(|| PathBuf::from("/etc/OpenCL/vendors"), PathBuf::from);
+    let files: Vec<PathBuf> = if vendors.is_dir() {
+        std::fs::read_dir(&vendors).map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "icd")).collect()).unwrap_or_default()
+    } else {
+        vec![vendors]
+    };
+    files.iter().filter_map(|f| std::fs::read_to_string(f).ok()).map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+}
+
+/// Whether an ICD library is a GPU vendor's whose platform keeps device files open in the
+/// process that loads it (NVIDIA's keeps `/dev/nvidia-uvm` and others even with every object
+/// released, #13); CPU platforms such as PoCL's keep none.
+fn holds_device_files(icd: &str) -> bool {
+    let lib = icd.rsplit('/').next().unwrap_or(icd).to_ascii_lowercase();
+    ["nvidia", "amdocl", "igdrcl", "intel-opencl", "rusticl", "mali"].iter().any(|v| lib.contains(v))
+}
+
+/// The mode `hiber run` gives jobs unless told: the proxy where a registered platform keeps
+/// device files open (the inline layer could not checkpoint such a job at all), the inline
+/// layer elsewhere (no process beside the job, no round trip per call).
+pub fn default_mode() -> Mode {
+    if registered_icds().iter().any(|i| holds_device_files(i)) {
+        Mode::Proxy
+    } else {
+        Mode::Inline
+    }
+}
+
+/// Where a job's proxy listens.
+pub fn proxy_socket(job_dir: &Path) -> PathBuf {
+    job_dir.join("opencl-proxy.sock")
+}
+
+/// Starts the OpenCL proxy of the job in `job_dir`: `hiber __opencl-proxy` (this
+/// executable), in a session of its own and outside the job's process tree, so CRIU never
+/// dumps it; it serves each process of the job that connects with a proxy process of its
+/// own, and ends once the job has. Returns its socket once it listens.
+pub fn start_proxy(job_dir: &Path) -> std::io::Result<PathBuf> {
+    let sock = proxy_socket(job_dir);
+    let _ = std::fs::remove_file(&sock);
+    let log = job_dir.join("opencl-proxy.log");
+    let mut child = std::process::Command::new("/proc/self/exe")
+        .arg("__opencl-proxy")
+        .arg("--listen")
+        .arg(&sock)
+        .arg("--job-dir")
+        .arg(job_dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(&log)?)
+        // Out of hiber's process group: a Ctrl-C meant for hiber does not reach it.
+        .process_group(0)
+        .spawn()?;
+    // It outlives this hiber (then reparented to init); ready once its socket is there.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !sock.exists() {
+        if let Some(status) = child.try_wait()? {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let last = text.lines().last().unwrap_or("no word from it").to_string();
+            return Err(std::io::Error::other(format!("the OpenCL proxy ended ({status}): {last}")));
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            return Err(std::io::Error::other("the OpenCL proxy did not listen within 10 s"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(sock)
 }
 
 fn layer_env(job_dir: &Path) -> Option<Vec<(String, String)>> {
@@ -142,6 +237,10 @@ pub struct ClProcess {
     pub objects: ClObjects,
     pub bytes: u64,
     pub mems: Vec<ClMem>,
+    /// The layer sent the platform's calls to the job's proxy (proxy mode): the restore
+    /// starts a proxy for the new job.
+    #[serde(default)]
+    pub proxy: bool,
 }
 
 /// The engine's manifest section.
@@ -215,7 +314,7 @@ impl OpenClEngine {
         })?;
         let image = crate::image::Image::open(dir).ok();
         let sums: Option<HashMap<String, String>> = image.map(|i| i.manifest.files.iter().map(|f| (f.path.clone(), f.blake3.clone())).collect());
-        conn.call::<Reply>(&Request::Replay { device: None }, None)?;
+        conn.call::<Reply>(&Request::Replay { device: None, proxy: None }, None)?;
         let prefix = format!("{ENGINE}/{ns_pid}/");
         let mut ids: Vec<(u64, u64)> = Vec::new();
         for e in std::fs::read_dir(dir.join(ENGINE).join(ns_pid.to_string())).map_err(|e| fail(format!("{}: {e}", dir.display()), None))?.flatten() {
@@ -302,7 +401,13 @@ impl DeviceEngine for OpenClEngine {
                 return Err(fail(format!("--opencl-device {d}: not a device"), Some("say cpu, gpu, or PLATFORM:DEVICE as `clinfo -l` numbers them")));
             }
         }
-        Ok(Box::new(OpenClRestore { section, device: opts.opencl_device.clone(), image_dir: opts.image_dir.clone(), checksums: opts.checksums.clone() }))
+        Ok(Box::new(OpenClRestore {
+            section,
+            device: opts.opencl_device.clone(),
+            image_dir: opts.image_dir.clone(),
+            checksums: opts.checksums.clone(),
+            proxy: None,
+        }))
     }
 }
 
@@ -401,6 +506,7 @@ impl CheckpointSession for OpenClCheckpoint {
                     .iter()
                     .map(|m| ClMem { id: m.id, size: m.size, kind: m.kind.to_string(), files: chunks::chunk_files(&chunk_prefix(t.ns_pid, m.id), m.size) })
                     .collect(),
+                proxy: s.proxy,
             });
             self.held.insert(t.pid, mems);
             conn.call::<Reply>(&Request::Release, None)?;
@@ -427,7 +533,7 @@ impl CheckpointSession for OpenClCheckpoint {
             let held = self.held.get(&t.pid).map(Vec::as_slice).unwrap_or_default();
             let r = (|| {
                 let conn = connect(t.pid, &t.name)?;
-                conn.call::<Reply>(&Request::Replay { device: None }, None)?;
+                conn.call::<Reply>(&Request::Replay { device: None, proxy: None }, None)?;
                 for m in held {
                     conn.call::<Reply>(&Request::Load { id: m.id }, Some(&m.fd))?;
                 }
@@ -454,9 +560,19 @@ struct OpenClRestore {
     device: Option<String>,
     image_dir: PathBuf,
     checksums: HashMap<String, String>,
+    /// The new job's proxy, when its processes ran in proxy mode.
+    proxy: Option<PathBuf>,
 }
 
 impl RestoreSession for OpenClRestore {
+    fn job_dir(&mut self, dir: &Path) -> Result<(), EngineError> {
+        if self.section.processes.iter().any(|p| p.proxy) {
+            let sock = start_proxy(dir).map_err(|e| fail(format!("cannot start the job's OpenCL proxy: {e}"), None))?;
+            self.proxy = Some(sock);
+        }
+        Ok(())
+    }
+
     fn restore(&mut self, pids: &[RestoredPid], _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         for p in &self.section.processes {
             let now = pids
@@ -466,7 +582,8 @@ impl RestoreSession for OpenClRestore {
             let name = layer_name(now.pid).ok_or_else(|| fail(format!("process {} has no OpenCL layer token in its environment", now.pid), None))?;
             let t0 = Instant::now();
             let conn = connect(now.pid, &name)?;
-            conn.call::<Reply>(&Request::Replay { device: self.device.clone() }, None).map_err(|e| match e {
+            let proxy = self.proxy.as_ref().filter(|_| p.proxy).map(|s| s.display().to_string());
+            conn.call::<Reply>(&Request::Replay { device: self.device.clone(), proxy }, None).map_err(|e| match e {
                 EngineError::Failed { message, .. } if self.device.is_none() => {
                     fail(message, Some("move it to a device here with --opencl-device cpu, gpu or PLATFORM:DEVICE"))
                 }
@@ -528,6 +645,7 @@ mod tests {
                 objects: ClObjects { contexts: 1, queues: 2, programs: 1, kernels: 3, samplers: 0, events: 4 },
                 bytes: 8192,
                 mems: vec![ClMem { id: 5, size: 8192, kind: "buffer".into(), files: chunks::chunk_files(&chunk_prefix(2, 5), 8192) }],
+                proxy: false,
             }],
         };
         let lines = describe(&serde_json::to_value(&s).unwrap());

@@ -168,6 +168,11 @@ fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> 
         private_copy: image.dir != req.image,
     };
     let (dir, restore_lock) = registry.create_restoring(&name, &marker)?;
+    let helpers = sessions.iter_mut().try_for_each(|s| s.job_dir(&dir));
+    if let Err(e) = helpers {
+        let _ = registry.remove(&name);
+        return Err(e.into());
+    }
     let job = JobTarget { registry: &registry, name: &name, dir: &dir, restore_lock: &restore_lock, leave_stopped };
     let result = restore_into_job(ctx, &image, &mut sessions, &job, req, coord).map(|(job, criu, devices)| RestoreReport {
         job,

@@ -20,9 +20,15 @@ pub struct Args {
     /// driver alone (slower; see the README).
     #[arg(long)]
     no_agent: bool,
-    /// Do not preload hiber's OpenCL layer into the job: its OpenCL state is then left to
-    /// CRIU alone (which works only for CPU platforms such as PoCL, on the same device).
-    #[arg(long)]
+    /// How the job's OpenCL calls reach the platform: `proxy` (every call goes to a proxy
+    /// process beside the job, which alone loads the vendor's library: needed for platforms
+    /// that keep device files open, NVIDIA's), `inline` (the layer in the job calls the
+    /// platform itself: no round trip), `off` (no layer: CRIU alone, CPU platforms on the
+    /// same device only). Default: proxy where such a platform is registered, else inline.
+    #[arg(long, value_name = "MODE", value_parser = ["auto", "proxy", "inline", "off"], default_value = "auto")]
+    opencl: String,
+    /// The same as `--opencl=off`.
+    #[arg(long, conflicts_with = "opencl")]
     no_opencl: bool,
     /// Let the job use io_uring. hiber otherwise keeps its jobs off it (the kernel answers
     /// ENOSYS, as without io_uring, and programs fall back), because CRIU cannot checkpoint
@@ -55,8 +61,8 @@ pub struct Args {
 pub struct JobOptions {
     /// Preload the agent.
     pub agent: bool,
-    /// Preload the OpenCL layer.
-    pub opencl: bool,
+    /// Preload the OpenCL layer, and how it reaches the platform; `None`: no layer.
+    pub opencl: Option<hiber_core::engine::opencl::Mode>,
     pub allow_io_uring: bool,
     pub host_shm: bool,
     pub host_ipc: bool,
@@ -90,11 +96,19 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         if !opts.agent {
             skip.push(hiber_core::engine::agent::ENGINE);
         }
-        if !opts.opencl {
+        if opts.opencl.is_none() {
             skip.push(hiber_core::engine::opencl::ENGINE);
         }
-        for (k, v) in hiber_core::engine::launch_env(&dir, &skip) {
+        let env = hiber_core::engine::launch_env(&dir, &skip);
+        let layered = env.iter().any(|(k, _)| k == hiber_wire::opencl::TOKEN_ENV);
+        for (k, v) in env {
             cmd = cmd.env(&k, &v).map_err(|e| CliError::new(FAILED, e.to_string()))?;
+        }
+        // Proxy mode: the job's proxy listens before the job starts.
+        if layered && opts.opencl == Some(hiber_core::engine::opencl::Mode::Proxy) {
+            let sock = hiber_core::engine::opencl::start_proxy(&dir)
+                .map_err(|e| CliError::new(FAILED, format!("cannot start the job's OpenCL proxy: {e}")).hint("run it with --opencl=inline"))?;
+            cmd = cmd.env(hiber_wire::opencl::PROXY_ENV, &sock.display().to_string()).map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
         match launch::spawn_shim(&dir, &launch::ShimTask::Run(cmd)) {
             Ok(Started::Running { pid }) => Ok(pid),
@@ -131,13 +145,25 @@ fn pause_for_tests(at: &str) {
     }
 }
 
+fn opencl_mode(args: &Args) -> Option<hiber_core::engine::opencl::Mode> {
+    use hiber_core::engine::opencl::{default_mode, Mode};
+    match args.opencl.as_str() {
+        _ if args.no_opencl => None,
+        "off" => None,
+        "proxy" => Some(Mode::Proxy),
+        "inline" => Some(Mode::Inline),
+        _ => Some(default_mode()),
+    }
+}
+
 pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&StateDir::from_env());
+    let opencl = opencl_mode(&args);
     let job = start_job(
         &registry,
         args.name,
         args.command,
-        JobOptions { agent: !args.no_agent, opencl: !args.no_opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm, host_ipc: args.host_ipc },
+        JobOptions { agent: !args.no_agent, opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm, host_ipc: args.host_ipc },
     )?;
     if args.quiet {
         println!("{}", job.name);
