@@ -1,50 +1,95 @@
 #!/usr/bin/env python3
-"""The OpenCL layer's cost while nothing is checkpointed: bench/opencl/launch.c (many tiny
-kernels, small transfers) with and without libhiber_opencl.so preloaded, alternated, the
-same number of times each. Prints a markdown row per device: medians of the per-call
-times and their ratio.
+"""The OpenCL layer's cost while nothing is checkpointed, side by side in one run: a program
+with no layer, with the inline layer (libhiber_opencl.so preloaded, calling the platform
+itself), and, with --hiber, through the proxy (the layer sending every call to a proxy
+process, as `hiber run --opencl=proxy` does). Runs alternate between the modes, the same
+number of times each. Prints a markdown row per program and device: the medians of the
+per-call times and their ratios to no layer.
 
-Usage: overhead.py LAUNCH_BINARY LAYER_LIB [--pairs N] [--rounds N] [--device D ...]
-(D as launch.c takes it: an index, gpu or cpu.) The environment (OCL_ICD_VENDORS,
+Programs (built from this directory): launch.c (many tiny kernels, small transfers: the
+pattern where a layer costs the most) and roundtrip.c (a call whose answer the
+application waits for, over and over).
+
+Usage: overhead.py LAUNCH_BINARY LAYER_LIB [--roundtrip BINARY] [--hiber HIBER]
+       [--pairs N] [--rounds N] [--device D ...]
+(D as the programs take it: an index, gpu or cpu.) The environment (OCL_ICD_VENDORS,
 POCL_DEVICES) passes through.
 """
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
+import tempfile
+import time
 
 
-def run(binary, rounds, device, layer):
+def run(binary, count, device, env_extra):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    if layer:
-        env["LD_PRELOAD"] = layer
-    out = subprocess.run([binary, "3", str(rounds), device], env=env, check=True, capture_output=True, text=True).stdout
+    env.pop("HIBER_OPENCL_PROXY", None)
+    env.update(env_extra)
+    out = subprocess.run([binary, "3", str(count), device], env=env, check=True, capture_output=True, text=True).stdout
     # The first repetition warms caches and compilers up; the rest count.
     times = [float(l.split()[3]) for l in out.splitlines() if l.startswith("rep ")]
     return statistics.median(times[1:])
+
+
+class Proxy:
+    """A job's OpenCL proxy listener (`hiber __opencl-proxy`), for the benchmark's runs."""
+
+    def __init__(self, hiber):
+        self.dir = tempfile.mkdtemp(prefix="hiber-bench-proxy-")
+        self.sock = os.path.join(self.dir, "opencl-proxy.sock")
+        self.p = subprocess.Popen([hiber, "__opencl-proxy", "--listen", self.sock, "--job-dir", self.dir], stderr=subprocess.DEVNULL)
+        for _ in range(500):
+            if os.path.exists(self.sock):
+                return
+            time.sleep(0.01)
+        raise SystemExit("the OpenCL proxy did not start")
+
+    def close(self):
+        self.p.kill()
+        self.p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
     ap.add_argument("layer")
+    ap.add_argument("--roundtrip", help="roundtrip.c's binary: a row for calls that wait for their answer")
+    ap.add_argument("--hiber", help="hiber's binary: a column for the proxy")
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=20000)
     ap.add_argument("--device", action="append", default=None)
     a = ap.parse_args()
-    print("| device | calls per run | pairs | without the layer (µs/call, median) | with it | ratio |")
-    print("|---|---|---|---|---|---|")
-    for dev in a.device or ["0"]:
-        without, with_ = [], []
-        for i in range(a.pairs):
-            # Alternate which goes first, so drift does not favour one side.
-            order = [(False, without), (True, with_)] if i % 2 == 0 else [(True, with_), (False, without)]
-            for layer, out in order:
-                out.append(run(a.binary, a.rounds, dev, a.layer if layer else None))
-        m0, m1 = statistics.median(without), statistics.median(with_)
-        calls = a.rounds * 2 + a.rounds // 100 * 2
-        print(f"| {dev} | {calls} | {a.pairs} | {m0:.4f} | {m1:.4f} | {m1 / m0:.4f} |")
+    proxy = Proxy(a.hiber) if a.hiber else None
+    modes = [("no layer", {}), ("inline layer", {"LD_PRELOAD": a.layer})]
+    if proxy:
+        modes.append(("proxy", {"LD_PRELOAD": a.layer, "HIBER_OPENCL_PROXY": proxy.sock}))
+    programs = [("launch", a.binary, a.rounds)]
+    if a.roundtrip:
+        programs.append(("roundtrip", a.roundtrip, a.rounds * 5))
+    head = " | ".join(f"{m} (µs/call, median)" for m, _ in modes)
+    ratios = " | ".join(f"{m} / no layer" for m, _ in modes[1:])
+    print(f"| program | device | runs per mode | {head} | {ratios} |")
+    print("|---" * (3 + 2 * len(modes) - 1) + "|")
+    try:
+        for name, binary, count in programs:
+            for dev in a.device or ["0"]:
+                got = {m: [] for m, _ in modes}
+                for i in range(a.pairs):
+                    # Rotate which goes first, so drift does not favour one mode.
+                    for m, extra in modes[i % len(modes):] + modes[: i % len(modes)]:
+                        got[m].append(run(binary, count, dev, extra))
+                med = [statistics.median(got[m]) for m, _ in modes]
+                cells = " | ".join(f"{x:.4f}" for x in med)
+                rs = " | ".join(f"{x / med[0]:.3f}" for x in med[1:])
+                print(f"| {name} | {dev} | {a.pairs} | {cells} | {rs} |", flush=True)
+    finally:
+        if proxy:
+            proxy.close()
 
 
 if __name__ == "__main__":
