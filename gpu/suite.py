@@ -2095,9 +2095,14 @@ def opencl_2gib_on_pocl(m):
 @scenario
 @exclusive
 def opencl_layer_overhead(m):
-    """bench/opencl/overhead.py: the launch-heavy microbenchmark with and without the layer."""
+    """bench/opencl/overhead.py: the launch-heavy microbenchmark and the waited-for call, with
+    no layer, the inline layer and the proxy, side by side."""
     env = opencl_env()
-    rows = sh("python3", REPO / "bench/opencl/overhead.py", ocl_program("launch"), CARRY / "bin/libhiber_opencl.so", "--pairs", "5", "--rounds", "20000", "--device", "gpu", "--device", "cpu", env=env, timeout=500)
+    rows = sh(
+        "python3", REPO / "bench/opencl/overhead.py", ocl_program("launch"), CARRY / "bin/libhiber_opencl.so",
+        "--roundtrip", ocl_program("roundtrip"), "--hiber", HIBER,
+        "--pairs", "5", "--rounds", "20000", "--device", "gpu", "--device", "cpu", env=env, timeout=500,
+    )
     m["table"] = rows.stdout.strip().splitlines()
 
 

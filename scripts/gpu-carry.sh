@@ -17,7 +17,9 @@ mkdir -p "$carry/opencl"
 for p in stencil reduce image; do
     cc -O2 -Wall -o "$carry/opencl/$p" "$repo/crates/hiber/tests/opencl/$p.c" -lOpenCL
 done
-cc -O2 -Wall -o "$carry/opencl/launch" "$repo/bench/opencl/launch.c" -lOpenCL
+for p in launch roundtrip; do
+    cc -O2 -Wall -o "$carry/opencl/$p" "$repo/bench/opencl/$p.c" -lOpenCL
+done
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
 install -m 0755 "$criu" "$carry/bin/criu.real"
 ip=$(command -v ip)

@@ -540,6 +540,135 @@ fn event_callbacks_run_once_across_a_checkpoint(mode: &str) {
     assert_continues(&want, &h.progress("cb2"), at + 1);
 }
 
+/// The host PIDs of `root` and its descendants.
+fn tree_of(root: i32) -> Vec<i32> {
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        out.extend(children_of(out[i]));
+        i += 1;
+    }
+    out
+}
+
+fn children_of(pid: i32) -> Vec<i32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    text.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+fn maps_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
+}
+
+fn alive(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists() && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+}
+
+/// The proxy listener of job `name` (`hiber __opencl-proxy --listen` on its socket).
+fn listener_of(h: &Hiber, name: &str) -> Option<i32> {
+    let sock = h.state.join("jobs").join(name).join("opencl-proxy.sock").display().to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).find(|pid| {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        args.contains(&&b"__opencl-proxy"[..]) && args.contains(&sock.as_bytes())
+    })
+}
+
+/// Proxy mode, what it is for: no process of the job (a computing one, and a child that
+/// only lists the platforms, as hwloc's OpenCL plugin does in launchers' daemons) ever
+/// maps the platform's library; each has a proxy process of its own beside the job, outside
+/// its tree, and none of them outlives the checkpoint. The image restores onto the other
+/// device with a new proxy, and both programs carry on exactly.
+#[test]
+fn proxy_keeps_the_platform_out_of_the_job_and_its_image() {
+    let h = Hiber::new("ocl-proxy-tree");
+    let bin = program(&h, "stencil");
+    let disc = program(&h, "discover");
+    let args = ["300", "65536", "0", "10"];
+    let want = reference(&bin, &args);
+    let script = format!("{} 60 50 & d=$!; {} {}; s=$?; wait $d; [ $s = 0 ] && [ $? = 0 ]", disc.display(), bin.display(), args.join(" "));
+    let out = h
+        .command(&["run", "--opencl=proxy", "--name", "pt", "--", "sh", "-c", &script])
+        .env("POCL_DEVICES", DEVICES)
+        .env("HIBER_OPENCL_POISON", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
+    h.wait_step("pt", 30);
+    wait("the discovery child to list", Duration::from_secs(20), || h.log("pt").contains("listed 1 2"));
+    let tree = tree_of(h.pid_of("pt"));
+    assert!(tree.len() >= 3, "sh, the discovery child and the stencil: {tree:?}");
+    for p in &tree {
+        assert!(!maps_of(*p).contains("libpocl"), "process {p} of the job mapped the platform's library");
+    }
+    let listener = listener_of(&h, "pt").expect("the job's OpenCL proxy listens");
+    assert!(!tree.contains(&listener), "the proxy is not in the job's tree");
+    let workers = children_of(listener);
+    assert_eq!(workers.len(), 2, "a proxy process for each process that called OpenCL: {workers:?}");
+    for w in &workers {
+        assert!(maps_of(*w).contains("libpocl"), "the platform is in the proxy process {w}");
+    }
+
+    let image = h.images_dir().join("pt").display().to_string();
+    h.ok(&["checkpoint", "pt", "--out", &image]);
+    let at = h.last_step("pt").unwrap();
+    let alive_at: u64 = h.log("pt").lines().filter_map(|l| l.strip_prefix("alive ")?.parse().ok()).max().unwrap();
+    // Each proxy process ended once its process let go of its objects; the listener ends
+    // with the job.
+    wait("the proxies to end", Duration::from_secs(10), || workers.iter().all(|w| !alive(*w)) && !alive(listener));
+    let s = opencl_section(&image);
+    let procs = s["processes"].as_array().unwrap();
+    assert_eq!(procs.len(), 2, "{s}");
+    assert!(procs.iter().all(|p| p["proxy"] == true), "{s}");
+
+    restore(&h, &image, "pt2", &["--opencl-device", "0:1"]);
+    h.wait_step("pt2", at + 5);
+    for p in tree_of(h.pid_of("pt2")) {
+        assert!(!maps_of(p).contains("libpocl"), "restored process {p} mapped the platform's library");
+    }
+    let listener2 = listener_of(&h, "pt2").expect("the restored job has a proxy of its own");
+    let log = h.assert_verified("pt2", Duration::from_secs(60));
+    assert!(log.contains("listed again 1 2"), "the discovery child lists again after the restore:\n{log}");
+    let resumed: u64 = log.lines().filter_map(|l| l.strip_prefix("alive ")?.parse().ok()).min().unwrap();
+    assert_eq!(resumed, alive_at + 1, "the discovery child goes on where it stopped");
+    assert!(devices_in(&log).iter().all(|d| d.starts_with(PTHREAD)), "{:?}", devices_in(&log));
+    assert_continues(&want, &h.progress("pt2"), at + 1);
+    wait("the restored job's proxy to end with it", Duration::from_secs(10), || !alive(listener2));
+}
+
+/// The proxy of a process killed while the process computes: the process's next call fails
+/// with an OpenCL error (the program stops as it would on any OpenCL error), and the layer's
+/// log says why.
+#[test]
+fn proxy_killed_mid_run_fails_the_next_call() {
+    let h = Hiber::new("ocl-proxy-killed");
+    let bin = program(&h, "stencil");
+    start(&h, "proxy", "pk", &bin, &["100000", "4096", "0", "10"]);
+    h.wait_step("pk", 10);
+    let listener = listener_of(&h, "pk").expect("the job's OpenCL proxy listens");
+    let workers = children_of(listener);
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    // SAFETY: kill(2) on a PID this test just read as the proxy's child.
+    assert_eq!(unsafe { libc::kill(workers[0], libc::SIGKILL) }, 0);
+    let state = h.wait_done("pk", Duration::from_secs(20));
+    assert_ne!(state, "exited(0)");
+    let stderr = std::fs::read_to_string(h.state.join("jobs/pk/stderr.log")).unwrap_or_default();
+    assert!(stderr.contains("= -5"), "the program saw CL_OUT_OF_RESOURCES: {stderr}");
+    let layer = std::fs::read_to_string(h.state.join("jobs/pk/opencl.log")).unwrap_or_default();
+    assert!(layer.contains("OpenCL proxy did not answer") || layer.contains("OpenCL proxy did not take"), "{layer}");
+}
+
+/// `--opencl` takes only its modes.
+#[test]
+fn a_bad_opencl_mode_is_refused() {
+    let h = Hiber::new("ocl-badmode");
+    let out = h.output(&["run", "--opencl=remote", "--", "true"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("invalid value 'remote'") && stderr.contains("proxy"), "{stderr}");
+    assert!(!h.ok(&["ls"]).contains("true"), "a refused run leaves no job");
+}
+
 /// Every test above twice: with the layer calling the platform in the application
 /// (`inline`), and through the job's OpenCL proxy (`proxy`).
 macro_rules! in_both_modes {

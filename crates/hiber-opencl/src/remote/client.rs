@@ -64,7 +64,7 @@ impl Answer {
 fn call(w: Writer) -> R<Answer> {
     let t = transport().ok_or(CL_OUT_OF_RESOURCES)?;
     let buf = t.call(&w.buf).map_err(|e| {
-        crate::log(&format!("remote: a call to the proxy failed: {e}"));
+        crate::log(&format!("remote: the job's OpenCL proxy did not answer ({e}); the call fails with CL_OUT_OF_RESOURCES"));
         CL_OUT_OF_RESOURCES
     })?;
     let deferred = Reader::new(&buf).i32()?;
@@ -77,7 +77,7 @@ fn call(w: Writer) -> R<Answer> {
 fn post(w: Writer) -> R<()> {
     let t = transport().ok_or(CL_OUT_OF_RESOURCES)?;
     t.post(&w.buf).map_err(|e| {
-        crate::log(&format!("remote: a post to the proxy failed: {e}"));
+        crate::log(&format!("remote: the job's OpenCL proxy did not take a call ({e}); it fails with CL_OUT_OF_RESOURCES"));
         CL_OUT_OF_RESOURCES
     })
 }
