@@ -1974,18 +1974,19 @@ def ocl_devices(text):
     return out
 
 
-def ocl_move(m, job, prog, args, start_dev, restore_args, at=30, sleep="20", limit=120, env=None):
-    """PROG ARGS on START_DEV uninterrupted outside hiber, then as job JOB checkpointed at
-    step AT and restored with RESTORE_ARGS: identical trajectories, and the copy's own check
-    of its device state against its host reference passes."""
+def ocl_move(m, job, prog, args, start_dev, restore_args, at=30, sleep="20", limit=120, env=None, mode="auto"):
+    """PROG ARGS on START_DEV uninterrupted outside hiber, then as job JOB (`--opencl=MODE`)
+    checkpointed at step AT and restored with RESTORE_ARGS: identical trajectories, and the
+    copy's own check of its device state against its host reference passes."""
     env = env or opencl_env()
     m["platforms"] = [l for l in sh("clinfo", "-l", env=env, check=False).stdout.splitlines() if l.strip()]
     binary = ocl_program(prog)
     ref = sh(binary, *args, start_dev, "0", env=env, timeout=300)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
     assert "verify ok" in ref.stdout, ref.stdout[-500:]
-    hiber("run", "--name", job, "--no-agent", "--", binary, *args, start_dev, sleep, env=env)
+    hiber("run", "--name", job, "--no-agent", f"--opencl={mode}", "--", binary, *args, start_dev, sleep, env=env)
     wait_step(job, at, limit)
+    m.setdefault("nvidia_in_job", []).append(any("libnvidia-opencl" in maps_text(p) for p in job_pids(job)))
     img = image_of(job)
     ck = hiber_json("checkpoint", job, "--out", img, env=env)
     sec = device_section(img, "opencl")
@@ -2034,10 +2035,10 @@ def opencl_pocl_images_move(m):
 
 
 def refused_on_nvidia(m, job, device):
-    """A job with NVIDIA's OpenCL loaded (used or not) is refused before anything stops,
-    and runs on; the driver's answer for it is kept."""
+    """A job with NVIDIA's OpenCL loaded (used or not) in its own process (inline mode) is
+    refused before anything stops, and runs on; the driver's answer for it is kept."""
     env = opencl_env()
-    hiber("run", "--name", job, "--no-agent", "--", ocl_program("stencil"), "100000", "65536", device, "20", env=env)
+    hiber("run", "--name", job, "--no-agent", "--opencl=inline", "--", ocl_program("stencil"), "100000", "65536", device, "20", env=env)
     wait_step(job, 10)
     img = image_of(job)
     p = sh(HIBER, "checkpoint", job, "--out", img, check=False, env=dict(env, HIBER_LOG="hiber_core=debug"))
@@ -2050,6 +2051,45 @@ def refused_on_nvidia(m, job, device):
     at = progress(job)[-1][0]
     wait_step(job, at + 5)
     assert state_of(job) == "running"
+
+
+def maps_text(pid):
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def job_pids(job):
+    """The host PIDs of JOB's tree."""
+    out, i = [next(j["pid"] for j in hiber_json("ls")["jobs"] if j["name"] == job)], 0
+    while i < len(out):
+        try:
+            out += [int(c) for c in Path(f"/proc/{out[i]}/task/{out[i]}/children").read_text().split()]
+        except OSError:
+            pass
+        i += 1
+    return out
+
+
+@scenario
+def opencl_nvidia_proxy_round_trip(m):
+    """NVIDIA's OpenCL through the proxy (#36): a stencil on the GPU, no process of the job
+    mapping NVIDIA's library, checkpointed and restored on the GPU, on its trajectory."""
+    ocl_move(m, "oclnv", "stencil", ("300", "1048576"), "gpu", ("--opencl-device", "gpu"), mode="proxy")
+    assert m["nvidia_in_job"] == [False], m["nvidia_in_job"]
+
+
+@scenario
+def opencl_nvidia_to_pocl_and_back(m):
+    """CheCL's headline through the proxy (#36): checkpointed on NVIDIA's GPU, restored on
+    PoCL's CPU device, and a run started on the CPU restored on the GPU; each goes on on
+    the uninterrupted trajectory (the kernels are deterministic)."""
+    ocl_move(m, "oclgc", "stencil", ("300", "1048576"), "gpu", ("--opencl-device", "cpu"), mode="proxy")
+    back = {}
+    ocl_move(back, "oclcg", "stencil", ("300", "1048576"), "cpu", ("--opencl-device", "gpu"), mode="proxy")
+    m["back"] = back
+    assert m["nvidia_in_job"] == [False] and back["nvidia_in_job"] == [False], (m["nvidia_in_job"], back["nvidia_in_job"])
 
 
 @scenario
