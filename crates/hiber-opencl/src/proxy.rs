@@ -17,10 +17,13 @@ use crate::remote::{self, Transport};
 
 /// The proxy's socket: from the environment at first, then whatever `replay` names.
 static PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
-/// The open connection, so a checkpoint can close it.
-static CLIENT: Mutex<Option<Arc<Client>>> = Mutex::new(None);
+/// The open connection, so a checkpoint can close it, and the process that made it.
+static CLIENT: Mutex<Option<(Arc<Client>, u32)>> = Mutex::new(None);
 
-struct Channel(Arc<Client>);
+/// A connection, and the process that made it: a child forked after its parent's first
+/// OpenCL call inherits the connection, and makes one of its own instead (the platform's
+/// objects it inherited are its parent's, and fail there, as OpenCL objects do after fork).
+struct Channel(Arc<Client>, u32);
 
 impl Transport for Channel {
     fn call(&self, req: &[u8]) -> std::io::Result<Vec<u8>> {
@@ -29,6 +32,10 @@ impl Transport for Channel {
 
     fn post(&self, req: &[u8]) -> std::io::Result<()> {
         self.0.post(req)
+    }
+
+    fn inherited(&self) -> bool {
+        self.1 != std::process::id()
     }
 }
 
@@ -56,9 +63,15 @@ pub fn connect() -> Option<Arc<dyn Transport>> {
         }
     };
     client.on_notify(Box::new(remote::on_notify));
-    *CLIENT.lock().unwrap_or_else(|e| e.into_inner()) = Some(client.clone());
+    let me = std::process::id();
+    if let Some((old, pid)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).replace((client.clone(), me)) {
+        if pid != me {
+            // The parent's (see `Channel`): left as it is.
+            std::mem::forget(old);
+        }
+    }
     crate::log(&format!("connected to the OpenCL proxy at {}", path.display()));
-    Some(Arc::new(Channel(client)))
+    Some(Arc::new(Channel(client, me)))
 }
 
 /// Closes the connection (after a checkpoint released every real object): the proxy process
@@ -66,8 +79,12 @@ pub fn connect() -> Option<Arc<dyn Transport>> {
 /// mapping of it.
 pub fn disconnect() {
     remote::set_transport(None);
-    if let Some(c) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        c.close();
-        crate::log("disconnected from the OpenCL proxy");
+    if let Some((c, pid)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if pid == std::process::id() {
+            c.close();
+            crate::log("disconnected from the OpenCL proxy");
+        } else {
+            std::mem::forget(c);
+        }
     }
 }

@@ -658,6 +658,18 @@ fn proxy_killed_mid_run_fails_the_next_call() {
     assert!(layer.contains("OpenCL proxy did not answer") || layer.contains("OpenCL proxy did not take"), "{layer}");
 }
 
+/// A process that forks after its first OpenCL calls: the child's calls get a proxy of its
+/// own, and the parent's go on through its own (a child that used its parent's connection
+/// would break it). In inline mode the same program is the baseline.
+fn a_child_forked_after_opencl_calls_opencl_too(mode: &str) {
+    let h = Hiber::new(&format!("ocl-forks-{mode}"));
+    let bin = program(&h, "forks");
+    start(&h, mode, "fk", &bin, &["200", "20", "0", "10"]);
+    let log = h.assert_verified("fk", Duration::from_secs(60));
+    assert!(log.contains("child ok"), "{log}");
+    assert_eq!(h.progress("fk").len(), 200, "{log}");
+}
+
 /// `--opencl` takes only its modes.
 #[test]
 fn a_bad_opencl_mode_is_refused() {
@@ -683,6 +695,7 @@ macro_rules! in_both_modes {
 }
 
 in_both_modes!(
+    a_child_forked_after_opencl_calls_opencl_too,
     stencil_moves_to_the_other_device_and_goes_on_identically,
     two_queues_leave_running_then_two_restores,
     images_and_a_sampler_round_trip_and_move,

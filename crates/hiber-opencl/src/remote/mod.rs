@@ -62,6 +62,11 @@ pub trait Transport: Send + Sync {
     /// Sends a request without waiting; the proxy handles posts in order, before any later
     /// call.
     fn post(&self, req: &[u8]) -> std::io::Result<()>;
+    /// A connection this process inherited from its parent by `fork`: it belongs to the
+    /// parent's proxy, and using (or closing) it would break the parent's calls.
+    fn inherited(&self) -> bool {
+        false
+    }
 }
 
 /// Connects lazily when a stub finds no transport.
@@ -89,10 +94,16 @@ pub fn set_connect(f: ConnectFn) {
 /// The current transport, connecting through [`set_connect`]'s function if there is none.
 pub(crate) fn transport() -> Option<Arc<dyn Transport>> {
     if let Some(t) = TRANSPORT.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        return Some(t.clone());
+        if !t.inherited() {
+            return Some(t.clone());
+        }
     }
     let connect = CONNECT.get()?;
     let mut slot = TRANSPORT.write().unwrap_or_else(|e| e.into_inner());
+    if let Some(old) = slot.take_if(|t| t.inherited()) {
+        // The parent's: never dropped here, where dropping would close it for the parent.
+        std::mem::forget(old);
+    }
     if slot.is_none() {
         *slot = connect();
     }
