@@ -57,18 +57,31 @@ fn listen(sock: &Path, job_dir: &Path) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let exe = std::env::current_exe()?;
     let started = Instant::now();
-    let mut workers: Vec<Child> = Vec::new();
+    // Each proxy process, and the PID of the process it serves.
+    let mut workers: Vec<(Child, i32)> = Vec::new();
     eprintln!("hiber opencl-proxy: listening on {} for {}", sock.display(), job_dir.display());
     loop {
         match listener.accept() {
             Ok((stream, _)) => match spawn_worker(&exe, stream) {
-                Ok(c) => workers.push(c),
+                Ok(w) => workers.push(w),
                 Err(e) => eprintln!("hiber opencl-proxy: cannot start a proxy process: {e}"),
             },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
             Err(e) => return Err(e),
         }
-        workers.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+        workers.retain_mut(|(c, client)| match c.try_wait() {
+            Ok(None) => true,
+            Ok(Some(status)) => {
+                if !status.success() {
+                    // Its process's OpenCL calls fail from now on: `hiber ls` says so.
+                    let why = format!("the OpenCL proxy of process {client} ended ({status})");
+                    eprintln!("hiber opencl-proxy: {why}");
+                    let _ = std::fs::write(hiber_core::engine::opencl::proxy_broken_file(job_dir), why + "\n");
+                }
+                false
+            }
+            Err(_) => false,
+        });
         if job_ended(job_dir, started) {
             let _ = std::fs::remove_file(sock);
             eprintln!("hiber opencl-proxy: the job ended");
@@ -78,11 +91,13 @@ fn listen(sock: &Path, job_dir: &Path) -> std::io::Result<()> {
 }
 
 /// Starts a proxy process for the process connected on `stream`, with its environment.
-fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<Child> {
+fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<(Child, i32)> {
     let peer = peer_pid(&stream)?;
     let env = client_env(peer)?;
     let fd: OwnedFd = stream.into();
-    Command::new(exe).arg("__opencl-proxy").arg("--serve").env_clear().envs(env).stdin(Stdio::from(fd)).stdout(Stdio::null()).process_group(0).spawn()
+    let child =
+        Command::new(exe).arg("__opencl-proxy").arg("--serve").env_clear().envs(env).stdin(Stdio::from(fd)).stdout(Stdio::null()).process_group(0).spawn()?;
+    Ok((child, peer))
 }
 
 fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {

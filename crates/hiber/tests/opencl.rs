@@ -638,24 +638,39 @@ fn proxy_keeps_the_platform_out_of_the_job_and_its_image() {
 
 /// The proxy of a process killed while the process computes: the process's next call fails
 /// with an OpenCL error (the program stops as it would on any OpenCL error), and the layer's
-/// log says why.
+/// log says why. A process that runs on (one that only listed the platforms) shows in
+/// `hiber ls` as broken.
 #[test]
 fn proxy_killed_mid_run_fails_the_next_call() {
     let h = Hiber::new("ocl-proxy-killed");
     let bin = program(&h, "stencil");
+    let disc = program(&h, "discover");
     start(&h, "proxy", "pk", &bin, &["100000", "4096", "0", "10"]);
+    start(&h, "proxy", "pd", &disc, &["100000", "50"]);
     h.wait_step("pk", 10);
-    let listener = listener_of(&h, "pk").expect("the job's OpenCL proxy listens");
-    let workers = children_of(listener);
-    assert_eq!(workers.len(), 1, "{workers:?}");
-    // SAFETY: kill(2) on a PID this test just read as the proxy's child.
-    assert_eq!(unsafe { libc::kill(workers[0], libc::SIGKILL) }, 0);
+    wait("the discovery job to list", Duration::from_secs(20), || h.log("pd").contains("listed 1 2"));
+    for job in ["pk", "pd"] {
+        let listener = listener_of(&h, job).expect("the job's OpenCL proxy listens");
+        let workers = children_of(listener);
+        assert_eq!(workers.len(), 1, "{job}: {workers:?}");
+        // SAFETY: kill(2) on a PID this test just read as the proxy's child.
+        assert_eq!(unsafe { libc::kill(workers[0], libc::SIGKILL) }, 0);
+    }
     let state = h.wait_done("pk", Duration::from_secs(20));
     assert_ne!(state, "exited(0)");
     let stderr = std::fs::read_to_string(h.state.join("jobs/pk/stderr.log")).unwrap_or_default();
     assert!(stderr.contains("= -5"), "the program saw CL_OUT_OF_RESOURCES: {stderr}");
     let layer = std::fs::read_to_string(h.state.join("jobs/pk/opencl.log")).unwrap_or_default();
     assert!(layer.contains("OpenCL proxy did not answer") || layer.contains("OpenCL proxy did not take"), "{layer}");
+    wait("hiber ls to show the discovery job broken", Duration::from_secs(10), || {
+        let ls: serde_json::Value = serde_json::from_str(&h.ok(&["ls", "--json"])).unwrap();
+        ls["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|j| j["name"] == "pd" && j["state"] == "running" && j["broken"].as_str().is_some_and(|b| b.contains("OpenCL proxy")))
+    });
+    assert!(h.ok(&["ls"]).contains("broken: the OpenCL proxy of process"), "{}", h.ok(&["ls"]));
 }
 
 /// A process that forks after its first OpenCL calls: the child's calls get a proxy of its

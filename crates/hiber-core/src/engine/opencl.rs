@@ -143,6 +143,16 @@ pub fn default_mode() -> Mode {
     }
 }
 
+/// Where a job's proxy listener records that a proxy process died while its process ran.
+pub fn proxy_broken_file(job_dir: &Path) -> PathBuf {
+    job_dir.join("opencl-proxy.broken")
+}
+
+/// What `hiber ls` says of a running job whose OpenCL proxy died, if one did.
+pub fn proxy_problem(job_dir: &Path) -> Option<String> {
+    std::fs::read_to_string(proxy_broken_file(job_dir)).ok().map(|s| s.trim().to_string())
+}
+
 /// Where a job's proxy listens.
 pub fn proxy_socket(job_dir: &Path) -> PathBuf {
     job_dir.join("opencl-proxy.sock")

@@ -48,7 +48,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         let jobs: Vec<_> = jobs
             .iter()
             // PID 0: a restore whose tree CRIU has not restored yet.
-            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": (j.pid > 0).then_some(j.pid), "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to}))
+            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": (j.pid > 0).then_some(j.pid), "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to, "broken": broken(&registry, j, s)}))
             .collect();
         let images: Vec<_> = images
             .iter()
@@ -72,7 +72,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 cmd.truncate(57);
                 cmd.push_str("...");
             }
-            let from = j.restored_from.as_ref().map(|r| format!("  (restored from {r})")).unwrap_or_default();
+            let mut from = j.restored_from.as_ref().map(|r| format!("  (restored from {r})")).unwrap_or_default();
+            if let Some(why) = broken(&registry, j, s) {
+                from.push_str(&format!("  (broken: {why})"));
+            }
             // The tree of an interrupted restore may run too.
             let runs = *s == JobState::Running || (*s == JobState::InterruptedRestore && j.pid > 0 && proctree::is_same_process(j.pid, j.start_time));
             let pid = if runs { j.pid.to_string() } else { "-".into() };
@@ -115,4 +118,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// A running job that cannot go on as it should, and why: its OpenCL proxy died.
+fn broken(registry: &Registry, job: &hiber_core::jobs::Job, state: &JobState) -> Option<String> {
+    (*state == JobState::Running).then(|| hiber_core::engine::opencl::proxy_problem(&registry.dir_of(&job.name))).flatten()
 }
