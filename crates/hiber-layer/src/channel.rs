@@ -40,7 +40,7 @@ use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -689,12 +689,69 @@ thread_local! {
 /// Client generations, so that a thread's slot of a closed client is not taken for a later one's.
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 
+/// The socket and mapping of each live client, for a child forked from this process to drop
+/// at once (`drop_inherited`): a child that kept them would hold a connection to a proxy
+/// outside its tree, which CRIU refuses to dump, and share its parent's slots. Lock-free:
+/// the fork handler cannot take locks another thread of the parent held.
+struct Inherited {
+    fd: AtomicI32,
+    base: AtomicUsize,
+}
+
+const INHERITED_MAX: usize = 16;
+static INHERITED: [Inherited; INHERITED_MAX] = [const { Inherited { fd: AtomicI32::new(-1), base: AtomicUsize::new(0) } }; INHERITED_MAX];
+
+/// Runs in a child right after `fork` (one thread, the parent's other threads gone): closes
+/// every client's socket and unmaps its segment. The child's `Client`s then fail every call
+/// and are leaked, never dropped (see `Client::pid`).
+extern "C" fn drop_inherited() {
+    for e in &INHERITED {
+        let fd = e.fd.swap(-1, Ordering::AcqRel);
+        let base = e.base.swap(0, Ordering::AcqRel);
+        if fd >= 0 && base != 0 {
+            // SAFETY: `fd` and the mapping at `base` (SEGMENT_SIZE bytes) were a live client's
+            // in the parent, copied into this child by fork; no thread of the child uses them
+            // (it has one thread, in fork), and its Client never touches them again.
+            unsafe {
+                libc::close(fd);
+                libc::munmap(base as *mut libc::c_void, SEGMENT_SIZE);
+            }
+        }
+    }
+}
+
+fn track_for_fork(fd: RawFd, base: usize) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a child handler that only makes async-signal-safe system calls.
+        unsafe { libc::pthread_atfork(None, None, Some(drop_inherited)) };
+    });
+    for e in &INHERITED {
+        if e.fd.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            e.base.store(base, Ordering::Release);
+            return;
+        }
+    }
+    // More clients than the table holds: a child forked now keeps this one's (documented).
+}
+
+fn untrack_for_fork(fd: RawFd) {
+    for e in &INHERITED {
+        if e.fd.compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            e.base.store(0, Ordering::Release);
+        }
+    }
+}
+
 type NotifyFn = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
 /// Application side of the channel. `Send + Sync`: many threads call through one client,
 /// each in a slot of its own (taken on its first call, given back when the thread exits; at
 /// most [`NSLOTS`] threads hold one at once, and a call from one more fails).
 pub struct Client {
+    /// The process that connected: in a child forked from it the client is dead (its socket
+    /// and mapping are gone, see `drop_inherited`), fails every call and is never dropped.
+    pid: u32,
     generation: u64,
     conn: RwLock<Option<Arc<Conn>>>,
     pool: Arc<SlotPool>,
@@ -718,7 +775,9 @@ impl Client {
         drop(fd);
         seg.check_header()?;
         let conn = Conn { seg, sock, state: AtomicU8::new(OPEN), posts_issued: AtomicU64::new(0), post_lock: Mutex::new(()) };
+        track_for_fork(conn.sock.as_raw_fd(), conn.seg.base as usize);
         Ok(Client {
+            pid: std::process::id(),
             generation: GENERATION.fetch_add(1, Ordering::Relaxed),
             conn: RwLock::new(Some(Arc::new(conn))),
             pool: Arc::new(SlotPool { free: Mutex::new(((0..NSLOTS as u32).rev().collect(), 0)) }),
@@ -728,6 +787,9 @@ impl Client {
     }
 
     fn conn(&self) -> io::Result<Arc<Conn>> {
+        if self.pid != std::process::id() {
+            return Err(io::Error::new(io::ErrorKind::NotConnected, "the proxy channel belongs to the parent process (inherited by fork)"));
+        }
         let c = self.conn.read().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(closed_error)?;
         c.check(false)?;
         Ok(c)
@@ -833,7 +895,12 @@ impl Client {
     /// Returns once the calls in flight have failed (within [`WAIT_SLICE`] or so) and the
     /// notification thread let go; that thread ends after the `f` it may be running returns.
     pub fn close(&self) {
+        if self.pid != std::process::id() {
+            // Inherited by fork: gone already, and nothing of it may be touched.
+            return;
+        }
         let Some(conn) = self.conn.write().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        untrack_for_fork(conn.sock.as_raw_fd());
         let _ = conn.state.compare_exchange(OPEN, CLOSED, Ordering::AcqRel, Ordering::Acquire);
         conn.seg.ring_all();
         // The threads in calls notice within a spin or a futex slice; wait for them to let go
@@ -848,6 +915,14 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            // Inherited by fork: its descriptor and mapping were dropped at the fork, and their
+            // numbers may be another's now.
+            if let Some(c) = self.conn.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+                std::mem::forget(c);
+            }
+            return;
+        }
         self.close();
     }
 }

@@ -685,6 +685,26 @@ fn a_child_forked_after_opencl_calls_opencl_too(mode: &str) {
     assert_eq!(h.progress("fk").len(), 200, "{log}");
 }
 
+/// A child forked after its parent's OpenCL calls that never calls OpenCL itself (a
+/// multiprocessing worker, say) holds nothing of its parent's proxy: the job is checkpointed
+/// while both run, and its copy restores and finishes.
+fn a_forked_child_that_never_calls_opencl_is_checkpointed(mode: &str) {
+    let h = Hiber::new(&format!("ocl-forkidle-{mode}"));
+    let bin = program(&h, "forks");
+    let args = ["300", "20", "0", "10", "idle"];
+    start(&h, mode, "fi", &bin, &args);
+    h.wait_step("fi", 60);
+    assert!(h.log("fi").contains("child idle"));
+    let image = h.images_dir().join("fi").display().to_string();
+    h.ok(&["checkpoint", "fi", "--leave-running", "--out", &image]);
+    let at = h.last_step("fi").unwrap();
+    h.assert_verified("fi", Duration::from_secs(60));
+    restore(&h, &image, "fi2", &[]);
+    h.assert_verified("fi2", Duration::from_secs(60));
+    let resumed = h.progress("fi2");
+    assert!(resumed.first().is_some_and(|(s, _)| *s <= at + 1) && resumed.last().is_some_and(|(s, _)| *s == 299), "{resumed:?}");
+}
+
 /// `--opencl` takes only its modes.
 #[test]
 fn a_bad_opencl_mode_is_refused() {
@@ -710,6 +730,7 @@ macro_rules! in_both_modes {
 }
 
 in_both_modes!(
+    a_forked_child_that_never_calls_opencl_is_checkpointed,
     a_child_forked_after_opencl_calls_opencl_too,
     stencil_moves_to_the_other_device_and_goes_on_identically,
     two_queues_leave_running_then_two_restores,

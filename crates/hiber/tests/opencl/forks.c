@@ -1,8 +1,10 @@
 /* A program that forks after its first OpenCL calls, as a pre-fork server or Python's
  * multiprocessing does: the parent increments a buffer on the device step after step; at step
- * FORK_AT a child starts, makes its own context and runs its own kernel, then exits. Both
- * check their results; the parent prints `step N checksum X`, and `verify ok` at the end.
- * Usage: forks STEPS FORK_AT DEVICE SLEEP_MS */
+ * FORK_AT a child starts. CHILD `opencl`: it makes its own context and runs its own kernel,
+ * then exits. CHILD `idle`: it never calls OpenCL, and lives until the parent ends it at the
+ * end. Both check their results; the parent prints `step N checksum X`, and `verify ok`.
+ * Usage: forks STEPS FORK_AT DEVICE SLEEP_MS [CHILD] */
+#include <signal.h>
 #include "common.h"
 #include <sys/wait.h>
 #include <unistd.h>
@@ -40,6 +42,7 @@ int main(int argc, char **argv) {
     int fork_at = argc > 2 ? atoi(argv[2]) : 50;
     int dev = argc > 3 ? device_arg(argv[3]) : 0;
     int sleep = argc > 4 ? atoi(argv[4]) : 10;
+    int idle = argc > 5 && !strcmp(argv[5], "idle");
     cl_device_id d;
     cl_context ctx;
     cl_command_queue q = open_queue(dev, &d, &ctx);
@@ -56,7 +59,14 @@ int main(int argc, char **argv) {
         if (s == fork_at) {
             fflush(stdout);
             kid = fork();
-            if (kid == 0) _exit(child(dev));
+            if (kid == 0) {
+                if (idle) {
+                    printf("child idle\n");
+                    fflush(stdout);
+                    for (;;) pause();
+                }
+                _exit(child(dev));
+            }
         }
         uint32_t v = (uint32_t)s + 1;
         CHECK(clSetKernelArg(k, 1, sizeof v, &v));
@@ -73,6 +83,15 @@ int main(int argc, char **argv) {
         pause_ms(sleep);
     }
     int st = 0;
+    if (idle && kid > 0) {
+        kill(kid, SIGTERM);
+        if (waitpid(kid, &st, 0) != kid || !WIFSIGNALED(st)) {
+            fprintf(stderr, "the idle child did not end as told (status %d)\n", st);
+            return 1;
+        }
+        printf("verify ok\n");
+        return 0;
+    }
     if (kid > 0 && (waitpid(kid, &st, 0) != kid || !WIFEXITED(st) || WEXITSTATUS(st) != 0)) {
         fprintf(stderr, "the child failed (status %d)\n", st);
         return 1;
