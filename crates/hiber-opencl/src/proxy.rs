@@ -47,9 +47,15 @@ fn path() -> Option<PathBuf> {
     p.clone()
 }
 
-/// Where the next connection goes (a restore's new proxy).
+/// Where the next connection goes (a restore's proxy), and where the processes this one
+/// starts from now on find theirs: a job restored from another state directory's image
+/// (another machine's, say) has its proxy elsewhere than its environment named.
 pub fn set_path(path: &str) {
     *PATH.lock().unwrap_or_else(|e| e.into_inner()) = Some(PathBuf::from(path));
+    // The variable is there already (proxy mode): glibc replaces an existing entry's value
+    // in place and never frees the old one, so a thread reading the environment meanwhile
+    // sees the old value or the new. The application's OpenCL calls are held at the gate.
+    std::env::set_var(hiber_wire::opencl::PROXY_ENV, path);
 }
 
 /// Connects to the proxy; the remote stubs call this when they have no connection.

@@ -1,12 +1,15 @@
-//! `hiber __opencl-proxy`: a job's OpenCL proxy (proxy mode, `hiber run --opencl=proxy`).
+//! `hiber __opencl-proxy`: the OpenCL proxy of a state directory's jobs in proxy mode
+//! (`hiber run --opencl=proxy`).
 //!
-//! `--listen SOCK --job-dir DIR` is the job's listener, started by `hiber run` (or by the
-//! restore that made the job) in a process group of its own and outside the job's process
-//! tree, so CRIU never dumps it. Each process of the job whose layer connects gets a proxy
-//! process of its own (`--serve`, the connection on its stdin), which loads the ICD loader
-//! and the vendors with that process's environment (hiber's preload and control variables
-//! left out) and runs its calls, until the process disconnects (a checkpoint released every
-//! real object) or dies. The listener ends once the job has.
+//! `--listen SOCK --jobs DIR` is the listener, one per state directory (`STATE/opencl-proxy.sock`,
+//! a path that stays right for a restored job's processes whatever the job's new name),
+//! started by the first `hiber run` or restore that needs it, in a process group of its own
+//! and outside every job's process tree, so CRIU never dumps it. Each process that connects
+//! gets a proxy process of its own (`--serve`, the connection on its stdin), which loads the
+//! ICD loader and the vendors with that process's environment and working directory (hiber's
+//! preload and variables left out) and runs its calls, until the process disconnects (a
+//! checkpoint released every real object) or dies. The listener ends once no job in proxy
+//! mode is left and no proxy process runs.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -16,31 +19,32 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime};
 
 use hiber_opencl::remote::server::Dispatcher;
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Listen on this socket: each connecting process gets a proxy process of its own.
-    #[arg(long, requires = "job_dir")]
+    #[arg(long, requires = "jobs")]
     listen: Option<PathBuf>,
-    /// The job the listener serves: it ends once the job has.
+    /// The state directory's jobs: the listener ends once none in proxy mode is left.
     #[arg(long)]
-    job_dir: Option<PathBuf>,
+    jobs: Option<PathBuf>,
     /// Serve the one process connected on stdin.
     #[arg(long, conflicts_with = "listen")]
     serve: bool,
 }
 
-/// How long a listener waits for its job to be recorded (a restore records it last).
+/// How long a job marked for the proxy counts as starting (or being restored) before its
+/// record is there.
 const UNRECORDED_LIMIT: Duration = Duration::from_secs(600);
 
 pub fn main(args: Args) -> i32 {
-    let r = match (&args.listen, &args.job_dir, args.serve) {
-        (Some(sock), Some(dir), false) => listen(sock, dir),
+    let r = match (&args.listen, &args.jobs, args.serve) {
+        (Some(sock), Some(jobs), false) => listen(sock, jobs),
         (None, _, true) => serve(),
-        _ => Err(std::io::Error::other("give --listen SOCK --job-dir DIR, or --serve")),
+        _ => Err(std::io::Error::other("give --listen SOCK --jobs DIR, or --serve")),
     };
     match r {
         Ok(()) => 0,
@@ -51,53 +55,112 @@ pub fn main(args: Args) -> i32 {
     }
 }
 
-fn listen(sock: &Path, job_dir: &Path) -> std::io::Result<()> {
+/// A proxy process, the PID of the process it serves, and that process's job directory.
+struct Worker {
+    child: Child,
+    client: i32,
+    job_dir: Option<PathBuf>,
+}
+
+fn listen(sock: &Path, jobs: &Path) -> std::io::Result<()> {
     let listener = UnixListener::bind(sock)?;
     std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o600))?;
     listener.set_nonblocking(true)?;
     let exe = std::env::current_exe()?;
-    let started = Instant::now();
-    // Each proxy process, and the PID of the process it serves.
-    let mut workers: Vec<(Child, i32)> = Vec::new();
-    eprintln!("hiber opencl-proxy: listening on {} for {}", sock.display(), job_dir.display());
+    let mut workers: Vec<Worker> = Vec::new();
+    let mut checked = std::time::Instant::now();
+    eprintln!("hiber opencl-proxy: listening on {} (pid {})", sock.display(), std::process::id());
     loop {
         match listener.accept() {
             Ok((stream, _)) => match spawn_worker(&exe, stream) {
                 Ok(w) => workers.push(w),
                 Err(e) => eprintln!("hiber opencl-proxy: cannot start a proxy process: {e}"),
             },
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => return Err(e),
         }
-        workers.retain_mut(|(c, client)| match c.try_wait() {
+        workers.retain_mut(|w| match w.child.try_wait() {
             Ok(None) => true,
             Ok(Some(status)) => {
                 if !status.success() {
                     // Its process's OpenCL calls fail from now on: `hiber ls` says so.
-                    let why = format!("the OpenCL proxy of process {client} ended ({status})");
+                    let why = format!("the OpenCL proxy of process {} ended ({status})", w.client);
                     eprintln!("hiber opencl-proxy: {why}");
-                    let _ = std::fs::write(hiber_core::engine::opencl::proxy_broken_file(job_dir), why + "\n");
+                    if let Some(dir) = &w.job_dir {
+                        let _ = std::fs::write(hiber_core::engine::opencl::proxy_broken_file(dir), why + "\n");
+                    }
                 }
                 false
             }
             Err(_) => false,
         });
-        if job_ended(job_dir, started) {
-            let _ = std::fs::remove_file(sock);
-            eprintln!("hiber opencl-proxy: the job ended");
-            return Ok(());
+        if workers.is_empty() && checked.elapsed() > Duration::from_secs(1) {
+            checked = std::time::Instant::now();
+            if !any_proxy_job(jobs) && end_if_unneeded(sock, jobs)? {
+                eprintln!("hiber opencl-proxy: no job in proxy mode is left");
+                return Ok(());
+            }
         }
     }
 }
 
-/// Starts a proxy process for the process connected on `stream`, with its environment.
-fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<(Child, i32)> {
+/// Under the starters' lock: ends (removes the socket) if still no job needs the listener.
+fn end_if_unneeded(sock: &Path, jobs: &Path) -> std::io::Result<bool> {
+    let root = jobs.parent().unwrap_or(jobs);
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(root.join("opencl-proxy.lock"))?;
+    hiber_core::sys::flock(&lock, true)?;
+    if any_proxy_job(jobs) {
+        return Ok(false);
+    }
+    let _ = std::fs::remove_file(sock);
+    Ok(true)
+}
+
+/// Whether a job in proxy mode lives (or is starting, or being restored).
+fn any_proxy_job(jobs: &Path) -> bool {
+    let Ok(dir) = std::fs::read_dir(jobs) else { return false };
+    dir.flatten().map(|e| e.path()).filter(|d| hiber_core::engine::opencl::uses_proxy(d)).any(|d| job_lives(&d))
+}
+
+fn job_lives(job_dir: &Path) -> bool {
+    if job_dir.join("restoring.json").exists() {
+        return true;
+    }
+    let Ok(text) = std::fs::read(job_dir.join("job.json")) else {
+        // Starting: counts for a while.
+        let marked = std::fs::metadata(job_dir.join("opencl-proxy")).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+        return marked.elapsed().is_ok_and(|age| age < UNRECORDED_LIMIT);
+    };
+    let Ok(job) = serde_json::from_slice::<serde_json::Value>(&text) else { return true };
+    let (Some(pid), Some(start)) = (job["pid"].as_i64(), job["start_time"].as_u64()) else { return true };
+    hiber_core::proctree::stat(pid as i32).is_ok_and(|s| s.start_time == start)
+}
+
+/// Starts a proxy process for the process connected on `stream`, with its environment and
+/// working directory.
+fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<Worker> {
     let peer = peer_pid(&stream)?;
     let env = client_env(peer)?;
+    let cwd = std::fs::read_link(format!("/proc/{peer}/cwd")).unwrap_or_else(|_| PathBuf::from("/"));
+    // The layer logs into its job's directory: the job a broken proxy is reported for.
+    let job_dir = std::fs::read(format!("/proc/{peer}/environ"))
+        .ok()
+        .and_then(|raw| {
+            raw.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(b"HIBER_OPENCL_LOG=").map(|v| PathBuf::from(String::from_utf8_lossy(v).into_owned())))
+        })
+        .and_then(|log| log.parent().map(Path::to_path_buf));
     let fd: OwnedFd = stream.into();
-    let child =
-        Command::new(exe).arg("__opencl-proxy").arg("--serve").env_clear().envs(env).stdin(Stdio::from(fd)).stdout(Stdio::null()).process_group(0).spawn()?;
-    Ok((child, peer))
+    let child = Command::new(exe)
+        .arg("__opencl-proxy")
+        .arg("--serve")
+        .env_clear()
+        .envs(env)
+        .current_dir(if cwd.is_dir() { cwd } else { PathBuf::from("/") })
+        .stdin(Stdio::from(fd))
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()?;
+    Ok(Worker { child, client: peer, job_dir })
 }
 
 fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {
@@ -114,20 +177,6 @@ fn client_env(pid: i32) -> std::io::Result<HashMap<String, String>> {
         .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
         .filter(|(k, _)| k != "LD_PRELOAD" && !k.starts_with("HIBER_"))
         .collect())
-}
-
-/// Whether the job the listener serves is gone: its directory removed, its recorded root
-/// dead, or never recorded in time.
-fn job_ended(job_dir: &Path, started: Instant) -> bool {
-    if !job_dir.is_dir() {
-        return true;
-    }
-    let Ok(text) = std::fs::read(job_dir.join("job.json")) else {
-        return started.elapsed() > UNRECORDED_LIMIT;
-    };
-    let Ok(job) = serde_json::from_slice::<serde_json::Value>(&text) else { return false };
-    let (Some(pid), Some(start)) = (job["pid"].as_i64(), job["start_time"].as_u64()) else { return false };
-    !hiber_core::proctree::stat(pid as i32).is_ok_and(|s| s.start_time == start)
 }
 
 /// One process's proxy: its calls until it disconnects or dies.

@@ -564,9 +564,10 @@ fn alive(pid: i32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists() && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
 }
 
-/// The proxy listener of job `name` (`hiber __opencl-proxy --listen` on its socket).
-fn listener_of(h: &Hiber, name: &str) -> Option<i32> {
-    let sock = h.state.join("jobs").join(name).join("opencl-proxy.sock").display().to_string();
+/// The OpenCL proxy listener of the test's state directory (`hiber __opencl-proxy --listen`
+/// on its socket).
+fn listener_of(h: &Hiber) -> Option<i32> {
+    let sock = h.state.join("opencl-proxy.sock").display().to_string();
     std::fs::read_dir("/proc").ok()?.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).find(|pid| {
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
@@ -601,7 +602,7 @@ fn proxy_keeps_the_platform_out_of_the_job_and_its_image() {
     for p in &tree {
         assert!(!maps_of(*p).contains("libpocl"), "process {p} of the job mapped the platform's library");
     }
-    let listener = listener_of(&h, "pt").expect("the job's OpenCL proxy listens");
+    let listener = listener_of(&h).expect("the OpenCL proxy listens");
     assert!(!tree.contains(&listener), "the proxy is not in the job's tree");
     let workers = children_of(listener);
     assert_eq!(workers.len(), 2, "a proxy process for each process that called OpenCL: {workers:?}");
@@ -626,7 +627,7 @@ fn proxy_keeps_the_platform_out_of_the_job_and_its_image() {
     for p in tree_of(h.pid_of("pt2")) {
         assert!(!maps_of(p).contains("libpocl"), "restored process {p} mapped the platform's library");
     }
-    let listener2 = listener_of(&h, "pt2").expect("the restored job has a proxy of its own");
+    let listener2 = listener_of(&h).expect("the restored job has a proxy of its own");
     let log = h.assert_verified("pt2", Duration::from_secs(60));
     assert!(log.contains("listed again 1 2"), "the discovery child lists again after the restore:\n{log}");
     let resumed: u64 = log.lines().filter_map(|l| l.strip_prefix("alive ")?.parse().ok()).min().unwrap();
@@ -649,12 +650,12 @@ fn proxy_killed_mid_run_fails_the_next_call() {
     start(&h, "proxy", "pd", &disc, &["100000", "50"]);
     h.wait_step("pk", 10);
     wait("the discovery job to list", Duration::from_secs(20), || h.log("pd").contains("listed 1 2"));
-    for job in ["pk", "pd"] {
-        let listener = listener_of(&h, job).expect("the job's OpenCL proxy listens");
-        let workers = children_of(listener);
-        assert_eq!(workers.len(), 1, "{job}: {workers:?}");
+    let listener = listener_of(&h).expect("the OpenCL proxy listens");
+    let workers = children_of(listener);
+    assert_eq!(workers.len(), 2, "a proxy process for each job's process: {workers:?}");
+    for w in workers {
         // SAFETY: kill(2) on a PID this test just read as the proxy's child.
-        assert_eq!(unsafe { libc::kill(workers[0], libc::SIGKILL) }, 0);
+        assert_eq!(unsafe { libc::kill(w, libc::SIGKILL) }, 0);
     }
     let state = h.wait_done("pk", Duration::from_secs(20));
     assert_ne!(state, "exited(0)");
@@ -705,6 +706,24 @@ fn a_forked_child_that_never_calls_opencl_is_checkpointed(mode: &str) {
     assert!(resumed.first().is_some_and(|(s, _)| *s <= at + 1) && resumed.last().is_some_and(|(s, _)| *s == 299), "{resumed:?}");
 }
 
+/// A job that runs one OpenCL program after another (a shell script), checkpointed during
+/// the first and restored under a new name: the second program, started by the restored
+/// shell, reaches the restored job's proxy (in proxy mode), not the first job's, which ended.
+fn the_next_program_of_a_restored_job_finds_its_proxy(mode: &str) {
+    let h = Hiber::new(&format!("ocl-next-{mode}"));
+    let bin = program(&h, "stencil");
+    let script = format!("{b} 100 4096 0 10 && {b} 50 4096 1 0", b = bin.display());
+    let opencl = format!("--opencl={mode}");
+    let out = h.command(&["run", &opencl, "--name", "nx", "--", "sh", "-c", &script]).env("POCL_DEVICES", DEVICES).output().unwrap();
+    assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
+    h.wait_step("nx", 20);
+    let image = h.images_dir().join("nx").display().to_string();
+    h.ok(&["checkpoint", "nx", "--out", &image]);
+    restore(&h, &image, "nx2", &[]);
+    let log = h.assert_verified("nx2", Duration::from_secs(60));
+    assert_eq!(log.lines().filter(|l| l.starts_with("verify ok")).count(), 2, "both programs ran to the end:\n{log}");
+}
+
 /// `--opencl` takes only its modes.
 #[test]
 fn a_bad_opencl_mode_is_refused() {
@@ -730,6 +749,7 @@ macro_rules! in_both_modes {
 }
 
 in_both_modes!(
+    the_next_program_of_a_restored_job_finds_its_proxy,
     a_forked_child_that_never_calls_opencl_is_checkpointed,
     a_child_forked_after_opencl_calls_opencl_too,
     stencil_moves_to_the_other_device_and_goes_on_identically,

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -143,7 +144,8 @@ pub fn default_mode() -> Mode {
     }
 }
 
-/// Where a job's proxy listener records that a proxy process died while its process ran.
+/// Where a job's proxy listener records that a proxy process of the job died while its
+/// process ran.
 pub fn proxy_broken_file(job_dir: &Path) -> PathBuf {
     job_dir.join("opencl-proxy.broken")
 }
@@ -153,34 +155,56 @@ pub fn proxy_problem(job_dir: &Path) -> Option<String> {
     std::fs::read_to_string(proxy_broken_file(job_dir)).ok().map(|s| s.trim().to_string())
 }
 
-/// Where a job's proxy listens.
-pub fn proxy_socket(job_dir: &Path) -> PathBuf {
-    job_dir.join("opencl-proxy.sock")
+/// In a job's directory: the job's processes reach the platform through the proxy.
+const PROXY_MARKER: &str = "opencl-proxy";
+
+/// Whether the job in `job_dir` runs in proxy mode.
+pub fn uses_proxy(job_dir: &Path) -> bool {
+    job_dir.join(PROXY_MARKER).exists()
 }
 
-/// Starts the OpenCL proxy of the job in `job_dir`: `hiber __opencl-proxy` (this
-/// executable), in a session of its own and outside the job's process tree, so CRIU never
-/// dumps it; it serves each process of the job that connects with a proxy process of its
-/// own, and ends once the job has. Returns its socket once it listens.
+/// The proxy listener's socket for the jobs under `jobs_dir` (the state directory's
+/// `jobs/`): one per state directory, `STATE/opencl-proxy.sock`, so the path a job's
+/// environment names stays right for every process it starts after a restore under
+/// another name.
+pub fn proxy_socket(jobs_dir: &Path) -> PathBuf {
+    jobs_dir.parent().unwrap_or(jobs_dir).join("opencl-proxy.sock")
+}
+
+/// Marks the job in `job_dir` (a directory of the state's `jobs/`) as one in proxy mode and
+/// makes sure the state directory's OpenCL proxy listens: `hiber __opencl-proxy` (this
+/// executable), in a process group of its own and outside every job's process tree, so
+/// CRIU never dumps it. It serves each process that connects with a proxy process of its
+/// own, and ends once no job in proxy mode is left. Returns its socket.
 pub fn start_proxy(job_dir: &Path) -> std::io::Result<PathBuf> {
-    let sock = proxy_socket(job_dir);
+    let jobs = job_dir.parent().ok_or_else(|| std::io::Error::other("a job directory has a parent"))?;
+    let root = jobs.parent().unwrap_or(jobs);
+    std::fs::write(job_dir.join(PROXY_MARKER), b"")?;
+    let sock = proxy_socket(jobs);
+    // One starter at a time, and never while the listener decides to end (it takes the lock
+    // too): a socket that answers belongs to a listener that will see this job.
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(root.join("opencl-proxy.lock"))?;
+    crate::sys::flock(&lock, true)?;
+    if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
+        return Ok(sock);
+    }
     let _ = std::fs::remove_file(&sock);
-    let log = job_dir.join("opencl-proxy.log");
+    let log = root.join("opencl-proxy.log");
     let mut child = std::process::Command::new("/proc/self/exe")
         .arg("__opencl-proxy")
         .arg("--listen")
         .arg(&sock)
-        .arg("--job-dir")
-        .arg(job_dir)
+        .arg("--jobs")
+        .arg(jobs)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(&log)?)
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&log)?)
         // Out of hiber's process group: a Ctrl-C meant for hiber does not reach it.
         .process_group(0)
         .spawn()?;
-    // It outlives this hiber (then reparented to init); ready once its socket is there.
+    // It outlives this hiber (then reparented to init); ready once it answers.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         if let Some(status) = child.try_wait()? {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             let last = text.lines().last().unwrap_or("no word from it").to_string();
