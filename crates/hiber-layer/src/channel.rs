@@ -424,8 +424,13 @@ impl Ring<'_> {
             let rest = msg.len() - off;
             let head = self.hdr.head.load(Ordering::Relaxed);
             let want = FRAME + rest.min(MIN_FRAME_DATA);
-            self.hdr.space_bell.wait(|| self.cap - self.used(head) >= want, check)?;
-            let n = rest.min(self.cap - self.used(head) - FRAME);
+            self.hdr.space_bell.wait(|| self.cap.saturating_sub(self.used(head)) >= want, check)?;
+            // The reader's counter is the other process's to write: never trusted past the ring.
+            let used = self.used(head);
+            if used > self.cap - want {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "a channel ring's read counter is past its write counter"));
+            }
+            let n = rest.min(self.cap - used - FRAME);
             let last = off + n == msg.len();
             let mut frame = [0u8; FRAME];
             frame[..4].copy_from_slice(&(n as u32).to_le_bytes());
@@ -453,7 +458,10 @@ impl Ring<'_> {
             self.copy_out(tail, &mut frame);
             let n = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
             let last = frame[4] != 0;
-            if n > avail() - FRAME {
+            // The writer's counter and frames are the other process's to write: never trusted
+            // past the ring (a frame longer than the ring would be copied past its end).
+            let written = avail();
+            if written > self.cap || n > written - FRAME {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "a channel ring frame runs past what was written"));
             }
             let at = out.len();

@@ -1306,11 +1306,15 @@ unsafe fn read_into(w: Writer, event: *mut H, place: impl FnOnce(&[u8]) -> R<()>
         return Err(rc);
     }
     place(r.bytes()?)?;
-    // SAFETY: forwarded.
-    unsafe { event_out(&mut r, event)? };
     if a.deferred != cl::CL_SUCCESS {
+        // The call fails: it gives the application no event (the proxy's is let go).
+        if r.bool()? {
+            post_handle(Op::ReleaseEvent, r.h()?);
+        }
         return Err(a.deferred);
     }
+    // SAFETY: forwarded.
+    unsafe { event_out(&mut r, event)? };
     Ok(())
 }
 

@@ -104,7 +104,8 @@ impl Dispatcher {
 
     /// Handles one request and writes its answer into `answer` (cleared first): `i32
     /// deferred, i32 rc` and the op's outputs. A post's answer is for the transport to
-    /// drop; its failure is kept and goes out as the next call's `deferred`. Callbacks the
+    /// drop; its failure is kept and goes out as `deferred` of the next call that waits for
+    /// the queues' work (`clFinish`, `clWaitForEvents`, a read). Callbacks the
     /// request registers send their notifications through `notify` (kept, and called later
     /// from the platform's threads). Never panics; may be called from several threads at
     /// once.
@@ -135,7 +136,9 @@ impl Dispatcher {
             if rc != cl::CL_SUCCESS {
                 let _ = self.deferred.compare_exchange(0, rc, Ordering::AcqRel, Ordering::Acquire);
             }
-        } else {
+        } else if matches!(op, Some(Op::Finish | Op::WaitForEvents | Op::EnqueueReadBuffer | Op::EnqueueReadBufferRect | Op::EnqueueReadImage)) {
+            // Only the calls that wait for the queue's work take the error of a posted call
+            // (and report it); any other call leaves it for them.
             let d = self.deferred.swap(0, Ordering::AcqRel);
             w.buf[..4].copy_from_slice(&d.to_le_bytes());
         }
@@ -1221,10 +1224,17 @@ mod tests {
         w.u64(1);
         d.handle(&w.buf, &mut answer, n.clone());
         assert_eq!(i32::from_le_bytes(answer[4..8].try_into().unwrap()), cl::CL_INVALID_OPERATION);
-        // The post's failure comes back with the next call.
+        // The post's failure waits, past calls that do not wait for the queues' work, for the
+        // next one that does (clFinish here), and comes back once.
         d.handle(&[0xff, 0xff, 0], &mut answer, n.clone());
+        assert_eq!(i32::from_le_bytes(answer[..4].try_into().unwrap()), 0);
+        let mut finish = Writer::new();
+        finish.u16(Op::Finish as u16);
+        finish.u8(0);
+        finish.u64(1);
+        d.handle(&finish.buf, &mut answer, n.clone());
         assert_eq!(i32::from_le_bytes(answer[..4].try_into().unwrap()), cl::CL_INVALID_OPERATION);
-        d.handle(&[0xff, 0xff, 0], &mut answer, n.clone());
+        d.handle(&finish.buf, &mut answer, n.clone());
         assert_eq!(i32::from_le_bytes(answer[..4].try_into().unwrap()), 0);
     }
 
