@@ -669,7 +669,7 @@ fn proxy_killed_mid_run_fails_the_next_call() {
             .as_array()
             .unwrap()
             .iter()
-            .any(|j| j["name"] == "pd" && j["state"] == "running" && j["broken"].as_str().is_some_and(|b| b.contains("OpenCL proxy")))
+            .any(|j| j["name"] == "pd" && j["state"] == "running" && j["problem"].as_str().is_some_and(|b| b.contains("OpenCL proxy")))
     });
     assert!(h.ok(&["ls"]).contains("broken: the OpenCL proxy of process"), "{}", h.ok(&["ls"]));
 }

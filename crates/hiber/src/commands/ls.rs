@@ -48,7 +48,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         let jobs: Vec<_> = jobs
             .iter()
             // PID 0: a restore whose tree CRIU has not restored yet.
-            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": (j.pid > 0).then_some(j.pid), "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to, "broken": broken(&registry, j, s)}))
+            .map(|(j, s)| serde_json::json!({"name": j.name, "state": s.to_string(), "pid": (j.pid > 0).then_some(j.pid), "command": j.command, "restored_from": j.restored_from, "checkpointed_to": j.checkpointed_to, "problem": broken(&registry, j, s)}))
             .collect();
         let images: Vec<_> = images
             .iter()
