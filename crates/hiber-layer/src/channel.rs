@@ -827,10 +827,21 @@ impl Client {
     /// Before the request is handled, every `post` made earlier by ANY thread of this client has
     /// been handled (the proxy handles posts in order; a call waits for the posts sent before it).
     pub fn call(&self, req: &[u8]) -> io::Result<Vec<u8>> {
+        self.call_ordered(req, true)
+    }
+
+    /// As [`Client::call`], but handled without waiting for the posts made before it: for a
+    /// call that can only unblock the platform (a user event set), which a post blocked in the
+    /// platform (say a release that finishes its queue) may be waiting for.
+    pub fn call_unordered(&self, req: &[u8]) -> io::Result<Vec<u8>> {
+        self.call_ordered(req, false)
+    }
+
+    fn call_ordered(&self, req: &[u8], after_posts: bool) -> io::Result<Vec<u8>> {
         let conn = self.conn()?;
         let slot = conn.seg.slot(self.my_slot(&conn)?);
         let check = |t: bool| conn.check(t);
-        slot.hdr.post_seq.store(conn.posts_issued.load(Ordering::Acquire), Ordering::Relaxed);
+        slot.hdr.post_seq.store(if after_posts { conn.posts_issued.load(Ordering::Acquire) } else { 0 }, Ordering::Relaxed);
         let mut off = 0;
         let mut flags = PIECE_FIRST;
         loop {

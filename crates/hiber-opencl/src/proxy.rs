@@ -34,6 +34,10 @@ impl Transport for Channel {
         self.0.post(req)
     }
 
+    fn call_unordered(&self, req: &[u8]) -> std::io::Result<Vec<u8>> {
+        self.0.call_unordered(req)
+    }
+
     fn inherited(&self) -> bool {
         self.1 != std::process::id()
     }

@@ -62,8 +62,14 @@ impl Answer {
 }
 
 fn call(w: Writer) -> R<Answer> {
+    call_in_order(w, true)
+}
+
+/// `after_posts` false: the proxy handles it at once, not after the posts made before it.
+fn call_in_order(w: Writer, after_posts: bool) -> R<Answer> {
     let t = transport().ok_or(CL_OUT_OF_RESOURCES)?;
-    let buf = t.call(&w.buf).map_err(|e| {
+    let sent = if after_posts { t.call(&w.buf) } else { t.call_unordered(&w.buf) };
+    let buf = sent.map_err(|e| {
         crate::log(&format!("remote: the job's OpenCL proxy did not answer ({e}); the call fails with CL_OUT_OF_RESOURCES"));
         CL_OUT_OF_RESOURCES
     })?;
@@ -1276,7 +1282,14 @@ pub unsafe extern "C" fn clSetUserEventStatus(e: H, status: cl_int) -> cl_int {
         let mut w = begin(Op::SetUserEventStatus, MODE_CALL);
         w.h(e);
         w.i32(status);
-        call_code(w, false)
+        // Not behind the posts: one of them may be blocked in the platform on this very event
+        // (a release that finishes its queue); setting it earlier than the posts before it
+        // changes nothing they see (what waits on it runs once it is set).
+        let rc = call_in_order(w, false)?.reader().i32()?;
+        if rc != cl::CL_SUCCESS {
+            return Err(rc);
+        }
+        Ok(())
     })
 }
 

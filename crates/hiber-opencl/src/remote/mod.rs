@@ -62,6 +62,11 @@ pub trait Transport: Send + Sync {
     /// Sends a request without waiting; the proxy handles posts in order, before any later
     /// call.
     fn post(&self, req: &[u8]) -> std::io::Result<()>;
+    /// Sends a request that the proxy handles without waiting for earlier posts (for calls
+    /// that only unblock the platform: a post blocked in it may wait for one).
+    fn call_unordered(&self, req: &[u8]) -> std::io::Result<Vec<u8>> {
+        self.call(req)
+    }
     /// A connection this process inherited from its parent by `fork`: it belongs to the
     /// parent's proxy, and using (or closing) it would break the parent's calls.
     fn inherited(&self) -> bool {
