@@ -183,21 +183,24 @@ fn client_env(pid: i32) -> std::io::Result<HashMap<String, String>> {
 fn serve() -> std::io::Result<()> {
     let fd = std::io::stdin().as_fd().try_clone_to_owned()?;
     let stream = UnixStream::from(fd);
-    let dispatcher = Arc::new(Dispatcher::new());
-    hiber_layer::channel::serve(stream, Arc::new(Handler(dispatcher)))
+    let handler = Handler { dispatcher: Dispatcher::new(), notify: std::sync::OnceLock::new() };
+    hiber_layer::channel::serve(stream, Arc::new(handler))
 }
 
-struct Handler(Arc<Dispatcher>);
+struct Handler {
+    dispatcher: Dispatcher,
+    /// The connection's notifier as the dispatcher takes it, made once (not per call).
+    notify: std::sync::OnceLock<hiber_opencl::remote::server::Notifier>,
+}
 
 impl hiber_layer::channel::Handler for Handler {
     fn handle(&self, req: &[u8], answer: &mut Vec<u8>, notifier: &hiber_layer::channel::Notifier) {
-        let n = notifier.clone();
-        self.0.handle(
-            req,
-            answer,
+        let notify = self.notify.get_or_init(|| {
+            let n = notifier.clone();
             Arc::new(move |msg: &[u8]| {
                 let _ = n.notify(msg);
-            }),
-        );
+            })
+        });
+        self.dispatcher.handle(req, answer, notify.clone());
     }
 }

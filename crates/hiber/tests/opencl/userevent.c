@@ -31,13 +31,17 @@ int main(int argc, char **argv) {
     CHECK(err);
     CHECK(clEnqueueWriteBuffer(q2, b, CL_TRUE, 0, sizeof got, &got, 0, NULL, NULL));
     /* Work that waits on the user event, then the queue let go while it waits. */
-    CHECK(clEnqueueFillBuffer(q, b, &one, sizeof one, 0, sizeof one, 1, &user, NULL));
+    cl_event done;
+    CHECK(clEnqueueFillBuffer(q, b, &one, sizeof one, 0, sizeof one, 1, &user, &done));
     CHECK(clFlush(q));
     pthread_t t;
     pthread_create(&t, NULL, setter, NULL);
     CHECK(clReleaseCommandQueue(q));
     CHECK(clFinish(q2));
     pthread_join(t, NULL);
+    /* The fill ran on the released queue: wait for it (nothing else orders it before the read). */
+    CHECK(clWaitForEvents(1, &done));
+    CHECK(clReleaseEvent(done));
     CHECK(clEnqueueReadBuffer(q2, b, CL_TRUE, 0, sizeof got, &got, 0, NULL, NULL));
     if (got != 1) {
         fprintf(stderr, "the work that waited on the user event did not run: %u\n", got);
