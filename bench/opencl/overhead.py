@@ -41,7 +41,11 @@ class Proxy:
     def __init__(self, hiber):
         self.dir = tempfile.mkdtemp(prefix="hiber-bench-proxy-")
         self.sock = os.path.join(self.dir, "opencl-proxy.sock")
-        self.p = subprocess.Popen([hiber, "__opencl-proxy", "--listen", self.sock, "--job-dir", self.dir], stderr=subprocess.DEVNULL)
+        # A job in proxy mode that is "starting" (no record yet) keeps the listener up.
+        jobs = os.path.join(self.dir, "jobs")
+        os.makedirs(os.path.join(jobs, "bench"))
+        open(os.path.join(jobs, "bench", "opencl-proxy"), "w").close()
+        self.p = subprocess.Popen([hiber, "__opencl-proxy", "--listen", self.sock, "--jobs", jobs], stderr=subprocess.DEVNULL)
         for _ in range(500):
             if os.path.exists(self.sock):
                 return
