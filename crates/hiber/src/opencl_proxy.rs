@@ -19,8 +19,10 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
+use hiber_core::jobs::{JobError, JobState, Registry};
+use hiber_core::state::StateDir;
 use hiber_opencl::remote::server::Dispatcher;
 
 #[derive(clap::Args)]
@@ -118,22 +120,17 @@ fn end_if_unneeded(sock: &Path, jobs: &Path) -> std::io::Result<bool> {
 
 /// Whether a job in proxy mode lives (or is starting, or being restored).
 fn any_proxy_job(jobs: &Path) -> bool {
+    let registry = Registry::new(&StateDir::at(jobs.parent().unwrap_or(jobs)));
     let Ok(dir) = std::fs::read_dir(jobs) else { return false };
-    dir.flatten().map(|e| e.path()).filter(|d| hiber_core::engine::opencl::uses_proxy(d)).any(|d| job_lives(&d))
-}
-
-fn job_lives(job_dir: &Path) -> bool {
-    if job_dir.join("restoring.json").exists() {
-        return true;
-    }
-    let Ok(text) = std::fs::read(job_dir.join("job.json")) else {
-        // Starting: counts for a while.
-        let marked = std::fs::metadata(job_dir.join("opencl-proxy")).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
-        return marked.elapsed().is_ok_and(|age| age < UNRECORDED_LIMIT);
-    };
-    let Ok(job) = serde_json::from_slice::<serde_json::Value>(&text) else { return true };
-    let (Some(pid), Some(start)) = (job["pid"].as_i64(), job["start_time"].as_u64()) else { return true };
-    hiber_core::proctree::stat(pid as i32).is_ok_and(|s| s.start_time == start)
+    dir.flatten().any(|e| {
+        let Ok(marked) = std::fs::metadata(hiber_core::engine::opencl::proxy_marker(&e.path())).and_then(|m| m.modified()) else { return false };
+        match registry.load(&e.file_name().to_string_lossy()) {
+            Ok(job) => matches!(registry.state(&job), JobState::Running | JobState::Restoring { .. } | JobState::InterruptedRestore),
+            // Starting (not recorded yet): counts for a while.
+            Err(JobError::NotFound(_)) => marked.elapsed().is_ok_and(|age| age < UNRECORDED_LIMIT),
+            Err(_) => true,
+        }
+    })
 }
 
 /// Starts a proxy process for the process connected on `stream`, with its environment and

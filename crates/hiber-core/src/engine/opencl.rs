@@ -155,12 +155,10 @@ pub fn proxy_problem(job_dir: &Path) -> Option<String> {
     std::fs::read_to_string(proxy_broken_file(job_dir)).ok().map(|s| s.trim().to_string())
 }
 
-/// In a job's directory: the job's processes reach the platform through the proxy.
-const PROXY_MARKER: &str = "opencl-proxy";
-
-/// Whether the job in `job_dir` runs in proxy mode.
-pub fn uses_proxy(job_dir: &Path) -> bool {
-    job_dir.join(PROXY_MARKER).exists()
+/// In a job's directory: the job's processes reach the platform through the proxy (its
+/// time: when the job was marked so).
+pub fn proxy_marker(job_dir: &Path) -> PathBuf {
+    job_dir.join("opencl-proxy")
 }
 
 /// The proxy listener's socket for the jobs under `jobs_dir` (the state directory's
@@ -179,7 +177,7 @@ pub fn proxy_socket(jobs_dir: &Path) -> PathBuf {
 pub fn start_proxy(job_dir: &Path) -> std::io::Result<PathBuf> {
     let jobs = job_dir.parent().ok_or_else(|| std::io::Error::other("a job directory has a parent"))?;
     let root = jobs.parent().unwrap_or(jobs);
-    std::fs::write(job_dir.join(PROXY_MARKER), b"")?;
+    std::fs::write(proxy_marker(job_dir), b"")?;
     let sock = proxy_socket(jobs);
     // One starter at a time, and never while the listener decides to end (it takes the lock
     // too): a socket that answers belongs to a listener that will see this job.
