@@ -160,7 +160,11 @@ pub fn spawn_shim(job_dir: &Path, task: &ShimTask) -> Result<Started, LaunchErro
     // (or a subreaper) and outlives this hiber.
     let _ = child.wait();
     let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).map_err(io("read the shim's report"))?;
+    let mut reader = BufReader::new(stdout);
+    reader.read_line(&mut line).map_err(io("read the shim's report"))?;
+    // The shim closes its end right after the report: waiting for that (briefly) means that
+    // once hiber returns, the shim holds nothing of hiber's, as `hiber run`'s callers see.
+    let _ = sys::wait_hangup(reader.get_ref().as_fd(), std::time::Duration::from_secs(2));
     serde_json::from_str(&line).map_err(|_| LaunchError::ShimVanished)
 }
 

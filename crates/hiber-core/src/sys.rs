@@ -37,6 +37,36 @@ pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// Waits up to `timeout` for the other end of the pipe `fd` reads from to close (every
+/// writer gone); whether it did.
+pub fn wait_hangup(fd: BorrowedFd<'_>, timeout: std::time::Duration) -> io::Result<bool> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut buf = [0u8; 64];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pfd` is one valid pollfd, as the count of 1 says.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        // Readable: data (read and dropped) or end of file.
+        // SAFETY: `buf` is valid for writes of its length; `fd` is open (borrowed).
+        match unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } {
+            0 => return Ok(true),
+            n if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted => return Err(io::Error::last_os_error()),
+            _ => {}
+        }
+    }
+}
+
 /// Clears close-on-exec so that `fd` survives into an exec'd child.
 pub fn clear_cloexec(fd: RawFd) -> io::Result<()> {
     // SAFETY: F_GETFD/F_SETFD only read and set flags of a descriptor number; an invalid
