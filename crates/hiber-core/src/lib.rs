@@ -22,8 +22,10 @@ pub mod journal;
 pub mod keeper;
 pub mod launch;
 pub mod lock;
+pub mod migrate;
 pub mod proctree;
 pub mod restore;
+pub mod secure;
 pub mod state;
 pub mod sys;
 

@@ -41,6 +41,10 @@ enum Command {
     /// Hold several checkpoints or restores (hibers with --coordinator) at each phase until
     /// all reach it: one consistent cut across processes and hosts.
     Coordinate(commands::coordinate::Args),
+    /// Move a running job to another host's `hiber serve`, over an encrypted connection.
+    Migrate(commands::migrate::Args),
+    /// Receive jobs that other hosts move here with `hiber migrate`.
+    Serve(commands::serve::Args),
     /// Undo checkpoints that were interrupted (hiber killed mid-way).
     Recover,
     /// Built-in workloads used by `hiber demo` and the tests.
@@ -99,6 +103,8 @@ fn main() {
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
                 Command::Coordinate(a) => commands::coordinate::run(a),
+                Command::Migrate(a) => commands::migrate::run(a),
+                Command::Serve(a) => commands::serve::run(a),
                 Command::Recover | Command::Workload(_) | Command::Shim | Command::Keep { .. } | Command::OpenclProxy(_) => unreachable!("handled above"),
             }
         }

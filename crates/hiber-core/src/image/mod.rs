@@ -253,7 +253,7 @@ impl Image {
 
 /// Whether `rel` names a file inside an image: relative, and made of plain names only
 /// (no `..`, no `.`, no empty part), so that joining it to the image's path stays there.
-fn is_inside_path(rel: &str) -> bool {
+pub(crate) fn is_inside_path(rel: &str) -> bool {
     !rel.is_empty() && rel.split('/').all(|part| !part.is_empty() && part != "." && part != "..")
 }
 

@@ -91,6 +91,10 @@ pub struct RestoreRequest {
     /// Restore an image that fails the ownership and mode checks of [`trust`] (another
     /// user could have written it), from a private copy that is verified and restored.
     pub trust_image: bool,
+    /// CRIU leaves the restored tree stopped, and it runs only once the
+    /// [`Phase::ProcessesRestored`] barrier passes (a migration's target waits there for
+    /// the source to hand the job over).
+    pub hold_stopped: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -152,7 +156,8 @@ fn restore_tracked(ctx: &Context, req: &RestoreRequest, coord: &Tracked<'_>) -> 
         None => registry.free_name(&base),
     };
     // `HIBER_RESTORE_STOPPED=1` takes the stopped-tree path with any image, for tests.
-    let leave_stopped = sessions.iter().any(|s| s.wants_stopped_tree()) || std::env::var_os("HIBER_RESTORE_STOPPED").is_some_and(|v| v == "1");
+    let leave_stopped =
+        req.hold_stopped || sessions.iter().any(|s| s.wants_stopped_tree()) || std::env::var_os("HIBER_RESTORE_STOPPED").is_some_and(|v| v == "1");
     // The job is on record as being restored from the moment its name is taken, before
     // anything starts: should this hiber be killed from here on, `hiber ls` lists the job
     // and `hiber recover` settles it ([`interrupted`]).

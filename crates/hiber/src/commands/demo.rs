@@ -117,6 +117,7 @@ fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &Che
             devices: DeviceRestoreOptions::default(),
             isolate_net: false,
             trust_image: false,
+            hold_stopped: false,
         },
     )?;
     println!("  restored as job {} (pid {}) in {}", restored.job.name, restored.job.pid, secs(restored.total));

@@ -7,10 +7,12 @@ pub mod doctor;
 pub mod inspect;
 pub mod logs;
 pub mod ls;
+pub mod migrate;
 pub mod recover;
 pub mod restore;
 pub mod rm;
 pub mod run;
+pub mod serve;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

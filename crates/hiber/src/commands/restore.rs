@@ -55,6 +55,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         devices: DeviceRestoreOptions { gpu_map, opencl_device: args.opencl_device, ..Default::default() },
         isolate_net: args.isolate_net,
         trust_image: args.trust_image,
+        hold_stopped: false,
     };
     let coord = super::coordinator(args.coordinator.as_deref(), &args.image)?;
     let report = restore_with(&ctx, &req, coord.as_ref());

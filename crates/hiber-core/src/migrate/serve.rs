@@ -1,0 +1,231 @@
+//! The target of migrations: `hiber serve --listen ADDR --token-file F` accepts jobs that
+//! other hosts' hibers move here ([`super::migrate`]), one thread per connection.
+//!
+//! An incoming image goes into a private staging directory (`$STATE/incoming`, 0700, files
+//! 0600, paths checked to stay inside it), is verified and restored as any image is, and
+//! the restored tree is held stopped until the source says `Commit`. Whatever goes wrong
+//! before that word (the source gone, its `Abort`, a failed restore) leaves nothing here:
+//! the stopped copy is killed and the job and staging directory removed.
+
+use std::io::{self, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::wire::{self, LogStream, Msg};
+use crate::coordinator::{BarrierError, Coordinator, Phase};
+use crate::jobs::Registry;
+use crate::restore::{restore_with, RestoreRequest};
+use crate::secure::{Channel, Token};
+use crate::Context;
+
+pub struct ServeOptions {
+    pub token: Token,
+    /// How long a connection may stay silent (the source's checkpoint included).
+    pub timeout: Duration,
+}
+
+/// Accepts migrations on `listener` for ever (each on its own thread). Returns only if
+/// accepting fails.
+pub fn serve(ctx: &Context, listener: &TcpListener, opts: &ServeOptions) -> io::Result<()> {
+    std::thread::scope(|scope| loop {
+        let (tcp, peer) = listener.accept()?;
+        scope.spawn(move || {
+            let ch = match Channel::accept(tcp, &opts.token, opts.timeout) {
+                Ok(ch) => ch,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "refused a connection");
+                    eprintln!("hiber serve: refused {peer}: {e}");
+                    return;
+                }
+            };
+            match receive(ctx, ch, opts) {
+                Ok(Some((name, pid))) => eprintln!("hiber serve: job {name} moved here from {peer}; it runs as pid {pid}"),
+                Ok(None) => {}
+                Err(e) => eprintln!("hiber serve: a migration from {peer} failed: {e}"),
+            }
+        });
+    })
+}
+
+/// One migration, from hello to the job running here (`Some((name, pid))`), or to
+/// nothing left behind.
+fn receive(ctx: &Context, mut ch: Channel, opts: &ServeOptions) -> Result<Option<(String, i32)>, String> {
+    let hello = wire::recv(&mut ch).map_err(|e| e.to_string())?;
+    let Msg::Hello { version, job, name, bytes, .. } = hello else { return Err(format!("expected a hello, got {hello:?}")) };
+    if let Err((reason, hint)) = admit(ctx, version, &name, bytes) {
+        let _ = wire::send(&mut ch, &Msg::Refused { reason: reason.clone(), hint });
+        return Err(format!("refused job {job}: {reason}"));
+    }
+    wire::send(&mut ch, &Msg::Accepted).map_err(|e| e.to_string())?;
+    let incoming = ctx.state.root().join("incoming");
+    ctx.state.ensure(&incoming).map_err(|e| e.to_string())?;
+    let staging = Staging(incoming.join(format!("{name}-{}", crate::state::hiber_tag().map_err(|e| e.to_string())?)));
+    ctx.state.ensure(&staging.0).map_err(|e| e.to_string())?;
+    // The checkpoint at the source may take a while before the first file comes.
+    let _ = ch.set_read_timeout(Some(opts.timeout));
+    let logs = match take_image(&mut ch, &staging.0, bytes) {
+        Ok(Some(logs)) => logs,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            let _ = wire::send(&mut ch, &Msg::Failed { reason: e.clone() });
+            return Err(e);
+        }
+    };
+    let registry = Registry::new(&ctx.state);
+    let holder = Holder { ch: Mutex::new(&mut ch), logs, registry: &registry, name: &name, inject: crate::coordinator::from_env() };
+    let req = RestoreRequest {
+        image: staging.0.clone(),
+        name: Some(name.clone()),
+        devices: Default::default(),
+        isolate_net: false,
+        trust_image: false,
+        hold_stopped: true,
+    };
+    let restored = restore_with(ctx, &req, &holder);
+    drop(holder);
+    match restored {
+        Ok(report) => {
+            // The job outlives its image here: nothing of it points at the staging directory.
+            let mut job = report.job;
+            job.restored_from = Some(format!("migration of job {job_name}", job_name = job.name));
+            job.last_image = None;
+            let _ = registry.save(&job);
+            // The source may be gone by now: the job runs here whether it hears or not.
+            let _ = wire::send(&mut ch, &Msg::Running { name: job.name.clone(), pid: job.pid });
+            Ok(Some((job.name, job.pid)))
+        }
+        Err(e) => {
+            let _ = wire::send(&mut ch, &Msg::Failed { reason: e.to_string() });
+            Err(e.to_string())
+        }
+    }
+}
+
+/// Whether this host takes job `name` of about `bytes`: refused with a reason and a hint.
+fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<(), (String, Option<String>)> {
+    if version != wire::VERSION {
+        return Err((format!("migration protocol version {version}; this hiber speaks {}", wire::VERSION), Some("run the same hiber on both hosts".into())));
+    }
+    crate::jobs::validate_name(name).map_err(|e| (e.to_string(), None))?;
+    let registry = Registry::new(&ctx.state);
+    if registry.dir_of(name).exists() {
+        return Err((format!("a job named '{name}' exists on the target"), Some("pick another with --name, or `hiber rm` it there".into())));
+    }
+    // The image, staged, and as much again for the engines' buffers and CRIU's work.
+    if let Err((available, dir)) = super::has_room(ctx.state.root(), bytes) {
+        return Err((
+            format!("no room on the target: the image needs about {} MiB, {} has {} MiB free", bytes >> 20, dir.display(), available >> 20),
+            Some("free space in the target's state directory ($HIBER_STATE)".into()),
+        ));
+    }
+    Ok(())
+}
+
+/// Receives the image's files into `dir`: `Some` with the logs once all came, `None` when
+/// the source aborted.
+fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u8>; 2]>, String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let mut logs: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+    let mut received = 0u64;
+    // What the estimate missed (page tables of a big mapping, say) gets some slack, not
+    // an unbounded disk.
+    let limit = budget.saturating_mul(2).saturating_add(256 << 20);
+    loop {
+        let msg = wire::recv(ch).map_err(|e| format!("the connection to the source: {e}"))?;
+        match msg {
+            Msg::File { path, size } => {
+                if !crate::image::is_inside_path(&path) {
+                    return Err(format!("the source sent a file named '{path}', which is not a path inside an image"));
+                }
+                received = received.saturating_add(size);
+                if received > limit {
+                    return Err(format!("the source sent more than the {} MiB it announced", limit >> 20));
+                }
+                let dest = dir.join(&path);
+                if let Some(parent) = dest.parent() {
+                    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(|e| e.to_string())?;
+                }
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&dest)
+                    .map_err(|e| format!("{}: {e}", dest.display()))?;
+                if drop_at("receiving") {
+                    ch.shutdown();
+                }
+                wire::copy_exact(ch, &mut f, size).map_err(|e| format!("receiving {path}: {e}"))?;
+                f.sync_all().map_err(|e| e.to_string())?;
+            }
+            Msg::Log { stream, size } => {
+                if size > 1 << 30 {
+                    return Err(format!("a log of {} MiB is too long to carry", size >> 20));
+                }
+                let i = if stream == LogStream::Stdout { 0 } else { 1 };
+                logs[i].clear();
+                wire::copy_exact(ch, &mut logs[i], size).map_err(|e| format!("receiving the job's log: {e}"))?;
+            }
+            Msg::Sent => return Ok(Some(logs)),
+            Msg::Abort { reason } => {
+                eprintln!("hiber serve: the source gave up: {reason}");
+                return Ok(None);
+            }
+            other => return Err(format!("unexpected message from the source: {other:?}")),
+        }
+    }
+}
+
+fn drop_at(step: &str) -> bool {
+    std::env::var("HIBER_MIGRATE_DROP_AT").is_ok_and(|v| v == step)
+}
+
+/// The staging directory, removed however the migration ends.
+struct Staging(PathBuf);
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The restore's coordinator on the target: with the tree restored and stopped, puts the
+/// job's earlier output in its logs, says `Ready`, and lets the tree run only on `Commit`.
+/// Also fails the barrier named in `$HIBER_FAIL_AT` (fault-injection tests).
+struct Holder<'a> {
+    ch: Mutex<&'a mut Channel>,
+    logs: [Vec<u8>; 2],
+    registry: &'a Registry,
+    name: &'a str,
+    inject: crate::coordinator::Local,
+}
+
+impl Holder<'_> {
+    fn hold(&self) -> Result<(), BarrierError> {
+        // Nothing of the tree has run yet: its output so far goes first in its logs.
+        for (text, path) in self.logs.iter().zip([self.registry.stdout_of(self.name), self.registry.stderr_of(self.name)]) {
+            let mut f = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| BarrierError(format!("{}: {e}", path.display())))?;
+            f.write_all(text).map_err(|e| BarrierError(format!("{}: {e}", path.display())))?;
+        }
+        let mut ch = self.ch.lock().unwrap_or_else(|e| e.into_inner());
+        wire::send(&mut **ch, &Msg::Ready).map_err(|e| BarrierError(format!("the connection to the source: {e}")))?;
+        match wire::recv(&mut **ch) {
+            Ok(Msg::Commit) => Ok(()),
+            Ok(Msg::Abort { reason }) => Err(BarrierError(format!("the source gave up: {reason}"))),
+            Ok(other) => Err(BarrierError(format!("unexpected message from the source: {other:?}"))),
+            Err(e) => Err(BarrierError(format!("the connection to the source: {e}"))),
+        }
+    }
+}
+
+impl Coordinator for Holder<'_> {
+    fn barrier(&self, phase: Phase) -> Result<(), BarrierError> {
+        self.inject.barrier(phase)?;
+        match phase {
+            Phase::ProcessesRestored => self.hold(),
+            _ => Ok(()),
+        }
+    }
+}

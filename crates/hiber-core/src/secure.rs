@@ -1,0 +1,361 @@
+//! An authenticated, encrypted connection between two hibers that hold the same token.
+//!
+//! An image holds a process's memory, secrets included, so whatever carries one across a
+//! network (`hiber migrate` to a `hiber serve`) is encrypted and both ends prove they hold
+//! the token, a secret of at least 128 bits in a file only its owner can read:
+//!
+//! - **The server proves it** with TLS 1.3 (rustls): its certificate is made from a key
+//!   derived from the token, and the client accepts only that very certificate (made the
+//!   same way on its side: Ed25519 signatures and rcgen's encoding are deterministic). A
+//!   server without the token cannot finish the handshake, so the client never sends it
+//!   anything.
+//! - **The client proves it** inside the encrypted channel, with a keyed hash of the
+//!   connection's exported keying material under a second key derived from the token: bound
+//!   to this connection, useless elsewhere, and the token itself never crosses the wire.
+//!
+//! No certificate authority, no file of keys beside the token: a user who can copy one
+//! file to two hosts can migrate between them.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, ServerConfig, ServerConnection, SignatureScheme, StreamOwned};
+
+/// The least a token holds, in bytes of its file (trimmed).
+const MIN_TOKEN_BYTES: usize = 16;
+/// The name the server's certificate is issued to and the client asks for.
+const SERVER_NAME: &str = "hiber";
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-hiber-client-proof";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecureError {
+    #[error("token file {path}: {source}")]
+    TokenIo { path: PathBuf, source: io::Error },
+    #[error("token file {path} can be read or written by others (mode {mode:o})")]
+    TokenOpen { path: PathBuf, mode: u32 },
+    #[error("token file {path} is not owned by this user")]
+    TokenOwner { path: PathBuf },
+    #[error("token file {path} holds {len} bytes; a token needs at least {MIN_TOKEN_BYTES}")]
+    TokenShort { path: PathBuf, len: usize },
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("{addr} does not hold this token (its TLS identity differs), or is not a hiber: {detail}")]
+    Identity { addr: String, detail: String },
+    #[error("the peer did not prove it holds the token")]
+    Refused,
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+impl SecureError {
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            SecureError::TokenIo { .. } | SecureError::TokenShort { .. } => {
+                Some("make one with `(umask 077; head -c 32 /dev/urandom | base64 > FILE)` and give both sides a copy".into())
+            }
+            SecureError::TokenOpen { path, .. } => Some(format!("chmod 600 {}", path.display())),
+            SecureError::TokenOwner { .. } => Some("the token file must be this user's own".into()),
+            SecureError::Identity { .. } => Some("give both sides a copy of the same token file".into()),
+            SecureError::Connect { .. } => Some("start `hiber serve --listen ADDR --token-file FILE` on the target first".into()),
+            _ => None,
+        }
+    }
+}
+
+/// A shared secret, read from its file. Never printed (its `Debug` hides it).
+#[derive(Clone)]
+pub struct Token {
+    secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+impl Token {
+    /// Reads a token file, refusing one that others could read or write, or that is not
+    /// this user's (as ssh refuses such keys). Surrounding whitespace is not part of it.
+    pub fn from_file(path: &Path) -> Result<Token, SecureError> {
+        use std::os::unix::fs::MetadataExt;
+        let io_err = |source| SecureError::TokenIo { path: path.to_path_buf(), source };
+        let mut file = std::fs::File::open(path).map_err(io_err)?;
+        let meta = file.metadata().map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(io_err(io::Error::other("not a regular file")));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(SecureError::TokenOpen { path: path.to_path_buf(), mode: meta.mode() & 0o7777 });
+        }
+        if meta.uid() != crate::sys::geteuid() {
+            return Err(SecureError::TokenOwner { path: path.to_path_buf() });
+        }
+        let mut text = Vec::new();
+        Read::take(&mut file, 64 << 10).read_to_end(&mut text).map_err(io_err)?;
+        let secret = text.trim_ascii().to_vec();
+        if secret.len() < MIN_TOKEN_BYTES {
+            return Err(SecureError::TokenShort { path: path.to_path_buf(), len: secret.len() });
+        }
+        Ok(Token { secret })
+    }
+
+    /// A token of these bytes (tests).
+    pub fn from_bytes(secret: &[u8]) -> Token {
+        Token { secret: secret.to_vec() }
+    }
+
+    fn derive(&self, purpose: &str) -> [u8; 32] {
+        blake3::derive_key(&format!("hiber 2026-11 secure channel: {purpose}"), &self.secret)
+    }
+
+    /// The server's certificate and key, both functions of the token alone.
+    fn identity(&self) -> Result<(CertificateDer<'static>, PrivatePkcs8KeyDer<'static>), SecureError> {
+        // An Ed25519 private key in PKCS#8 v1 is this fixed prefix and the 32-byte seed
+        // (RFC 8410, section 7).
+        const ED25519_PKCS8_PREFIX: [u8; 16] = [0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
+        let mut der = ED25519_PKCS8_PREFIX.to_vec();
+        der.extend_from_slice(&self.derive("server key"));
+        let key = PrivatePkcs8KeyDer::from(der);
+        let pair = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&key, &rcgen::PKCS_ED25519).map_err(|e| SecureError::Tls(e.to_string()))?;
+        let mut params = rcgen::CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(|e| SecureError::Tls(e.to_string()))?;
+        params.serial_number = Some(rcgen::SerialNumber::from(1u64));
+        let cert = params.self_signed(&pair).map_err(|e| SecureError::Tls(e.to_string()))?;
+        Ok((cert.der().clone(), key))
+    }
+
+    /// What the client sends to prove it holds the token, for the connection whose
+    /// exported keying material is `ekm`.
+    fn proof(&self, ekm: &[u8; 32]) -> [u8; 32] {
+        *blake3::keyed_hash(&self.derive("client proof"), ekm).as_bytes()
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Accepts exactly one certificate: the one the token makes.
+#[derive(Debug)]
+struct Pinned {
+    cert: CertificateDer<'static>,
+    provider: Arc<CryptoProvider>,
+}
+
+impl ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if intermediates.is_empty() && end_entity.as_ref() == self.cert.as_ref() {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General("the server's certificate is not the one this token makes".into()))
+        }
+    }
+
+    fn verify_tls12_signature(&self, _: &[u8], _: &CertificateDer<'_>, _: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("TLS 1.2 is not offered".into()))
+    }
+
+    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        vec![SignatureScheme::ED25519]
+    }
+}
+
+/// One end of an authenticated, encrypted connection.
+pub enum Channel {
+    Client(Box<StreamOwned<ClientConnection, TcpStream>>),
+    Server(Box<StreamOwned<ServerConnection, TcpStream>>),
+}
+
+impl Channel {
+    /// Connects to `addr` and authenticates both ways with `token`.
+    pub fn connect(addr: &str, token: &Token, timeout: Duration) -> Result<Channel, SecureError> {
+        let connect_err = |source| SecureError::Connect { addr: addr.to_string(), source };
+        let sock_addr =
+            std::net::ToSocketAddrs::to_socket_addrs(addr).map_err(connect_err)?.next().ok_or_else(|| connect_err(io::Error::other("no address")))?;
+        let tcp = TcpStream::connect_timeout(&sock_addr, timeout).map_err(connect_err)?;
+        tcp.set_read_timeout(Some(timeout))?;
+        tcp.set_write_timeout(Some(timeout))?;
+        tcp.set_nodelay(true)?;
+        let (cert, _) = token.identity()?;
+        let provider = provider();
+        let config = ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| SecureError::Tls(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Pinned { cert, provider }))
+            .with_no_client_auth();
+        let name = ServerName::try_from(SERVER_NAME).map_err(|e| SecureError::Tls(e.to_string()))?;
+        let conn = ClientConnection::new(Arc::new(config), name).map_err(|e| SecureError::Tls(e.to_string()))?;
+        let mut stream = StreamOwned::new(conn, tcp);
+        while stream.conn.is_handshaking() {
+            stream.conn.complete_io(&mut stream.sock).map_err(|e| SecureError::Identity { addr: addr.to_string(), detail: e.to_string() })?;
+        }
+        let ekm = stream.conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None).map_err(|e| SecureError::Tls(e.to_string()))?;
+        stream.write_all(&token.proof(&ekm))?;
+        stream.flush()?;
+        // The server answers one byte once it checked the proof.
+        let mut ok = [0u8; 1];
+        stream.read_exact(&mut ok).map_err(|_| SecureError::Refused)?;
+        if ok[0] != 1 {
+            return Err(SecureError::Refused);
+        }
+        Ok(Channel::Client(Box::new(stream)))
+    }
+
+    /// The server's side of [`Channel::connect`] on an accepted connection.
+    pub fn accept(tcp: TcpStream, token: &Token, timeout: Duration) -> Result<Channel, SecureError> {
+        tcp.set_read_timeout(Some(timeout))?;
+        tcp.set_write_timeout(Some(timeout))?;
+        tcp.set_nodelay(true)?;
+        let (cert, key) = token.identity()?;
+        let config = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| SecureError::Tls(e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], PrivateKeyDer::Pkcs8(key))
+            .map_err(|e| SecureError::Tls(e.to_string()))?;
+        let conn = ServerConnection::new(Arc::new(config)).map_err(|e| SecureError::Tls(e.to_string()))?;
+        let mut stream = StreamOwned::new(conn, tcp);
+        while stream.conn.is_handshaking() {
+            stream.conn.complete_io(&mut stream.sock).map_err(|e| SecureError::Tls(e.to_string()))?;
+        }
+        let ekm = stream.conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None).map_err(|e| SecureError::Tls(e.to_string()))?;
+        let mut proof = [0u8; 32];
+        stream.read_exact(&mut proof).map_err(|_| SecureError::Refused)?;
+        if !constant_time_eq(&proof, &token.proof(&ekm)) {
+            return Err(SecureError::Refused);
+        }
+        stream.write_all(&[1])?;
+        stream.flush()?;
+        Ok(Channel::Server(Box::new(stream)))
+    }
+
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Channel::Client(s) => &s.sock,
+            Channel::Server(s) => &s.sock,
+        }
+    }
+
+    /// How long a read waits (`None`: for ever).
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.tcp().set_read_timeout(t)
+    }
+
+    /// Closes the connection at once (both directions), as a lost one would be.
+    pub fn shutdown(&self) {
+        let _ = self.tcp().shutdown(std::net::Shutdown::Both);
+    }
+
+    pub fn peer(&self) -> String {
+        self.tcp().peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into())
+    }
+}
+
+impl Read for Channel {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Channel::Client(s) => s.read(buf),
+            Channel::Server(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Channel {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Channel::Client(s) => s.write(buf),
+            Channel::Server(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Channel::Client(s) => s.flush(),
+            Channel::Server(s) => s.flush(),
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair(server_token: Token, client_token: Token) -> (Result<Channel, SecureError>, Result<Channel, SecureError>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (tcp, _) = listener.accept().unwrap();
+            Channel::accept(tcp, &server_token, Duration::from_secs(5))
+        });
+        let client = Channel::connect(&addr, &client_token, Duration::from_secs(5));
+        (client, server.join().unwrap())
+    }
+
+    #[test]
+    fn the_same_token_makes_the_same_certificate() {
+        let t = Token::from_bytes(b"0123456789abcdef0123");
+        assert_eq!(t.identity().unwrap().0, t.identity().unwrap().0);
+        assert_ne!(t.identity().unwrap().0, Token::from_bytes(b"0123456789abcdef0124").identity().unwrap().0);
+    }
+
+    #[test]
+    fn holders_of_one_token_talk() {
+        let t = Token::from_bytes(b"a token of twenty-odd bytes");
+        let (client, server) = pair(t.clone(), t);
+        let (mut client, mut server) = (client.unwrap(), server.unwrap());
+        client.write_all(b"hello over TLS\n").unwrap();
+        client.flush().unwrap();
+        let mut got = [0u8; 15];
+        server.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello over TLS\n");
+    }
+
+    #[test]
+    fn a_server_without_the_token_is_not_trusted() {
+        let (client, server) = pair(Token::from_bytes(b"the server's own token"), Token::from_bytes(b"the client's other token"));
+        assert!(matches!(client, Err(SecureError::Identity { .. })), "{:?}", client.err());
+        assert!(server.is_err());
+    }
+
+    #[test]
+    fn token_files_must_be_private_and_long_enough() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("hiber-token-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        std::fs::write(&f, "  0123456789abcdef0123456789abcdef\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(Token::from_file(&f), Err(SecureError::TokenOpen { mode: 0o644, .. })));
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(Token::from_file(&f).unwrap().secret, b"0123456789abcdef0123456789abcdef");
+        std::fs::write(&f, "short\n").unwrap();
+        assert!(matches!(Token::from_file(&f), Err(SecureError::TokenShort { len: 5, .. })));
+        assert!(matches!(Token::from_file(&dir.join("none")), Err(SecureError::TokenIo { .. })));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

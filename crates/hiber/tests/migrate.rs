@@ -1,0 +1,328 @@
+//! `hiber migrate` between two "hosts": network namespaces joined by a veth pair, each with
+//! a hiber of its own (its own state directory); the target runs `hiber serve`. The jobs
+//! are real processes, their state checked after the move (every step's checksum, an
+//! established TCP connection's running sums).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use common::*;
+
+/// Two network namespaces joined by a veth pair: `a` at 10.77.N.1, `b` at 10.77.N.2. Each
+/// is held by a process (`unshare --net sleep`), not mounted under /run/netns as `ip netns
+/// add` would: such a mount (an nsfs file) is in the mount namespace of every job started
+/// while it exists, and CRIU 4.1's mount engine cannot restore a bind-mounted file that
+/// it detected as external (see docs/user/migrate.md).
+struct Hosts {
+    holders: Vec<Child>,
+    /// `/proc/PID/ns/net` of each host.
+    a: String,
+    b: String,
+    b_addr: String,
+}
+
+impl Hosts {
+    fn new() -> Hosts {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}{n}", std::process::id() % 100000);
+        let (va, vb) = (format!("vA{tag}"), format!("vB{tag}"));
+        let net = format!("10.77.{}", n + 10);
+        let mine = net_of(std::process::id() as i32);
+        let mut holders = Vec::new();
+        for _ in 0..2 {
+            let child = Command::new("unshare").args(["--net", "--", "sleep", "infinity"]).spawn().unwrap();
+            let pid = child.id() as i32;
+            holders.push(child);
+            wait("a network namespace", Duration::from_secs(10), || std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok() && net_of(pid) != mine);
+        }
+        let (pa, pb) = (holders[0].id().to_string(), holders[1].id().to_string());
+        let hosts = Hosts { a: format!("/proc/{pa}/ns/net"), b: format!("/proc/{pb}/ns/net"), b_addr: format!("{net}.2"), holders };
+        let run = |ns: Option<&str>, args: &[&str]| {
+            let mut c = match ns {
+                Some(ns) => {
+                    let mut c = Command::new("nsenter");
+                    c.arg(format!("--net={ns}")).arg("ip");
+                    c
+                }
+                None => Command::new("ip"),
+            };
+            let out = c.args(args).output().expect("run ip");
+            assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run(None, &["link", "add", &va, "type", "veth", "peer", "name", &vb]);
+        run(None, &["link", "set", &va, "netns", &pa]);
+        run(None, &["link", "set", &vb, "netns", &pb]);
+        for (ns, dev, addr) in [(&hosts.a, &va, format!("{net}.1/24")), (&hosts.b, &vb, format!("{net}.2/24"))] {
+            run(Some(ns), &["addr", "add", &addr, "dev", dev]);
+            run(Some(ns), &["link", "set", dev, "up"]);
+            run(Some(ns), &["link", "set", "lo", "up"]);
+        }
+        hosts
+    }
+
+    fn net_inode(ns: &str) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(ns).unwrap().ino()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for c in &mut self.holders {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// hiber in network namespace `ns`, with `h`'s state directory. Only the network namespace
+/// changes (`nsenter`): `ip netns exec` would also give hiber a mount namespace of its own,
+/// with its namespace's /sys, which two real hosts' jobs do not differ by.
+fn hiber_in(ns: &str, h: &Hiber, args: &[&str]) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net={ns}")).arg(HIBER).args(args).env("HIBER_STATE", &h.state).env_remove("HIBER_LOG");
+    c
+}
+
+fn run_in(ns: &str, h: &Hiber, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    hiber_in(ns, h, args).envs(env.iter().copied()).output().unwrap()
+}
+
+/// A `hiber serve` in `ns`; killed when dropped.
+struct Server {
+    child: Child,
+}
+
+impl Server {
+    fn start(ns: &str, h: &Hiber, listen: &str, token: &Path, env: &[(&str, &str)]) -> Server {
+        let mut child = hiber_in(ns, h, &["serve", "--listen", listen, "--token-file", token.to_str().unwrap(), "--timeout", "60"])
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("receiving jobs on"), "hiber serve did not start: {line:?}");
+        Server { child }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn token(h: &Hiber, name: &str, secret: &str) -> PathBuf {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = h.scratch.join(name);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).unwrap();
+    writeln!(f, "{secret}").unwrap();
+    path
+}
+
+fn net_of(pid: i32) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/net")).unwrap().ino()
+}
+
+fn jobs(h: &Hiber) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(&h.ok(&["ls", "--json"])).unwrap();
+    v["jobs"].as_array().unwrap().iter().map(|j| j["name"].as_str().unwrap().to_string()).collect()
+}
+
+/// The progress lines of a log have every step once, in order, from 0.
+fn assert_whole_trajectory(steps: &[(u64, String)]) {
+    for (i, (step, _)) in steps.iter().enumerate() {
+        assert_eq!(*step, i as u64, "step {i} missing or repeated");
+    }
+}
+
+/// A job moves from host A to host B, carries on from its step with the same checksums,
+/// and is gone from A; its output so far comes with it. A second job, talking to itself over
+/// an established TCP connection and checking every answer, moves too.
+#[test]
+fn a_job_moves_to_another_host_and_carries_on() {
+    let (src, dst) = (Hiber::new("mig-src"), Hiber::new("mig-dst"));
+    let hosts = Hosts::new();
+    let tok = token(&src, "token", "0123456789abcdef0123456789abcdef");
+    let listen = format!("{}:7301", hosts.b_addr);
+    let _server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "250", "--mem-mib", "32"], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    src.wait_step("w", 20);
+    let out = run_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap(), "--json"], &[]);
+    assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["job"], "w");
+    assert!(report["sent_bytes"].as_u64().unwrap() > 32 << 20, "{report}");
+    assert!(jobs(&src).is_empty(), "the job is gone from the source: {:?}", jobs(&src));
+    assert_eq!(net_of(dst.pid_of("w")), Hosts::net_inode(&hosts.b), "the job runs in host B's network namespace");
+    let log = dst.assert_verified("w", Duration::from_secs(120));
+    assert!(log.starts_with("start cpu"), "the output from before the move came along:\n{}", tail(&log));
+    assert_whole_trajectory(&dst.progress("w"));
+    assert!(std::fs::read_dir(dst.state.join("incoming")).unwrap().next().is_none(), "nothing staged is left on the target");
+
+    // A server and its client in one job, over an established TCP connection.
+    let script = [
+        "import socket, time",
+        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)",
+        "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()",
+        "total = 0",
+        "for n in range(1, 100000):",
+        "    cli.sendall(n.to_bytes(8, 'little'))",
+        "    got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), 'little')",
+        "    total += got",
+        "    conn.sendall(total.to_bytes(8, 'little'))",
+        "    back = int.from_bytes(cli.recv(8, socket.MSG_WAITALL), 'little')",
+        "    ok = got == n and back == n * (n + 1) // 2",
+        "    print('tick', n, 'ok' if ok else f'BAD {got} {back}', flush=True)",
+        "    time.sleep(0.02)",
+    ]
+    .join("\n");
+    let out = run_in(&hosts.a, &src, &["run", "--name", "tcp", "--", "python3", "-c", &script], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ticks = |h: &Hiber| h.log("tcp").lines().filter(|l| l.starts_with("tick ")).map(str::to_string).collect::<Vec<_>>();
+    wait("ticks", Duration::from_secs(20), || ticks(&src).len() >= 10);
+    let out = run_in(&hosts.a, &src, &["migrate", "tcp", "--to", &listen, "--token-file", tok.to_str().unwrap()], &[]);
+    assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    let before = ticks(&dst).len();
+    wait("ticks after the move", Duration::from_secs(20), || ticks(&dst).len() >= before + 10);
+    let all = ticks(&dst);
+    for (i, line) in all.iter().enumerate() {
+        assert_eq!(line, &format!("tick {} ok", i + 1), "every answer right, none lost or repeated across the move");
+    }
+}
+
+/// What the target would refuse is refused before the job stops: a wrong token, a name
+/// taken there, no room there. The job runs on at the source, the same process, to its end.
+#[test]
+fn a_wrong_token_a_taken_name_or_no_room_is_refused_before_the_job_stops() {
+    let (src, dst) = (Hiber::new("mig-refuse-src"), Hiber::new("mig-refuse-dst"));
+    let hosts = Hosts::new();
+    let tok = token(&src, "token", "the target's token, 32 bytes long");
+    let wrong = token(&src, "wrong", "some other token of enough bytes");
+    let listen = format!("{}:7302", hosts.b_addr);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "300", "--mem-mib", "48"], &[]);
+    assert!(out.status.success());
+    let pid = src.pid_of("w");
+    src.wait_step("w", 5);
+    let migrate = |token: &Path, env: &[(&str, &str)]| {
+        let out = run_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", token.to_str().unwrap()], env);
+        assert!(!out.status.success(), "the migration should have been refused");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(err.starts_with("hiber: ") && err.lines().count() <= 2 && !err.contains("panicked"), "{err}");
+        err
+    };
+    {
+        let _server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
+        let err = migrate(&wrong, &[]);
+        assert!(err.contains("does not hold this token"), "{err}");
+        // A token file others can read is refused before anything else.
+        let loose = token(&src, "loose", "0123456789abcdef0123456789abcdef");
+        std::fs::set_permissions(&loose, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let err = migrate(&loose, &[]);
+        assert!(err.contains("can be read or written by others"), "{err}");
+        // A job of that name on the target.
+        assert!(dst.command(&["run", "--name", "w", "--", "sleep", "600"]).status().unwrap().success());
+        let err = migrate(&tok, &[]);
+        assert!(err.contains("a job named 'w' exists on the target"), "{err}");
+        dst.ok(&["rm", "-f", "w"]);
+    }
+    // The target's state directory on a filesystem too small for the image.
+    let small = dst.scratch.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    assert!(Command::new("mount").args(["-t", "tmpfs", "-o", "size=16m", "tmpfs", small.to_str().unwrap()]).status().unwrap().success());
+    let tiny = Hiber { state: small.join("state"), scratch: dst.scratch.clone() };
+    {
+        let _server = Server::start(&hosts.b, &tiny, &listen, &tok, &[]);
+        let err = migrate(&tok, &[]);
+        assert!(err.contains("no room on the target"), "{err}");
+    }
+    std::mem::forget(tiny);
+    let _ = Command::new("umount").arg(&small).status();
+    assert_eq!(src.pid_of("w"), pid, "the job never stopped");
+    let log = src.assert_verified("w", Duration::from_secs(120));
+    assert_whole_trajectory(&src.progress("w"));
+    assert!(log.contains("verify ok"));
+}
+
+/// A failure at each step of a migration, before the source hands the job over, leaves the
+/// job running at the source, the same process, with nothing left on the target; a target
+/// killed mid-way leaves a stopped copy that its own `hiber recover` removes. Lost word
+/// after the hand-over: the job runs at the target only, and the source keeps its image.
+#[test]
+fn failures_at_each_step_leave_the_job_running_at_the_source() {
+    let (src, dst) = (Hiber::new("mig-fail-src"), Hiber::new("mig-fail-dst"));
+    let hosts = Hosts::new();
+    let tok = token(&src, "token", "0123456789abcdef0123456789abcdef");
+    let listen = format!("{}:7303", hosts.b_addr);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "900", "--mem-mib", "16"], &[]);
+    assert!(out.status.success());
+    let pid = src.pid_of("w");
+    src.wait_step("w", 5);
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(&str, Env, Env); 5] = [
+        ("the target's restore fails", &[("HIBER_FAIL_AT", "processes_restored")], &[]),
+        ("the target drops the connection while receiving", &[("HIBER_MIGRATE_DROP_AT", "receiving")], &[]),
+        ("the source drops the connection while sending", &[], &[("HIBER_MIGRATE_DROP_AT", "sending")]),
+        ("the connection drops before the target is ready", &[], &[("HIBER_MIGRATE_DROP_AT", "ready")]),
+        ("the source fails once dumped", &[], &[("HIBER_FAIL_AT", "dumped")]),
+    ];
+    for (what, target_env, source_env) in cases {
+        let server = Server::start(&hosts.b, &dst, &listen, &tok, target_env);
+        let step = src.last_step("w").unwrap();
+        let out = run_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()], source_env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{what}: the migration should fail");
+        assert!(err.starts_with("hiber: ") && !err.contains("panicked"), "{what}: {err}");
+        assert_eq!(src.pid_of("w"), pid, "{what}: the job is the same process at the source");
+        assert_eq!(src.state_of("w"), "running", "{what}");
+        wait(&format!("{what}: the job to go on"), Duration::from_secs(20), || src.last_step("w").unwrap() > step + 3);
+        // The target's thread settles once its connection is gone.
+        wait(&format!("{what}: nothing left on the target"), Duration::from_secs(20), || {
+            jobs(&dst).is_empty() && std::fs::read_dir(dst.state.join("incoming")).map_or(true, |mut d| d.next().is_none())
+        });
+        drop(server);
+    }
+
+    // The target killed while it holds the restored copy: the source's tree resumes; the
+    // copy, stopped, dies with its hiber, and `hiber recover` there removes the job.
+    let mut server = Server::start(&hosts.b, &dst, &listen, &tok, &[("HIBER_PAUSE_AT", "processes_restored")]);
+    let mut migrate =
+        hiber_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()]).stderr(Stdio::piped()).spawn().unwrap();
+    wait("the target to hold the restored copy", Duration::from_secs(30), || {
+        dst.state.join("jobs").join("w").exists() && dst.state.join("jobs/w/stdout.log").exists()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    assert!(!migrate.wait().unwrap().success());
+    assert_eq!(src.pid_of("w"), pid, "the job is the same process at the source");
+    assert_eq!(src.state_of("w"), "running");
+    dst.ok(&["recover"]);
+    wait("the target's copy to be gone", Duration::from_secs(20), || jobs(&dst).is_empty());
+    drop(server);
+
+    // The word after the hand-over lost: the job runs at the target, the source keeps its
+    // image and says so; never both.
+    let _server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
+    let out = run_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()], &[("HIBER_MIGRATE_DROP_AT", "running")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("did not confirm"), "{err}");
+    let kept = src.job("w")["checkpointed_to"].as_str().unwrap().to_string();
+    assert!(Path::new(&kept).join("manifest.json").exists(), "the source keeps the image: {kept}");
+    assert_ne!(src.state_of("w"), "running", "the source's tree is gone");
+    let log = dst.assert_verified("w", Duration::from_secs(120));
+    assert!(log.contains("verify ok"));
+    assert_whole_trajectory(&dst.progress("w"));
+}
