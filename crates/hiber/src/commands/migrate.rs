@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hiber_core::migrate::{migrate, MigrateError, MigrateRequest};
-use hiber_core::secure::Token;
 
 use super::{context, human_bytes, secs};
 use crate::cli_error::{CliError, FAILED};
@@ -36,14 +35,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let token = Token::from_file(&args.token_file).map_err(|e| {
-        let hint = e.hint();
-        let err = CliError::new(FAILED, e.to_string());
-        match hint {
-            Some(h) => err.hint(h),
-            None => err,
-        }
-    })?;
+    let token = super::token(&args.token_file)?;
     let mut ctx = context()?;
     let progress = super::show_progress(&mut ctx, args.json);
     let req = MigrateRequest {
@@ -63,11 +55,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         MigrateError::Checkpoint(e) => CliError::from(e),
         e => {
             let hint = e.hint();
-            let err = CliError::new(FAILED, e.to_string());
-            match hint {
-                Some(h) => err.hint(h),
-                None => err,
-            }
+            super::with_hint(CliError::new(FAILED, e.to_string()), hint)
         }
     })?;
     if args.json {

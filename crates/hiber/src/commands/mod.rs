@@ -66,6 +66,19 @@ pub fn coordinator(addr: Option<&str>, name: &str) -> Result<Box<dyn hiber_core:
     Ok(Box::new(remote))
 }
 
+/// The token in `path`, as `migrate` and `serve` take it (`--token-file`).
+pub fn token(path: &Path) -> Result<hiber_core::secure::Token, CliError> {
+    hiber_core::secure::Token::from_file(path).map_err(|e| with_hint(CliError::new(crate::cli_error::FAILED, e.to_string()), e.hint()))
+}
+
+/// `err` with `hint`, where there is one.
+pub fn with_hint(err: CliError, hint: Option<String>) -> CliError {
+    match hint {
+        Some(h) => err.hint(h),
+        None => err,
+    }
+}
+
 /// A job name or a PID, as `checkpoint` and `rm` take them.
 pub enum Target {
     Job(Job),

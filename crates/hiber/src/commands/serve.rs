@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hiber_core::migrate::serve::{serve, ServeOptions};
-use hiber_core::secure::Token;
 
 use super::context;
 use crate::cli_error::{CliError, FAILED};
@@ -26,14 +25,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<(), CliError> {
-    let token = Token::from_file(&args.token_file).map_err(|e| {
-        let hint = e.hint();
-        let err = CliError::new(FAILED, e.to_string());
-        match hint {
-            Some(h) => err.hint(h),
-            None => err,
-        }
-    })?;
+    let token = super::token(&args.token_file)?;
     let ctx = context()?;
     let listener = TcpListener::bind(&args.listen)
         .map_err(|e| CliError::new(FAILED, format!("cannot listen on {}: {e}", args.listen)).hint("choose another --listen address or port"))?;
