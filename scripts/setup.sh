@@ -79,9 +79,24 @@ patches_sum() {
     cat "$patches_dir"/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1
 }
 
+# What install_criu records beside the installed CRIU: which patches it was built with, and
+# its RPC protocol, so that another clone of hiber (a fresh one for CI) takes it from there
+# rather than build it again.
+installed=/usr/local/sbin/criu
+installed_record=/usr/local/lib/hiber
+
 build_criu() {
     if [ -x "$criu_dir/criu" ] && "$criu_dir/criu" --version 2>/dev/null | grep -q "Version: $criu_version" &&
         [ "$(cat "$criu_dir/patches.sha256" 2>/dev/null)" = "$(patches_sum)" ]; then
+        return
+    fi
+    if [ -x "$installed" ] && "$installed" --version 2>/dev/null | grep -q "Version: $criu_version" &&
+        [ "$(cat "$installed_record/criu-patches.sha256" 2>/dev/null)" = "$(patches_sum)" ] &&
+        [ -f "$installed_record/criu-rpc.proto" ]; then
+        mkdir -p "$criu_dir"
+        install -m 0755 "$installed" "$criu_dir/criu"
+        install -m 0644 "$installed_record/criu-rpc.proto" "$criu_dir/rpc.proto"
+        patches_sum >"$criu_dir/patches.sha256"
         return
     fi
     fetch_criu_tarball
@@ -104,10 +119,15 @@ build_criu() {
 }
 
 install_criu() {
-    local dest=/usr/local/sbin/criu
-    if ! cmp -s "$criu_dir/criu" "$dest" 2>/dev/null; then
-        log "installing $dest"
-        as_root install -m 0755 "$criu_dir/criu" "$dest"
+    if ! cmp -s "$criu_dir/criu" "$installed" 2>/dev/null; then
+        log "installing $installed"
+        as_root install -m 0755 "$criu_dir/criu" "$installed"
+    fi
+    if ! cmp -s "$criu_dir/patches.sha256" "$installed_record/criu-patches.sha256" 2>/dev/null ||
+        ! cmp -s "$criu_dir/rpc.proto" "$installed_record/criu-rpc.proto" 2>/dev/null; then
+        as_root install -d -m 0755 "$installed_record"
+        as_root install -m 0644 "$criu_dir/rpc.proto" "$installed_record/criu-rpc.proto"
+        as_root install -m 0644 "$criu_dir/patches.sha256" "$installed_record/criu-patches.sha256"
     fi
 }
 

@@ -96,10 +96,19 @@ fn main() {
                 Command::Run(a) => commands::run::run(a),
                 Command::Checkpoint(a) => commands::checkpoint::run(a),
                 Command::Restore(a) => commands::restore::run(a),
-                Command::Ls(a) => commands::ls::run(a),
-                Command::Inspect(a) => commands::inspect::run(a),
+                Command::Ls(a) => {
+                    end_quietly_on_a_closed_pipe();
+                    commands::ls::run(a)
+                }
+                Command::Inspect(a) => {
+                    end_quietly_on_a_closed_pipe();
+                    commands::inspect::run(a)
+                }
                 Command::Rm(a) => commands::rm::run(a),
-                Command::Logs(a) => commands::logs::run(a),
+                Command::Logs(a) => {
+                    end_quietly_on_a_closed_pipe();
+                    commands::logs::run(a)
+                }
                 Command::Demo(a) => commands::demo::run(a),
                 Command::Doctor(a) => commands::doctor::run(a),
                 Command::Coordinate(a) => commands::coordinate::run(a),
@@ -113,4 +122,11 @@ fn main() {
         e.report(cli.verbose);
         std::process::exit(e.code);
     }
+}
+
+/// For verbs that only print (`ls`, `inspect`, `logs`): a reader that goes away (`hiber ls |
+/// head`) ends hiber as it ends other tools, by SIGPIPE, instead of a panic in `println!`.
+/// Not for verbs that talk to CRIU or a job's shim, whose end going away must be an error.
+fn end_quietly_on_a_closed_pipe() {
+    let _ = hiber_core::sys::default_sigpipe();
 }

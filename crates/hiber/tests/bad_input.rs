@@ -536,3 +536,23 @@ fn corrupt_job_records_and_journal_entries_are_named() {
     // SAFETY: kill with a PID of this test's own job.
     unsafe { libc::kill(broken, libc::SIGKILL) };
 }
+
+/// A reader that went away (`hiber ls | head`) ends a verb that only prints as it ends other
+/// tools, by SIGPIPE: no panic, no backtrace.
+#[test]
+fn a_closed_pipe_ends_printing_verbs_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let _shared = shared();
+    let h = Hiber::new("epipe");
+    h.ok(&["run", "--name", "p", "--", "sleep", "600"]);
+    for verb in [&["ls"][..], &["logs", "p"][..], &["ls", "--json"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = h.command(verb).stdout(writer).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "hiber {verb:?} panicked on a closed pipe:\n{stderr}");
+        if verb[0] == "ls" {
+            assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "hiber {verb:?}: {:?}", out.status);
+        }
+    }
+}

@@ -15,9 +15,8 @@ use common::*;
 
 /// Two network namespaces joined by a veth pair: `a` at 10.77.N.1, `b` at 10.77.N.2. Each
 /// is held by a process (`unshare --net sleep`), not mounted under /run/netns as `ip netns
-/// add` would: such a mount (an nsfs file) is in the mount namespace of every job started
-/// while it exists, and CRIU 4.1's mount engine cannot restore a bind-mounted file that
-/// it detected as external (see docs/user/migrate.md).
+/// add` would: such a mount is in the mount namespace of every job started while it exists,
+/// and once deleted, a restore of such a job cannot bind it again (see docs/user/jobs.md).
 struct Hosts {
     holders: Vec<Child>,
     /// `/proc/PID/ns/net` of each host.
@@ -101,12 +100,13 @@ struct Server {
 
 impl Server {
     fn start(ns: &str, h: &Hiber, listen: &str, token: &Path, env: &[(&str, &str)]) -> Server {
-        let mut child = hiber_in(ns, h, &["serve", "--listen", listen, "--token-file", token.to_str().unwrap(), "--timeout", "60"])
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut cmd = hiber_in(ns, h, &["serve", "--listen", listen, "--token-file", token.to_str().unwrap(), "--timeout", "60"]);
+        cmd.envs(env.iter().copied());
+        Server::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Server {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         assert!(line.starts_with("receiving jobs on"), "hiber serve did not start: {line:?}");
@@ -238,18 +238,24 @@ fn a_wrong_token_a_taken_name_or_no_room_is_refused_before_the_job_stops() {
         assert!(err.contains("a job named 'w' exists on the target"), "{err}");
         dst.ok(&["rm", "-f", "w"]);
     }
-    // The target's state directory on a filesystem too small for the image.
-    let small = dst.scratch.join("small");
-    std::fs::create_dir_all(&small).unwrap();
-    assert!(Command::new("mount").args(["-t", "tmpfs", "-o", "size=16m", "tmpfs", small.to_str().unwrap()]).status().unwrap().success());
-    let tiny = Hiber { state: small.join("state"), scratch: dst.scratch.clone() };
+    // The target's state directory on a filesystem too small for the image, mounted in a
+    // mount namespace of the target's own: a mount that comes and goes in this one would be
+    // in the namespaces of jobs other tests start meanwhile, which CRIU needs at restore.
     {
-        let _server = Server::start(&hosts.b, &tiny, &listen, &tok, &[]);
+        let small = dst.scratch.join("small");
+        std::fs::create_dir_all(&small).unwrap();
+        let script = format!(
+            "mount -t tmpfs -o size=16m tmpfs {0} && exec nsenter --net={1} {HIBER} serve --listen {listen} --token-file {2} --timeout 60",
+            small.display(),
+            hosts.b,
+            tok.display()
+        );
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--mount", "--propagation", "private", "sh", "-c", &script]).env("HIBER_STATE", small.join("state")).env_remove("HIBER_LOG");
+        let _server = Server::spawn(cmd);
         let err = migrate(&tok, &[]);
         assert!(err.contains("no room on the target"), "{err}");
     }
-    std::mem::forget(tiny);
-    let _ = Command::new("umount").arg(&small).status();
     assert_eq!(src.pid_of("w"), pid, "the job never stopped");
     let log = src.assert_verified("w", Duration::from_secs(120));
     assert_whole_trajectory(&src.progress("w"));

@@ -439,6 +439,15 @@ fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
                 .into(),
         );
     }
+    if text.contains("mnt-v2: Failed to open_tree") && text.contains("/: Not a directory") {
+        return Some("the image was dumped by a CRIU without hiber's patch 0005, whose path of a bind-mounted file cannot be restored: run scripts/setup.sh, then checkpoint the job again".into());
+    }
+    if text.contains("mnt-v2: Can't stat mountpoint") || text.contains("mnt-v2: Failed to open_tree") {
+        return Some(
+            "a job sees this host's mounts, and one it had when checkpointed is gone or changed (a network namespace under /run/netns, say): mount it again where it was, then restore"
+                .into(),
+        );
+    }
     if !src.pid_namespace && (e.errno() == Some(libc::EEXIST) || text.contains("already")) {
         return Some(format!("the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first", src.pid));
     }
