@@ -121,6 +121,18 @@ impl Drop for Server {
     }
 }
 
+impl Server {
+    /// Files a migration staged for this server and left in its state directory.
+    fn leftovers(&self, h: &Hiber) -> usize {
+        walk(&h.state.join("incoming"))
+    }
+}
+
+/// Regular files under `dir` (none if it does not exist).
+fn walk(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| d.flatten().map(|e| if e.path().is_dir() { walk(&e.path()) } else { 1 }).sum())
+}
+
 fn token(h: &Hiber, name: &str, secret: &str) -> PathBuf {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -156,7 +168,7 @@ fn a_job_moves_to_another_host_and_carries_on() {
     let hosts = Hosts::new();
     let tok = token(&src, "token", "0123456789abcdef0123456789abcdef");
     let listen = format!("{}:7301", hosts.b_addr);
-    let _server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
+    let server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
     let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "250", "--mem-mib", "32"], &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     src.wait_step("w", 20);
@@ -170,7 +182,7 @@ fn a_job_moves_to_another_host_and_carries_on() {
     let log = dst.assert_verified("w", Duration::from_secs(120));
     assert!(log.starts_with("start cpu"), "the output from before the move came along:\n{}", tail(&log));
     assert_whole_trajectory(&dst.progress("w"));
-    assert!(std::fs::read_dir(dst.state.join("incoming")).unwrap().next().is_none(), "nothing staged is left on the target");
+    assert_eq!(server.leftovers(&dst), 0, "nothing staged is left on the target");
 
     // A server and its client in one job, over an established TCP connection.
     let script = [
@@ -195,6 +207,7 @@ fn a_job_moves_to_another_host_and_carries_on() {
     wait("ticks", Duration::from_secs(20), || ticks(&src).len() >= 10);
     let out = run_in(&hosts.a, &src, &["migrate", "tcp", "--to", &listen, "--token-file", tok.to_str().unwrap()], &[]);
     assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(walk(&src.state.join("migrations")), 0, "the source's staged image is gone");
     let before = ticks(&dst).len();
     wait("ticks after the move", Duration::from_secs(20), || ticks(&dst).len() >= before + 10);
     let all = ticks(&dst);
@@ -295,9 +308,7 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
         assert_eq!(src.state_of("w"), "running", "{what}");
         wait(&format!("{what}: the job to go on"), Duration::from_secs(20), || src.last_step("w").unwrap() > step + 3);
         // The target's thread settles once its connection is gone.
-        wait(&format!("{what}: nothing left on the target"), Duration::from_secs(20), || {
-            jobs(&dst).is_empty() && std::fs::read_dir(dst.state.join("incoming")).map_or(true, |mut d| d.next().is_none())
-        });
+        wait(&format!("{what}: nothing left on the target"), Duration::from_secs(20), || jobs(&dst).is_empty() && server.leftovers(&dst) == 0);
         drop(server);
     }
 
@@ -317,6 +328,7 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
     assert_eq!(src.state_of("w"), "running");
     dst.ok(&["recover"]);
     wait("the target's copy to be gone", Duration::from_secs(20), || jobs(&dst).is_empty());
+    assert_eq!(server.leftovers(&dst), 0, "`hiber recover` removed what the killed target had received");
     drop(server);
 
     // The word after the hand-over lost: the job runs at the target, the source keeps its

@@ -119,6 +119,9 @@ pub struct CheckpointRequest {
     pub parent: Option<PathBuf>,
     /// zstd level for device data chunks; `None` stores them as they are.
     pub compress: Option<i32>,
+    /// The image is only a transfer buffer (a migration's): not fsynced at its commit (see
+    /// [`crate::image::ImageWriter::transient`]).
+    pub transient: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -56,6 +56,9 @@ impl<'a> Checkpoint<'a> {
         if let Some(level) = req.compress {
             sink.compress(level);
         }
+        if req.transient {
+            sink.transient();
+        }
         if let Some(parent) = &req.parent {
             sink.share_with(parent).map_err(|source| CheckpointError::Parent { path: parent.clone(), source })?;
         }

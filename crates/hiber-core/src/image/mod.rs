@@ -28,7 +28,7 @@ mod writer;
 
 pub use manifest::{DeviceSection, FileEntry, FormatVersion, Head, Manifest, ParentRef, Source};
 pub use sink::ImageSink;
-pub use writer::{is_temp_name, ImageWriter};
+pub use writer::{is_temp_name, make_durable, ImageWriter};
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -34,6 +34,8 @@ pub struct ImageWriter {
     keep: bool,
     parent: Option<Parent>,
     compression: Option<i32>,
+    /// Files and directories fsynced at the commit (see [`ImageWriter::transient`]).
+    durable: bool,
 }
 
 impl ImageWriter {
@@ -59,7 +61,7 @@ impl ImageWriter {
         b.mode(0o700);
         b.create(&tmp).map_err(ImageError::io(&tmp, "create directory"))?;
         b.create(tmp.join(CRIU_DIR)).map_err(ImageError::io(&tmp, "create directory"))?;
-        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false, parent: None, compression: None })
+        Ok(ImageWriter { tmp, dest: dest.to_path_buf(), committed: false, keep: false, parent: None, compression: None, durable: true })
     }
 
     /// Makes this an incremental image of `parent`: device data the parent already holds
@@ -127,6 +129,13 @@ impl ImageWriter {
         self.committed
     }
 
+    /// An image that is only a transfer buffer (a migration's: removed once the job runs
+    /// elsewhere): its commit does not fsync it. Whoever keeps it after all makes it durable
+    /// with [`make_durable`].
+    pub fn transient(&mut self) {
+        self.durable = false;
+    }
+
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
     }
@@ -159,7 +168,9 @@ impl ImageWriter {
             }
             fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(ImageError::io(&path, "chmod"))?;
             let f = File::open(&path).map_err(ImageError::io(&path, "open"))?;
-            f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+            if self.durable {
+                f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+            }
             let size = f.metadata().map_err(ImageError::io(&path, "stat"))?.len();
             entries.push(FileEntry { blake3: hash_file(&path)?, path: rel, size, encoding: None, fingerprint: None });
         }
@@ -179,9 +190,13 @@ impl ImageWriter {
             let path = self.tmp.join(name);
             let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(ImageError::io(&path, "create"))?;
             f.write_all(bytes).map_err(ImageError::io(&path, "write"))?;
-            f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+            if self.durable {
+                f.sync_all().map_err(ImageError::io(&path, "fsync"))?;
+            }
         }
-        sync_dirs(&self.tmp)?;
+        if self.durable {
+            sync_dirs(&self.tmp)?;
+        }
         crate::sys::rename_noreplace(&self.tmp, &self.dest).map_err(|e| match e.kind() {
             std::io::ErrorKind::AlreadyExists => ImageError::OutputExists(self.dest.clone()),
             _ => ImageError::Io { path: self.dest.clone(), step: "rename into place", source: e },
@@ -190,6 +205,9 @@ impl ImageWriter {
         // The image is complete and in place; a failure to make the rename itself durable
         // is reported, not treated as a failed image.
         let parent = self.dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if !self.durable {
+            return Ok(());
+        }
         if let Err(e) = sync_dir(parent) {
             tracing::warn!(error = %e, "could not fsync the image's parent directory");
         }
@@ -309,6 +327,26 @@ pub fn is_temp_name(name: &str) -> bool {
 
 fn sync_dir(dir: &Path) -> Result<(), ImageError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(ImageError::io(dir, "fsync directory"))
+}
+
+/// Makes a committed image that was [`ImageWriter::transient`] durable: every file, every
+/// directory, and its name in its parent.
+pub fn make_durable(root: &Path) -> Result<(), ImageError> {
+    fn files(dir: &Path) -> Result<(), ImageError> {
+        for entry in fs::read_dir(dir).map_err(ImageError::io(dir, "read dir"))? {
+            let entry = entry.map_err(ImageError::io(dir, "read dir"))?;
+            let path = entry.path();
+            if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                files(&path)?;
+            } else {
+                File::open(&path).and_then(|f| f.sync_all()).map_err(ImageError::io(&path, "fsync"))?;
+            }
+        }
+        Ok(())
+    }
+    files(root)?;
+    sync_dirs(root)?;
+    sync_dir(root.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
 }
 
 fn sync_dirs(root: &Path) -> Result<(), ImageError> {

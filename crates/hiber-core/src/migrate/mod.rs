@@ -115,13 +115,15 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
         Msg::Refused { reason, hint } => return Err(MigrateError::Refused { reason, hint }),
         other => return Err(unexpected(&other)),
     }
+    // Staged on disk, not fsynced (see `ImageWriter::transient`). /dev/shm was tried: CRIU
+    // restored 1 GiB from it in 3.6 s, against 0.7 s from a disk's page cache.
+    let on_disk = ctx.state.root().join("migrations");
     let dest = match &req.keep_image {
         Some(d) => d.clone(),
         None => {
-            let dir = ctx.state.root().join("migrations");
-            ctx.state.ensure(&dir)?;
+            ctx.state.ensure(&on_disk)?;
             let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace(':', "");
-            dir.join(format!("{}-{}", job.name, stamp.trim_end_matches('Z')))
+            on_disk.join(format!("{}-{}", job.name, stamp.trim_end_matches('Z')))
         }
     };
     let handover = Handover {
@@ -133,7 +135,15 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
         frozen: Mutex::new(None),
         sent: Mutex::new(0),
     };
-    let creq = CheckpointRequest { pid: job.pid, job: Some(job.clone()), dest: dest.clone(), leave_running: false, parent: None, compress: None };
+    let creq = CheckpointRequest {
+        pid: job.pid,
+        job: Some(job.clone()),
+        dest: dest.clone(),
+        leave_running: false,
+        parent: None,
+        compress: None,
+        transient: req.keep_image.is_none(),
+    };
     let checkpointed = checkpoint_with(ctx, &creq, &handover);
     let outcome = std::mem::replace(&mut *handover.outcome.lock().unwrap_or_else(|e| e.into_inner()), Outcome::Pending);
     let checkpoint = match checkpointed {
@@ -168,6 +178,10 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
             Ok(MigrateReport { name, pid, checkpoint, stopped, sent_bytes, image_kept })
         }
         Outcome::InDoubt(reason) | Outcome::Failed(reason) => {
+            // The only image of the job, maybe: durable before anyone is told to use it.
+            if let Err(e) = crate::image::make_durable(&dest) {
+                tracing::warn!(error = %e, "could not make the kept image durable");
+            }
             let mut job = job;
             job.checkpointed_to = Some(dest.display().to_string());
             job.last_image = Some(dest.display().to_string());

@@ -26,9 +26,23 @@ pub struct ServeOptions {
     pub timeout: Duration,
 }
 
+/// Removes what migrations into this state directory left when their `hiber serve` was
+/// killed (images half received, or held while the source decided); returns how many.
+pub fn sweep(state: &crate::state::StateDir) -> usize {
+    let Ok(entries) = std::fs::read_dir(state.root().join("incoming")) else { return 0 };
+    let mut n = 0;
+    for e in entries.flatten() {
+        if crate::state::made_by_a_gone_hiber(&e.file_name().to_string_lossy()) && std::fs::remove_dir_all(e.path()).is_ok() {
+            n += 1;
+        }
+    }
+    n
+}
+
 /// Accepts migrations on `listener` for ever (each on its own thread). Returns only if
 /// accepting fails.
 pub fn serve(ctx: &Context, listener: &TcpListener, opts: &ServeOptions) -> io::Result<()> {
+    sweep(&ctx.state);
     std::thread::scope(|scope| loop {
         let (tcp, peer) = listener.accept()?;
         scope.spawn(move || {
@@ -54,14 +68,19 @@ pub fn serve(ctx: &Context, listener: &TcpListener, opts: &ServeOptions) -> io::
 fn receive(ctx: &Context, mut ch: Channel, opts: &ServeOptions) -> Result<Option<(String, i32)>, String> {
     let hello = wire::recv(&mut ch).map_err(|e| e.to_string())?;
     let Msg::Hello { version, job, name, bytes, .. } = hello else { return Err(format!("expected a hello, got {hello:?}")) };
-    if let Err((reason, hint)) = admit(ctx, version, &name, bytes) {
-        let _ = wire::send(&mut ch, &Msg::Refused { reason: reason.clone(), hint });
-        return Err(format!("refused job {job}: {reason}"));
-    }
+    let incoming = match admit(ctx, version, &name, bytes) {
+        Ok(dir) => dir,
+        Err((reason, hint)) => {
+            let _ = wire::send(&mut ch, &Msg::Refused { reason: reason.clone(), hint });
+            return Err(format!("refused job {job}: {reason}"));
+        }
+    };
     wire::send(&mut ch, &Msg::Accepted).map_err(|e| e.to_string())?;
-    let incoming = ctx.state.root().join("incoming");
-    ctx.state.ensure(&incoming).map_err(|e| e.to_string())?;
-    let staging = Staging(incoming.join(format!("{name}-{}", crate::state::hiber_tag().map_err(|e| e.to_string())?)));
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // Named after this hiber, so that what a killed one left is told apart ([`sweep`]).
+    let tag = crate::state::hiber_tag().map_err(|e| e.to_string())?;
+    let staging = Staging(incoming.join(format!("{tag}-{n}-{name}")));
     ctx.state.ensure(&staging.0).map_err(|e| e.to_string())?;
     // The checkpoint at the source may take a while before the first file comes.
     let _ = ch.set_read_timeout(Some(opts.timeout));
@@ -103,8 +122,9 @@ fn receive(ctx: &Context, mut ch: Channel, opts: &ServeOptions) -> Result<Option
     }
 }
 
-/// Whether this host takes job `name` of about `bytes`: refused with a reason and a hint.
-fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<(), (String, Option<String>)> {
+/// Whether this host takes job `name` of about `bytes`, and where its image is staged:
+/// refused with a reason and a hint.
+fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<PathBuf, (String, Option<String>)> {
     if version != wire::VERSION {
         return Err((format!("migration protocol version {version}; this hiber speaks {}", wire::VERSION), Some("run the same hiber on both hosts".into())));
     }
@@ -113,14 +133,14 @@ fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<(), (Str
     if registry.dir_of(name).exists() {
         return Err((format!("a job named '{name}' exists on the target"), Some("pick another with --name, or `hiber rm` it there".into())));
     }
-    // The image, staged, and as much again for the engines' buffers and CRIU's work.
-    if let Err((available, dir)) = super::has_room(ctx.state.root(), bytes) {
+    let dir = ctx.state.root().join("incoming");
+    if let Err((available, probe)) = super::has_room(&dir, bytes) {
         return Err((
-            format!("no room on the target: the image needs about {} MiB, {} has {} MiB free", bytes >> 20, dir.display(), available >> 20),
+            format!("no room on the target: the image needs about {} MiB, {} has {} MiB free", bytes >> 20, probe.display(), available >> 20),
             Some("free space in the target's state directory ($HIBER_STATE)".into()),
         ));
     }
-    Ok(())
+    Ok(dir)
 }
 
 /// Receives the image's files into `dir`: `Some` with the logs once all came, `None` when
@@ -129,6 +149,7 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let mut logs: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
     let mut received = 0u64;
+    let mut started: Option<std::time::Instant> = None;
     // What the estimate missed (page tables of a big mapping, say) gets some slack, not
     // an unbounded disk.
     let limit = budget.saturating_mul(2).saturating_add(256 << 20);
@@ -136,6 +157,7 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
         let msg = wire::recv(ch).map_err(|e| format!("the connection to the source: {e}"))?;
         match msg {
             Msg::File { path, size } => {
+                started.get_or_insert_with(std::time::Instant::now);
                 if !crate::image::is_inside_path(&path) {
                     return Err(format!("the source sent a file named '{path}', which is not a path inside an image"));
                 }
@@ -157,8 +179,9 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
                 if drop_at("receiving") {
                     ch.shutdown();
                 }
+                // Not synced: the staging directory lives only until the job runs, and a crash
+                // of this host before then fails the migration, whose source resumes.
                 wire::copy_exact(ch, &mut f, size).map_err(|e| format!("receiving {path}: {e}"))?;
-                f.sync_all().map_err(|e| e.to_string())?;
             }
             Msg::Log { stream, size } => {
                 if size > 1 << 30 {
@@ -168,7 +191,11 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
                 logs[i].clear();
                 wire::copy_exact(ch, &mut logs[i], size).map_err(|e| format!("receiving the job's log: {e}"))?;
             }
-            Msg::Sent => return Ok(Some(logs)),
+            Msg::Sent => {
+                let seconds = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or_default();
+                tracing::info!(mib = received >> 20, seconds, dir = %dir.display(), "image received");
+                return Ok(Some(logs));
+            }
             Msg::Abort { reason } => {
                 eprintln!("hiber serve: the source gave up: {reason}");
                 return Ok(None);

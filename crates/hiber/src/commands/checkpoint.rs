@@ -70,7 +70,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
                 hiber_core::image::Image::open(p).inspect_err(|e| tracing::debug!(error = %e, "the job's latest image cannot be a parent")).is_ok()
             }),
         };
-    let req = CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone(), compress: args.compress };
+    let req =
+        CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone(), compress: args.compress, transient: false };
     let coord = super::coordinator(args.coordinator.as_deref(), job.as_ref().map_or(&args.target, |j| &j.name))?;
     let report = checkpoint_with(&ctx, &req, coord.as_ref());
     if let Some(p) = progress {

@@ -77,7 +77,8 @@ pub fn run(args: Args) -> Result<(), CliError> {
     })?;
 
     let image: PathBuf = ctx.state.images().join(format!("{}-image", job.name));
-    let req = CheckpointRequest { pid: job.pid, job: Some(job.clone()), dest: image.clone(), leave_running: false, parent: None, compress: None };
+    let req =
+        CheckpointRequest { pid: job.pid, job: Some(job.clone()), dest: image.clone(), leave_running: false, parent: None, compress: None, transient: false };
     let result = run_demo(&ctx, &registry, &job, &req, steps);
     if !args.keep {
         let _ = std::fs::remove_dir_all(&image);

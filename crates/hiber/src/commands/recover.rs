@@ -71,6 +71,7 @@ pub fn recover_stale_quietly() {
 pub fn run() -> Result<(), CliError> {
     let state = StateDir::from_env();
     let swept = hiber_core::checkpoint::stage::sweep(&state);
+    let incoming = hiber_core::migrate::serve::sweep(&state);
     let (_, unreadable_entries) = journal::entries(&state);
     let (_, unreadable_jobs) = Registry::new(&state).list_and_unreadable();
     for (path, why) in unreadable_entries.iter().chain(&unreadable_jobs) {
@@ -81,7 +82,10 @@ pub fn run() -> Result<(), CliError> {
     if swept > 0 {
         eprintln!("hiber: removed {swept} staging area(s) of CRIU's files left by a hiber that was killed");
     }
-    if done.is_empty() && restores.is_empty() && swept == 0 && unreadable_entries.is_empty() && unreadable_jobs.is_empty() {
+    if incoming > 0 {
+        eprintln!("hiber: removed {incoming} image(s) that migrations into this host left when their `hiber serve` was killed");
+    }
+    if done.is_empty() && restores.is_empty() && swept == 0 && incoming == 0 && unreadable_entries.is_empty() && unreadable_jobs.is_empty() {
         println!("nothing to recover");
     }
     report(&done);
