@@ -27,8 +27,12 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, ServerConfig, ServerConnection, SignatureScheme, StreamOwned};
 
-/// The least a token holds, in bytes of its file (trimmed).
-const MIN_TOKEN_BYTES: usize = 16;
+/// The least a token holds, in bytes of its file (trimmed): 32 characters, as base64 of 24
+/// random bytes or hex of 16 (128 bits) make. Anyone who connects learns a public key derived
+/// from the token, against which a short one could be guessed offline.
+const MIN_TOKEN_BYTES: usize = 32;
+/// How long the handshake and the client's proof may take, however slowly bytes trickle in.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// The name the server's certificate is issued to and the client asks for.
 const SERVER_NAME: &str = "hiber";
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-hiber-client-proof";
@@ -188,6 +192,21 @@ pub enum Channel {
 impl Channel {
     /// Connects to `addr` and authenticates both ways with `token`.
     pub fn connect(addr: &str, token: &Token, timeout: Duration) -> Result<Channel, SecureError> {
+        let mut stream = Self::handshake(addr, token, timeout)?;
+        let ekm = stream.conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None).map_err(|e| SecureError::Tls(e.to_string()))?;
+        stream.write_all(&token.proof(&ekm))?;
+        stream.flush()?;
+        // The server answers one byte once it checked the proof.
+        let mut ok = [0u8; 1];
+        stream.read_exact(&mut ok).map_err(|_| SecureError::Refused)?;
+        if ok[0] != 1 {
+            return Err(SecureError::Refused);
+        }
+        Ok(Channel::Client(Box::new(stream)))
+    }
+
+    /// The client's TLS handshake with a server that must hold `token`.
+    fn handshake(addr: &str, token: &Token, timeout: Duration) -> Result<StreamOwned<ClientConnection, TcpStream>, SecureError> {
         let connect_err = |source| SecureError::Connect { addr: addr.to_string(), source };
         let sock_addr =
             std::net::ToSocketAddrs::to_socket_addrs(addr).map_err(connect_err)?.next().ok_or_else(|| connect_err(io::Error::other("no address")))?;
@@ -209,22 +228,24 @@ impl Channel {
         while stream.conn.is_handshaking() {
             stream.conn.complete_io(&mut stream.sock).map_err(|e| SecureError::Identity { addr: addr.to_string(), detail: e.to_string() })?;
         }
-        let ekm = stream.conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None).map_err(|e| SecureError::Tls(e.to_string()))?;
-        stream.write_all(&token.proof(&ekm))?;
-        stream.flush()?;
-        // The server answers one byte once it checked the proof.
-        let mut ok = [0u8; 1];
-        stream.read_exact(&mut ok).map_err(|_| SecureError::Refused)?;
-        if ok[0] != 1 {
-            return Err(SecureError::Refused);
-        }
-        Ok(Channel::Client(Box::new(stream)))
+        Ok(stream)
     }
 
-    /// The server's side of [`Channel::connect`] on an accepted connection.
+    /// The server's side of [`Channel::connect`] on an accepted connection. The handshake
+    /// and the proof must come within [`HANDSHAKE_DEADLINE`]; `timeout` is each later read's
+    /// and write's.
     pub fn accept(tcp: TcpStream, token: &Token, timeout: Duration) -> Result<Channel, SecureError> {
-        tcp.set_read_timeout(Some(timeout))?;
-        tcp.set_write_timeout(Some(timeout))?;
+        let deadline = std::time::Instant::now() + HANDSHAKE_DEADLINE;
+        let left = || {
+            let d = deadline.saturating_duration_since(std::time::Instant::now());
+            if d.is_zero() {
+                Err(SecureError::Refused)
+            } else {
+                Ok(d)
+            }
+        };
+        tcp.set_read_timeout(Some(left()?))?;
+        tcp.set_write_timeout(Some(left()?))?;
         tcp.set_nodelay(true)?;
         let (cert, key) = token.identity()?;
         let config = ServerConfig::builder_with_provider(provider())
@@ -236,16 +257,26 @@ impl Channel {
         let conn = ServerConnection::new(Arc::new(config)).map_err(|e| SecureError::Tls(e.to_string()))?;
         let mut stream = StreamOwned::new(conn, tcp);
         while stream.conn.is_handshaking() {
+            stream.sock.set_read_timeout(Some(left()?))?;
             stream.conn.complete_io(&mut stream.sock).map_err(|e| SecureError::Tls(e.to_string()))?;
         }
         let ekm = stream.conn.export_keying_material([0u8; 32], EXPORTER_LABEL, None).map_err(|e| SecureError::Tls(e.to_string()))?;
         let mut proof = [0u8; 32];
-        stream.read_exact(&mut proof).map_err(|_| SecureError::Refused)?;
+        let mut got = 0;
+        while got < proof.len() {
+            stream.sock.set_read_timeout(Some(left()?))?;
+            match stream.read(&mut proof[got..]) {
+                Ok(0) | Err(_) => return Err(SecureError::Refused),
+                Ok(n) => got += n,
+            }
+        }
         if !constant_time_eq(&proof, &token.proof(&ekm)) {
             return Err(SecureError::Refused);
         }
         stream.write_all(&[1])?;
         stream.flush()?;
+        stream.sock.set_read_timeout(Some(timeout))?;
+        stream.sock.set_write_timeout(Some(timeout))?;
         Ok(Channel::Server(Box::new(stream)))
     }
 
@@ -340,6 +371,33 @@ mod tests {
         let (client, server) = pair(Token::from_bytes(b"the server's own token"), Token::from_bytes(b"the client's other token"));
         assert!(matches!(client, Err(SecureError::Identity { .. })), "{:?}", client.err());
         assert!(server.is_err());
+    }
+
+    /// A client that gets through the handshake (it knows the server's certificate, which is
+    /// no secret) but cannot prove it holds the token is refused.
+    #[test]
+    fn a_client_without_the_proof_is_refused() {
+        let t = Token::from_bytes(b"the one token of this test, long enough");
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server_token = t.clone();
+        let server = std::thread::spawn(move || {
+            let mut results = Vec::new();
+            for _ in 0..2 {
+                let (tcp, _) = listener.accept().unwrap();
+                results.push(Channel::accept(tcp, &server_token, Duration::from_secs(5)).map(|_| ()));
+            }
+            results
+        });
+        // A wrong proof, then none at all (the connection closed after the handshake).
+        let mut wrong = Channel::handshake(&addr, &t, Duration::from_secs(5)).unwrap();
+        wrong.write_all(&[0u8; 32]).unwrap();
+        wrong.flush().unwrap();
+        let mut answer = [0u8; 1];
+        assert!(wrong.read_exact(&mut answer).is_err(), "no answer to a wrong proof");
+        drop(Channel::handshake(&addr, &t, Duration::from_secs(5)).unwrap());
+        let results = server.join().unwrap();
+        assert!(results.iter().all(|r| matches!(r, Err(SecureError::Refused))), "{results:?}");
     }
 
     #[test]

@@ -285,7 +285,7 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
     let hosts = Hosts::new();
     let tok = token(&src, "token", "0123456789abcdef0123456789abcdef");
     let listen = format!("{}:7303", hosts.b_addr);
-    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "900", "--mem-mib", "16"], &[]);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "2000", "--mem-mib", "16"], &[]);
     assert!(out.status.success());
     let pid = src.pid_of("w");
     src.wait_step("w", 5);
@@ -317,10 +317,9 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
     let mut server = Server::start(&hosts.b, &dst, &listen, &tok, &[("HIBER_PAUSE_AT", "processes_restored")]);
     let mut migrate =
         hiber_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()]).stderr(Stdio::piped()).spawn().unwrap();
-    wait("the target to hold the restored copy", Duration::from_secs(30), || {
-        dst.state.join("jobs").join("w").exists() && dst.state.join("jobs/w/stdout.log").exists()
-    });
-    std::thread::sleep(Duration::from_millis(300));
+    // The restored root is on record (`root.json`, written by its shim once CRIU restored the
+    // tree): the target holds its copy, paused at the barrier.
+    wait("the target to hold the restored copy", Duration::from_secs(30), || dst.state.join("jobs/w/root.json").exists());
     let _ = server.child.kill();
     let _ = server.child.wait();
     assert!(!migrate.wait().unwrap().success());

@@ -4,10 +4,12 @@
 //! A migration is a checkpoint whose coordinator is the target: the checkpoint runs its
 //! phases as ever, and at [`Phase::Committed`] (the image complete, the tree still frozen
 //! inside CRIU's post-dump step) [`Handover`] sends the image over an authenticated,
-//! encrypted connection ([`crate::secure`]), the target restores it and holds it stopped,
-//! and only then does the source tell it to run ([`wire`] has the exchange). Until that
-//! word the source can still fail the barrier, and CRIU resumes the tree as if nothing had
-//! happened; after it, the source never resumes: the job runs in one place only.
+//! encrypted connection ([`crate::secure`]) and makes it durable meanwhile, while the target
+//! restores it and holds it stopped ([`wire`] has the exchange). Until the target says so,
+//! any failure (this hiber killed too) fails the barrier and CRIU resumes the tree as if
+//! nothing had happened. Then CRIU stops the tree, the image goes on the job's record, and
+//! only then is the target told to run its copy: the job runs in one place at most, and its
+//! image is kept until it runs somewhere.
 //!
 //! Everything that can be checked before the job stops is: the token (both ways), the name
 //! at the target, its room for the image.
@@ -148,19 +150,47 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
     let outcome = std::mem::replace(&mut *handover.outcome.lock().unwrap_or_else(|e| e.into_inner()), Outcome::Pending);
     let checkpoint = match checkpointed {
         Ok(r) => r,
+        // The undo failed too: what is left to do is `hiber recover`'s, as for a checkpoint.
+        Err(e @ CheckpointError::Resume { .. }) => return Err(e.into()),
         Err(e) => {
-            // The tree runs on here (the checkpoint undid its steps); the target, told or
-            // not, kills whatever it restored.
+            // The tree runs on here (the checkpoint undid its steps); the target, told so or
+            // not, kills the copy it holds.
             return Err(match outcome {
                 Outcome::Failed(reason) => MigrateError::Refused { reason, hint: Some("the job runs on here; see the target's log".into()) },
                 _ => e.into(),
             });
         }
     };
-    let stopped = handover.frozen.lock().unwrap_or_else(|e| e.into_inner()).map(|t| t.elapsed()).unwrap_or_default();
+    let Some(mut channel) = handover.channel.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return Err(MigrateError::Io(std::io::Error::other("the connection to the target is gone")));
+    };
     let sent_bytes = *handover.sent.lock().unwrap_or_else(|e| e.into_inner());
-    match outcome {
-        Outcome::Running { name, pid } => {
+    let frozen = *handover.frozen.lock().unwrap_or_else(|e| e.into_inner());
+    // The image is complete and durable, the target holds its copy stopped, and CRIU has
+    // stopped the tree here. The image goes on record before the target is told to run its
+    // copy: whatever happens from here (this hiber killed, the connection lost), the job runs
+    // in one place at most, and its image is kept until it runs.
+    let mut job = job;
+    job.checkpointed_to = Some(dest.display().to_string());
+    job.last_image = Some(dest.display().to_string());
+    if let Err(e) = registry.save(&job) {
+        let _ = wire::send(&mut channel, &Msg::Abort { reason: format!("the source cannot record its image: {e}") });
+        return Err(MigrateError::InDoubt { reason: format!("cannot record the image in the job ({e}); the target was told to drop its copy"), image: dest });
+    }
+    if !matches!(outcome, Outcome::Ready) || crate::proctree::is_same_process(job.pid, job.start_time) {
+        // Not ready there, or the tree still here: the target drops its copy.
+        let _ = wire::send(&mut channel, &Msg::Abort { reason: "the source's tree did not stop".into() });
+        return Err(MigrateError::InDoubt { reason: "the source's tree did not stop as it should; the target was told to drop its copy".into(), image: dest });
+    }
+    let answer = wire::send(&mut channel, &Msg::Commit).and_then(|()| {
+        if drop_at("running") {
+            channel.shutdown();
+        }
+        wire::recv(&mut channel)
+    });
+    let stopped = frozen.map(|t| t.elapsed()).unwrap_or_default();
+    match answer {
+        Ok(Msg::Running { name, pid }) => {
             // CRIU has killed the tree here; once its shim recorded that, the job goes.
             let start = Instant::now();
             while !registry.has_exit(&job.name) && start.elapsed() < Duration::from_secs(10) {
@@ -177,18 +207,9 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
             };
             Ok(MigrateReport { name, pid, checkpoint, stopped, sent_bytes, image_kept })
         }
-        Outcome::InDoubt(reason) | Outcome::Failed(reason) => {
-            // The only image of the job, maybe: durable before anyone is told to use it.
-            if let Err(e) = crate::image::make_durable(&dest) {
-                tracing::warn!(error = %e, "could not make the kept image durable");
-            }
-            let mut job = job;
-            job.checkpointed_to = Some(dest.display().to_string());
-            job.last_image = Some(dest.display().to_string());
-            let _ = registry.save(&job);
-            Err(MigrateError::InDoubt { reason, image: dest })
-        }
-        Outcome::Pending => Err(MigrateError::InDoubt { reason: "the hand-over never happened".into(), image: dest }),
+        Ok(Msg::Failed { reason }) => Err(MigrateError::InDoubt { reason: format!("the target failed after the hand-over: {reason}"), image: dest }),
+        Ok(other) => Err(MigrateError::InDoubt { reason: format!("unexpected message from the target: {other:?}"), image: dest }),
+        Err(e) => Err(MigrateError::InDoubt { reason: format!("the connection to the target: {e}"), image: dest }),
     }
 }
 
@@ -200,13 +221,8 @@ enum Outcome {
     Pending,
     /// The target failed before the hand-over: the tree resumes here.
     Failed(String),
-    /// The target runs the job.
-    Running {
-        name: String,
-        pid: i32,
-    },
-    /// The source handed the job over (`Commit`) and heard nothing certain back.
-    InDoubt(String),
+    /// The target holds its copy stopped, waiting for `Commit`.
+    Ready,
 }
 
 /// The checkpoint's coordinator on the source: passes every phase, and at `Committed` hands
@@ -262,13 +278,24 @@ impl Handover {
         if drop_at("ready") {
             ch.shutdown();
         }
-        match wire::recv(ch).map_err(|e| format!("the connection to the target: {e}"))? {
+        // The image is made durable here while the target verifies and restores its copy:
+        // it is the job's only copy from the moment the tree is stopped.
+        let dest = self.dest.clone();
+        let durable = std::thread::spawn(move || crate::image::make_durable(&dest));
+        let ready = match wire::recv(ch).map_err(|e| format!("the connection to the target: {e}"))? {
             Msg::Ready => Ok(()),
             Msg::Failed { reason } => Err(format!("the target: {reason}")),
             other => Err(format!("unexpected message from the target: {other:?}")),
-        }
+        };
+        let synced = durable.join().map_err(|_| "making the image durable failed".to_string())?;
+        ready?;
+        synced.map_err(|e| format!("cannot make the image durable: {e}"))
     }
 
+    /// At `Committed`, the tree frozen: sends the image and waits until the target holds its
+    /// copy stopped. Then the barrier passes and CRIU stops the tree; `Commit` is sent only
+    /// after that, outside the freeze (see [`migrate`]). Until then a failure here, or this
+    /// hiber killed, makes CRIU resume the tree, and the target drops its copy.
     fn hand_over(&self) -> Result<(), BarrierError> {
         let mut guard = self.channel.lock().unwrap_or_else(|e| e.into_inner());
         let Some(ch) = guard.as_mut() else { return Err(BarrierError("the connection to the target is gone".into())) };
@@ -277,24 +304,7 @@ impl Handover {
             self.set(Outcome::Failed(reason.clone()));
             return Err(BarrierError(reason));
         }
-        // From here the source never resumes its tree.
-        if let Err(e) = wire::send(ch, &Msg::Commit) {
-            // Not sent (the connection failed first): the target, waiting for the word,
-            // kills its stopped copy; nothing runs there.
-            let reason = format!("the connection to the target: {e}");
-            self.set(Outcome::Failed(reason.clone()));
-            return Err(BarrierError(reason));
-        }
-        if drop_at("running") {
-            ch.shutdown();
-        }
-        let answer = wire::recv(ch);
-        match answer {
-            Ok(Msg::Running { name, pid }) => self.set(Outcome::Running { name, pid }),
-            Ok(Msg::Failed { reason }) => self.set(Outcome::InDoubt(format!("the target failed after the hand-over: {reason}"))),
-            Ok(other) => self.set(Outcome::InDoubt(format!("unexpected message from the target: {other:?}"))),
-            Err(e) => self.set(Outcome::InDoubt(format!("the connection to the target: {e}"))),
-        }
+        self.set(Outcome::Ready);
         Ok(())
     }
 }

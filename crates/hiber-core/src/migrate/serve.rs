@@ -7,7 +7,7 @@
 //! before that word (the source gone, its `Abort`, a failed restore) leaves nothing here:
 //! the stopped copy is killed and the job and staging directory removed.
 
-use std::io::{self, Write};
+use std::io;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -42,25 +42,47 @@ pub fn sweep(state: &crate::state::StateDir) -> usize {
 /// Accepts migrations on `listener` for ever (each on its own thread). Returns only if
 /// accepting fails.
 pub fn serve(ctx: &Context, listener: &TcpListener, opts: &ServeOptions) -> io::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    /// Connections served at once; more are closed at once (a flood of them must not take
+    /// every descriptor, which would end the server).
+    const MAX_CONNECTIONS: usize = 64;
     sweep(&ctx.state);
+    let active = AtomicUsize::new(0);
     std::thread::scope(|scope| loop {
-        let (tcp, peer) = listener.accept()?;
-        scope.spawn(move || {
-            let ch = match Channel::accept(tcp, &opts.token, opts.timeout) {
-                Ok(ch) => ch,
-                Err(e) => {
-                    tracing::warn!(%peer, error = %e, "refused a connection");
-                    eprintln!("hiber serve: refused {peer}: {e}");
-                    return;
-                }
-            };
-            match receive(ctx, ch, opts) {
-                Ok(Some((name, pid))) => eprintln!("hiber serve: job {name} moved here from {peer}; it runs as pid {pid}"),
-                Ok(None) => {}
-                Err(e) => eprintln!("hiber serve: a migration from {peer} failed: {e}"),
+        let (tcp, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
             }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(%peer, "too many connections at once: closed");
+            continue;
+        }
+        let active = &active;
+        scope.spawn(move || {
+            serve_one(ctx, tcp, peer, opts);
+            active.fetch_sub(1, Ordering::AcqRel);
         });
     })
+}
+
+fn serve_one(ctx: &Context, tcp: std::net::TcpStream, peer: std::net::SocketAddr, opts: &ServeOptions) {
+    let ch = match Channel::accept(tcp, &opts.token, opts.timeout) {
+        Ok(ch) => ch,
+        Err(e) => {
+            tracing::warn!(%peer, error = %e, "refused a connection");
+            return;
+        }
+    };
+    match receive(ctx, ch, opts) {
+        Ok(Some((name, pid))) => eprintln!("hiber serve: job {name} moved here from {peer}; it runs as pid {pid}"),
+        Ok(None) => {}
+        Err(e) => eprintln!("hiber serve: a migration from {peer} failed: {e}"),
+    }
 }
 
 /// One migration, from hello to the job running here (`Some((name, pid))`), or to
@@ -84,7 +106,11 @@ fn receive(ctx: &Context, mut ch: Channel, opts: &ServeOptions) -> Result<Option
     ctx.state.ensure(&staging.0).map_err(|e| e.to_string())?;
     // The checkpoint at the source may take a while before the first file comes.
     let _ = ch.set_read_timeout(Some(opts.timeout));
-    let logs = match take_image(&mut ch, &staging.0, bytes) {
+    let (image_dir, logs_dir) = (staging.0.join("image"), staging.0.join("logs"));
+    for d in [&image_dir, &logs_dir] {
+        ctx.state.ensure(d).map_err(|e| e.to_string())?;
+    }
+    let logs = match take_image(&mut ch, &image_dir, &logs_dir, bytes) {
         Ok(Some(logs)) => logs,
         Ok(None) => return Ok(None),
         Err(e) => {
@@ -95,7 +121,7 @@ fn receive(ctx: &Context, mut ch: Channel, opts: &ServeOptions) -> Result<Option
     let registry = Registry::new(&ctx.state);
     let holder = Holder { ch: Mutex::new(&mut ch), logs, registry: &registry, name: &name, inject: crate::coordinator::from_env() };
     let req = RestoreRequest {
-        image: staging.0.clone(),
+        image: image_dir.clone(),
         name: Some(name.clone()),
         devices: Default::default(),
         isolate_net: false,
@@ -143,16 +169,27 @@ fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<PathBuf,
     Ok(dir)
 }
 
-/// Receives the image's files into `dir`: `Some` with the logs once all came, `None` when
-/// the source aborted.
-fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u8>; 2]>, String> {
+/// Receives the image's files into `dir` and the job's logs into `logs_dir`: `Some` with the
+/// logs' paths once all came, `None` when the source aborted. What the source sends is
+/// bounded by what it announced (`budget`), with some slack, and by a number of files.
+fn take_image(ch: &mut Channel, dir: &Path, logs_dir: &Path, budget: u64) -> Result<Option<[PathBuf; 2]>, String> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let mut logs: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+    const MAX_FILES: usize = 100_000;
+    let logs = [logs_dir.join("stdout.log"), logs_dir.join("stderr.log")];
     let mut received = 0u64;
+    let mut files = 0usize;
     let mut started: Option<std::time::Instant> = None;
     // What the estimate missed (page tables of a big mapping, say) gets some slack, not
     // an unbounded disk.
     let limit = budget.saturating_mul(2).saturating_add(256 << 20);
+    let mut count = |size: u64| {
+        received = received.saturating_add(size);
+        files += 1;
+        if received > limit || files > MAX_FILES {
+            return Err(format!("the source sent more than it announced ({} MiB, {MAX_FILES} files at most)", limit >> 20));
+        }
+        Ok(())
+    };
     loop {
         let msg = wire::recv(ch).map_err(|e| format!("the connection to the source: {e}"))?;
         match msg {
@@ -161,10 +198,7 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
                 if !crate::image::is_inside_path(&path) {
                     return Err(format!("the source sent a file named '{path}', which is not a path inside an image"));
                 }
-                received = received.saturating_add(size);
-                if received > limit {
-                    return Err(format!("the source sent more than the {} MiB it announced", limit >> 20));
-                }
+                count(size)?;
                 let dest = dir.join(&path);
                 if let Some(parent) = dest.parent() {
                     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(|e| e.to_string())?;
@@ -184,12 +218,16 @@ fn take_image(ch: &mut Channel, dir: &Path, budget: u64) -> Result<Option<[Vec<u
                 wire::copy_exact(ch, &mut f, size).map_err(|e| format!("receiving {path}: {e}"))?;
             }
             Msg::Log { stream, size } => {
-                if size > 1 << 30 {
-                    return Err(format!("a log of {} MiB is too long to carry", size >> 20));
-                }
-                let i = if stream == LogStream::Stdout { 0 } else { 1 };
-                logs[i].clear();
-                wire::copy_exact(ch, &mut logs[i], size).map_err(|e| format!("receiving the job's log: {e}"))?;
+                count(size)?;
+                let path = &logs[if stream == LogStream::Stdout { 0 } else { 1 }];
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                wire::copy_exact(ch, &mut f, size).map_err(|e| format!("receiving the job's log: {e}"))?;
             }
             Msg::Sent => {
                 let seconds = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or_default();
@@ -223,7 +261,8 @@ impl Drop for Staging {
 /// Also fails the barrier named in `$HIBER_FAIL_AT` (fault-injection tests).
 struct Holder<'a> {
     ch: Mutex<&'a mut Channel>,
-    logs: [Vec<u8>; 2],
+    /// The job's logs as the source sent them (absent: none).
+    logs: [PathBuf; 2],
     registry: &'a Registry,
     name: &'a str,
     inject: crate::coordinator::Local,
@@ -232,9 +271,10 @@ struct Holder<'a> {
 impl Holder<'_> {
     fn hold(&self) -> Result<(), BarrierError> {
         // Nothing of the tree has run yet: its output so far goes first in its logs.
-        for (text, path) in self.logs.iter().zip([self.registry.stdout_of(self.name), self.registry.stderr_of(self.name)]) {
+        for (from, path) in self.logs.iter().zip([self.registry.stdout_of(self.name), self.registry.stderr_of(self.name)]) {
+            let Ok(mut text) = std::fs::File::open(from) else { continue };
             let mut f = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| BarrierError(format!("{}: {e}", path.display())))?;
-            f.write_all(text).map_err(|e| BarrierError(format!("{}: {e}", path.display())))?;
+            std::io::copy(&mut text, &mut f).map_err(|e| BarrierError(format!("{}: {e}", path.display())))?;
         }
         let mut ch = self.ch.lock().unwrap_or_else(|e| e.into_inner());
         wire::send(&mut **ch, &Msg::Ready).map_err(|e| BarrierError(format!("the connection to the source: {e}")))?;

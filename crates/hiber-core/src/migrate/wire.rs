@@ -15,9 +15,9 @@
 //!                                    ←     Running {name, pid} | Failed {reason}
 //! ```
 //!
-//! Before `Commit` the source may still resume its tree (on `Failed`, `Abort`, or a lost
-//! connection the target kills its stopped copy); once it has sent `Commit` it never does,
-//! so the job never runs in two places.
+//! The source sends `Commit` only once its own tree is stopped and the image is on its job's
+//! record; until `Commit` comes, the target drops its stopped copy whenever the source goes
+//! away or says `Abort`. So the job never runs in two places.
 
 use std::io::{self, Read, Write};
 
