@@ -54,7 +54,7 @@ class Hosts:
 def hiber(hiber_bin, ns, state, *args, check=True):
     env = dict(os.environ, HIBER_STATE=state)
     env.pop("HIBER_LOG", None)
-    return subprocess.run(["nsenter", f"--net={ns}", hiber_bin, *args], env=env, check=check, capture_output=True, text=True)
+    return subprocess.run(["nsenter", "-F", f"--net={ns}", hiber_bin, *args], env=env, check=check, capture_output=True, text=True)
 
 
 def log_of(state, job):
@@ -138,7 +138,7 @@ def main():
                         # The target's hiber receives into the run's state B.
                         env["HIBER_STATE"] = os.path.join(root, f"b{n}")
                         serve = subprocess.Popen(
-                            ["nsenter", f"--net={hosts.ns[1]}", args.hiber, "serve", "--listen", f"{hosts.b_addr}:7400", "--token-file", args.token],
+                            ["nsenter", "-F", f"--net={hosts.ns[1]}", args.hiber, "serve", "--listen", f"{hosts.b_addr}:7400", "--token-file", args.token],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                         serve.stdout.readline()
                     try:

@@ -85,7 +85,9 @@ impl Drop for Hosts {
 /// with its namespace's /sys, which two real hosts' jobs do not differ by.
 fn hiber_in(ns: &str, h: &Hiber, args: &[&str]) -> Command {
     let mut c = Command::new("nsenter");
-    c.arg(format!("--net={ns}")).arg(HIBER).args(args).env("HIBER_STATE", &h.state).env_remove("HIBER_LOG");
+    // `-F`: nsenter execs hiber in its own process rather than forking, so that killing the
+    // child kills hiber.
+    c.arg("-F").arg(format!("--net={ns}")).arg(HIBER).args(args).env("HIBER_STATE", &h.state).env_remove("HIBER_LOG");
     c
 }
 
@@ -258,7 +260,7 @@ fn a_wrong_token_a_taken_name_or_no_room_is_refused_before_the_job_stops() {
         let small = dst.scratch.join("small");
         std::fs::create_dir_all(&small).unwrap();
         let script = format!(
-            "mount -t tmpfs -o size=16m tmpfs {0} && exec nsenter --net={1} {HIBER} serve --listen {listen} --token-file {2} --timeout 60",
+            "mount -t tmpfs -o size=16m tmpfs {0} && exec nsenter -F --net={1} {HIBER} serve --listen {listen} --token-file {2} --timeout 60",
             small.display(),
             hosts.b,
             tok.display()
@@ -330,16 +332,57 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
     assert_eq!(server.leftovers(&dst), 0, "`hiber recover` removed what the killed target had received");
     drop(server);
 
+    // That job has served its purpose; a shorter one, checked to its end, for the last case.
+    src.ok(&["rm", "-f", "w"]);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "v", "--", HIBER, "workload", "cpu", "--steps", "300", "--mem-mib", "16"], &[]);
+    assert!(out.status.success());
+    src.wait_step("v", 5);
+
     // The word after the hand-over lost: the job runs at the target, the source keeps its
     // image and says so; never both.
     let _server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
-    let out = run_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()], &[("HIBER_MIGRATE_DROP_AT", "running")]);
+    let out = run_in(&hosts.a, &src, &["migrate", "v", "--to", &listen, "--token-file", tok.to_str().unwrap()], &[("HIBER_MIGRATE_DROP_AT", "running")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("did not confirm"), "{err}");
-    let kept = src.job("w")["checkpointed_to"].as_str().unwrap().to_string();
+    let kept = src.job("v")["checkpointed_to"].as_str().unwrap().to_string();
     assert!(Path::new(&kept).join("manifest.json").exists(), "the source keeps the image: {kept}");
-    assert_ne!(src.state_of("w"), "running", "the source's tree is gone");
-    let log = dst.assert_verified("w", Duration::from_secs(120));
+    assert_ne!(src.state_of("v"), "running", "the source's tree is gone");
+    let log = dst.assert_verified("v", Duration::from_secs(120));
     assert!(log.contains("verify ok"));
-    assert_whole_trajectory(&dst.progress("w"));
+    assert_whole_trajectory(&dst.progress("v"));
+}
+
+/// `hiber migrate` killed after the target holds its copy and the source's tree has stopped,
+/// before it says `Commit`: the target drops its copy, and the image on the source's record
+/// restores the job there, on its trajectory. It never runs in two places, and is not lost.
+#[test]
+fn a_migration_killed_before_the_word_loses_nothing() {
+    let (src, dst) = (Hiber::new("mig-kill-src"), Hiber::new("mig-kill-dst"));
+    let hosts = Hosts::new();
+    let tok = token(&src, "token", "0123456789abcdef0123456789abcdef");
+    let listen = format!("{}:7304", hosts.b_addr);
+    let server = Server::start(&hosts.b, &dst, &listen, &tok, &[]);
+    let out = run_in(&hosts.a, &src, &["run", "--name", "w", "--", HIBER, "workload", "cpu", "--steps", "400", "--mem-mib", "16"], &[]);
+    assert!(out.status.success());
+    let pid = src.pid_of("w");
+    src.wait_step("w", 10);
+    let mut migrate = hiber_in(&hosts.a, &src, &["migrate", "w", "--to", &listen, "--token-file", tok.to_str().unwrap()])
+        .env("HIBER_MIGRATE_PAUSE_AT", "commit")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait("the source's tree to stop and the target to hold its copy", Duration::from_secs(60), || !alive(pid) && dst.state.join("jobs/w/root.json").exists());
+    let image = src.job("w")["checkpointed_to"].as_str().expect("the image is on the job's record before the word").to_string();
+    let hiber_pid = migrate.id() as i32;
+    let _ = migrate.kill();
+    let _ = migrate.wait();
+    assert!(!alive(hiber_pid), "hiber migrate is gone");
+    // Well within the target's 60 s read timeout: it drops its copy because the connection
+    // closed, not because it gave up waiting.
+    wait("the target to drop its copy", Duration::from_secs(30), || jobs(&dst).is_empty() && server.leftovers(&dst) == 0);
+    let before = src.progress("w");
+    let out = run_in(&hosts.a, &src, &["restore", &image, "--name", "w-back"], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    src.assert_verified("w-back", Duration::from_secs(60));
+    assert_continues(&before, &src.progress("w-back"), before.last().unwrap().0 + 1);
 }

@@ -182,6 +182,13 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
         let _ = wire::send(&mut channel, &Msg::Abort { reason: "the source's tree did not stop".into() });
         return Err(MigrateError::InDoubt { reason: "the source's tree did not stop as it should; the target was told to drop its copy".into(), image: dest });
     }
+    if std::env::var("HIBER_MIGRATE_PAUSE_AT").is_ok_and(|v| v == "commit") {
+        // For tests: held here for ever (a test kills this hiber).
+        eprintln!("hiber: paused before Commit (HIBER_MIGRATE_PAUSE_AT)");
+        loop {
+            std::thread::park();
+        }
+    }
     let answer = wire::send(&mut channel, &Msg::Commit).and_then(|()| {
         if drop_at("running") {
             channel.shutdown();

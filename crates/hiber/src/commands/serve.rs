@@ -16,7 +16,7 @@ pub struct Args {
     #[arg(long, value_name = "ADDR:PORT")]
     listen: String,
     /// A file (mode 0600) with the secret every source must hold (`hiber migrate
-    /// --token-file`), at least 16 bytes.
+    /// --token-file`), at least 32 characters.
     #[arg(long, value_name = "FILE")]
     token_file: PathBuf,
     /// How long a connection may stay silent, the source's checkpoint included, in seconds.
