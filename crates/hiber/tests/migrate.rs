@@ -347,6 +347,8 @@ fn failures_at_each_step_leave_the_job_running_at_the_source() {
     let kept = src.job("v")["checkpointed_to"].as_str().unwrap().to_string();
     assert!(Path::new(&kept).join("manifest.json").exists(), "the source keeps the image: {kept}");
     assert_ne!(src.state_of("v"), "running", "the source's tree is gone");
+    // The target may still be finishing the restore it was told to complete.
+    wait("the target to run the job", Duration::from_secs(30), || dst.state_of("v").starts_with("running") || dst.state_of("v").starts_with("exited"));
     let log = dst.assert_verified("v", Duration::from_secs(120));
     assert!(log.contains("verify ok"));
     assert_whole_trajectory(&dst.progress("v"));

@@ -117,8 +117,9 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
         Msg::Refused { reason, hint } => return Err(MigrateError::Refused { reason, hint }),
         other => return Err(unexpected(&other)),
     }
-    // Staged on disk, not fsynced (see `ImageWriter::transient`). /dev/shm was tried: CRIU
-    // restored 1 GiB from it in 3.6 s, against 0.7 s from a disk's page cache.
+    // Staged on disk, not fsynced at the commit (see `ImageWriter::transient`); made durable
+    // while the target restores. /dev/shm was tried, and gained nothing on the benchmark's
+    // machine (bench/results/2026-11-28-migrate-cpu.md).
     let on_disk = ctx.state.root().join("migrations");
     let dest = match &req.keep_image {
         Some(d) => d.clone(),
@@ -170,17 +171,17 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
     // stopped the tree here. The image goes on record before the target is told to run its
     // copy: whatever happens from here (this hiber killed, the connection lost), the job runs
     // in one place at most, and its image is kept until it runs.
+    if !matches!(outcome, Outcome::Ready) || crate::proctree::is_same_process(job.pid, job.start_time) {
+        // Not ready there, or the tree still here: the target drops its copy.
+        let _ = wire::send(&mut channel, &Msg::Abort { reason: "the source's tree did not stop".into() });
+        return Err(MigrateError::Io(std::io::Error::other("the source's tree did not stop as it should; the target was told to drop its copy")));
+    }
     let mut job = job;
     job.checkpointed_to = Some(dest.display().to_string());
     job.last_image = Some(dest.display().to_string());
     if let Err(e) = registry.save(&job) {
         let _ = wire::send(&mut channel, &Msg::Abort { reason: format!("the source cannot record its image: {e}") });
         return Err(MigrateError::InDoubt { reason: format!("cannot record the image in the job ({e}); the target was told to drop its copy"), image: dest });
-    }
-    if !matches!(outcome, Outcome::Ready) || crate::proctree::is_same_process(job.pid, job.start_time) {
-        // Not ready there, or the tree still here: the target drops its copy.
-        let _ = wire::send(&mut channel, &Msg::Abort { reason: "the source's tree did not stop".into() });
-        return Err(MigrateError::InDoubt { reason: "the source's tree did not stop as it should; the target was told to drop its copy".into(), image: dest });
     }
     if std::env::var("HIBER_MIGRATE_PAUSE_AT").is_ok_and(|v| v == "commit") {
         // For tests: held here for ever (a test kills this hiber).
