@@ -351,7 +351,7 @@ fn a_process_that_ends_during_the_checkpoint_fails_it(mode: &str) {
         if mode == "--leave-running" {
             argv.push(mode);
         }
-        let hiber = h
+        let mut hiber = h
             .command(&argv)
             .env("HIBER_PAUSE_AT", "captured")
             .env("HIBER_PAUSE_MS", "4000")
@@ -359,7 +359,21 @@ fn a_process_that_ends_during_the_checkpoint_fails_it(mode: &str) {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        h.wait_journal("\"captured\"", "hiber to wait at the captured barrier");
+        // Up to a minute on a loaded machine (three programs drained); a hiber that ends
+        // before it gets there says why.
+        let journal = h.state.join("journal");
+        let at_captured =
+            || std::fs::read_dir(&journal).into_iter().flatten().flatten().any(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("\"captured\"")));
+        let start = std::time::Instant::now();
+        while !at_captured() {
+            if let Some(status) = hiber.try_wait().unwrap() {
+                let mut err = String::new();
+                std::io::Read::read_to_string(hiber.stderr.as_mut().unwrap(), &mut err).unwrap();
+                panic!("{mode}: hiber ended ({status}) before the captured barrier: {err}");
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "{mode}: hiber did not reach the captured barrier in 60 s");
+            std::thread::sleep(Duration::from_millis(25));
+        }
         // SAFETY: kill has no memory preconditions; the PID is a child of the job's shell.
         assert_eq!(unsafe { libc::kill(*victim, libc::SIGKILL) }, 0);
         let out = hiber.wait_with_output().unwrap();
