@@ -5,6 +5,7 @@ import math
 import os
 import re
 import statistics
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,6 +45,27 @@ def parse_progress(text, prefix=""):
             continue
         out.append(Progress(int(f[1]), int(f[3], 16), int(f[5])))
     return out
+
+
+def job_log(state, name):
+    """A hiber job's stdout log in state directory `state` ("" until there is one)."""
+    try:
+        with open(os.path.join(state, "jobs", name, "stdout.log")) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def wait_steps(state, name, at_least, limit_s=120):
+    """Waits until job `name` printed `at_least` progress lines; returns them."""
+    start = time.monotonic()
+    while True:
+        prog = parse_progress(job_log(state, name))
+        if len(prog) >= at_least:
+            return prog
+        if time.monotonic() - start > limit_s:
+            raise RuntimeError(f"job {name} made {len(prog)} steps, not {at_least}, in {limit_s} s")
+        time.sleep(0.02)
 
 
 def downtime_ms(progress, start_ms, end_ms):

@@ -57,29 +57,11 @@ def hiber(hiber_bin, ns, state, *args, check=True):
     return subprocess.run(["nsenter", "-F", f"--net={ns}", hiber_bin, *args], env=env, check=check, capture_output=True, text=True)
 
 
-def log_of(state, job):
-    try:
-        with open(os.path.join(state, "jobs", job, "stdout.log")) as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
-def wait_steps(state, job, n, limit=120):
-    start = time.time()
-    while time.time() - start < limit:
-        p = benchlib.parse_progress(log_of(state, job))
-        if len(p) >= n:
-            return p
-        time.sleep(0.05)
-    raise RuntimeError(f"job {job} made no progress")
-
-
 def one_run(args, hosts, way, mib, n, root):
     state_a, state_b = os.path.join(root, f"a{n}"), os.path.join(root, f"b{n}")
     job = f"m{n}"
     hiber(args.hiber, hosts.ns[0], state_a, "run", "--name", job, "--", args.hiber, "workload", "cpu", "--steps", "100000", "--mem-mib", str(mib))
-    before = wait_steps(state_a, job, 30)
+    before = benchlib.wait_steps(state_a, job, 30)
     t0 = time.time()
     if way == "migrate":
         out = hiber(args.hiber, hosts.ns[0], state_a, "migrate", job, "--to", f"{hosts.b_addr}:7400", "--token-file", args.token, "--json")
@@ -94,10 +76,10 @@ def one_run(args, hosts, way, mib, n, root):
         sent = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(copy) for f in fs)
     wall = time.time() - t0
     # The target's log: with migrate it holds the lines from before the move too.
-    after_start = len(benchlib.parse_progress(log_of(state_b, job)))
-    wait_steps(state_b, job, after_start + 10)
-    pa = benchlib.parse_progress(log_of(state_a, job)) if way == "baseline" else []
-    pb = benchlib.parse_progress(log_of(state_b, job))
+    after_start = len(benchlib.parse_progress(benchlib.job_log(state_b, job)))
+    benchlib.wait_steps(state_b, job, after_start + 10)
+    pa = benchlib.parse_progress(benchlib.job_log(state_a, job)) if way == "baseline" else []
+    pb = benchlib.parse_progress(benchlib.job_log(state_b, job))
     progress = sorted({(p.step, p.t_ms): p for p in pa + pb}.values(), key=lambda p: p.step)
     steps = [p.step for p in progress]
     assert steps == list(range(steps[0], steps[0] + len(steps))), f"{way}: steps missing or repeated"

@@ -93,25 +93,6 @@ def job_pid(state, name):
         return json.load(f)["pid"]
 
 
-def job_log(state, name):
-    try:
-        with open(os.path.join(state, "jobs", name, "stdout.log")) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def wait_steps(state, name, at_least, limit_s=120):
-    start = time.monotonic()
-    while True:
-        prog = benchlib.parse_progress(job_log(state, name))
-        if len(prog) >= at_least:
-            return prog
-        if time.monotonic() - start > limit_s:
-            raise RuntimeError(f"job {name} made {len(prog)} steps, not {at_least}, in {limit_s} s")
-        time.sleep(0.02)
-
-
 def tenth_ratio(rows, key):
     n = max(1, len(rows) // 10)
     first = statistics.median(r[key] for r in rows[:n])
@@ -159,21 +140,21 @@ def main():
     run_hiber(hiber, ["run", "--name", name, "--"] + cmd, env)
     try:
         for i in range(a.cycles):
-            have = len(benchlib.parse_progress(job_log(state, name)))
-            wait_steps(state, name, have + a.steps_per_cycle)
+            have = len(benchlib.parse_progress(benchlib.job_log(state, name)))
+            benchlib.wait_steps(state, name, have + a.steps_per_cycle)
             leave = i % 2 == 1
             image = os.path.join(images, f"c{i}")
             ck_args = ["checkpoint", name, "--out", image] + (["--leave-running"] if leave else [])
             ck_wall, ck_rss, _ = run_hiber(hiber, ck_args, env)
             if leave:
-                logs[name] = job_log(state, name)
+                logs[name] = benchlib.job_log(state, name)
                 run_hiber(hiber, ["rm", "-f", name], env)
             nxt = f"soak-{i + 1}"
             rs_wall, rs_rss, _ = run_hiber(hiber, ["restore", image, "--name", nxt], env)
             if not leave:
                 # The stopped original's record, as a user would drop it (`hiber ls` would
                 # list every one): what is left in the state directory is hiber's own.
-                logs[name] = job_log(state, name)
+                logs[name] = benchlib.job_log(state, name)
                 run_hiber(hiber, ["rm", name], env)
             if prev_image:
                 shutil.rmtree(prev_image)
@@ -194,7 +175,7 @@ def main():
                 print(f"cycle {i}: checkpoint {r['checkpoint_s']:.2f}s restore {r['restore_s']:.2f}s image {r['image_bytes'] >> 20} MiB "
                       f"job rss {r['job_rss_kib'] >> 10} MiB state {r['state_bytes'] >> 20} MiB", flush=True)
     finally:
-        logs[name] = job_log(state, name)
+        logs[name] = benchlib.job_log(state, name)
         subprocess.run([hiber, "rm", "-f", name], env=env, capture_output=True)
 
     # Every copy's trajectory against an uninterrupted run of as many steps.

@@ -285,23 +285,7 @@ fn six_checkpoint_restore_cycles_of_one_job() {
 #[test]
 fn established_tcp_connection_survives() {
     let h = Hiber::new("tcp");
-    let script = [
-        "import socket, time",
-        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)",
-        "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()",
-        "total = 0",
-        "for n in range(1, 100000):",
-        "    cli.sendall(n.to_bytes(8, 'little'))",
-        "    got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), 'little')",
-        "    total += got",
-        "    conn.sendall(total.to_bytes(8, 'little'))",
-        "    back = int.from_bytes(cli.recv(8, socket.MSG_WAITALL), 'little')",
-        "    ok = got == n and back == n * (n + 1) // 2",
-        "    print('tick', n, 'ok' if ok else f'BAD {got} {back}', flush=True)",
-        "    time.sleep(0.02)",
-    ]
-    .join("\n");
-    h.ok(&["run", "--name", "tcp", "--", "python3", "-c", &script]);
+    h.ok(&["run", "--name", "tcp", "--", "python3", "-c", TCP_PAIR]);
     let ticks = |h: &Hiber, job: &str| h.log(job).lines().filter(|l| l.starts_with("tick ")).map(str::to_string).collect::<Vec<_>>();
     wait("ticks", Duration::from_secs(20), || ticks(&h, "tcp").len() >= 10);
     let img = h.images_dir().join("tcp");

@@ -187,23 +187,8 @@ fn a_job_moves_to_another_host_and_carries_on() {
     assert_eq!(server.leftovers(&dst), 0, "nothing staged is left on the target");
 
     // A server and its client in one job, over an established TCP connection.
-    let script = [
-        "import socket, time",
-        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)",
-        "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()",
-        "total = 0",
-        "for n in range(1, 100000):",
-        "    cli.sendall(n.to_bytes(8, 'little'))",
-        "    got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), 'little')",
-        "    total += got",
-        "    conn.sendall(total.to_bytes(8, 'little'))",
-        "    back = int.from_bytes(cli.recv(8, socket.MSG_WAITALL), 'little')",
-        "    ok = got == n and back == n * (n + 1) // 2",
-        "    print('tick', n, 'ok' if ok else f'BAD {got} {back}', flush=True)",
-        "    time.sleep(0.02)",
-    ]
-    .join("\n");
-    let out = run_in(&hosts.a, &src, &["run", "--name", "tcp", "--", "python3", "-c", &script], &[]);
+
+    let out = run_in(&hosts.a, &src, &["run", "--name", "tcp", "--", "python3", "-c", TCP_PAIR], &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let ticks = |h: &Hiber| h.log("tcp").lines().filter(|l| l.starts_with("tick ")).map(str::to_string).collect::<Vec<_>>();
     wait("ticks", Duration::from_secs(20), || ticks(&src).len() >= 10);
@@ -373,8 +358,20 @@ fn a_migration_killed_before_the_word_loses_nothing() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait("the source's tree to stop and the target to hold its copy", Duration::from_secs(60), || !alive(pid) && dst.state.join("jobs/w/root.json").exists());
-    let image = src.job("w")["checkpointed_to"].as_str().expect("the image is on the job's record before the word").to_string();
+    // Once paused before the word: the source's tree stopped, its image on the job's record,
+    // and the target holding its copy. (On failure, hiber is killed: left paused, it would
+    // hold the test harness's pipes open.)
+    let recorded = || src.job("w")["checkpointed_to"].as_str().map(str::to_string);
+    let held = || !alive(pid) && recorded().is_some() && dst.state.join("jobs/w/root.json").exists();
+    let start = std::time::Instant::now();
+    while !held() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    if !held() {
+        let _ = migrate.kill();
+        panic!("the source's tree did not stop with its image recorded while the target held its copy");
+    }
+    let image = recorded().unwrap();
     let hiber_pid = migrate.id() as i32;
     let _ = migrate.kill();
     let _ = migrate.wait();

@@ -173,11 +173,21 @@ fn check_space(dest: &Path, tree: &[ProcessInfo]) -> Result<(), CheckpointError>
         return Ok(());
     }
     let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    // The nearest existing ancestor tells which filesystem the image lands on.
+    let needed = image_estimate(tree);
+    room_for(dir, needed).map_err(|available| CheckpointError::NoSpace { dir: dir.to_path_buf(), needed, available })
+}
+
+/// About what an image of `tree` holds: its processes' private memory, and some.
+pub fn image_estimate(tree: &[ProcessInfo]) -> u64 {
+    tree.iter().map(|p| p.anon_bytes).sum::<u64>() + (16 << 20)
+}
+
+/// Whether the filesystem of `dir` (or of its nearest existing ancestor) has `bytes` free;
+/// `Err` with what it has. A filesystem that cannot be asked passes.
+pub fn room_for(dir: &Path, bytes: u64) -> Result<(), u64> {
     let probe = dir.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/"));
-    let needed: u64 = tree.iter().map(|p| p.anon_bytes).sum::<u64>() + (16 << 20);
     match sys::available_bytes(probe) {
-        Ok(available) if available < needed => Err(CheckpointError::NoSpace { dir: dir.to_path_buf(), needed, available }),
+        Ok(available) if available < bytes => Err(available),
         _ => Ok(()),
     }
 }

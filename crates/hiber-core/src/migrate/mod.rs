@@ -21,7 +21,7 @@
 pub mod serve;
 pub mod wire;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -107,7 +107,7 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
     crate::jobs::validate_name(&name)?;
     // What the image will hold, about (as the local space check counts it).
     let tree = crate::proctree::discover_tree(job.pid).map_err(CheckpointError::from)?;
-    let bytes = tree.iter().map(|p| p.anon_bytes).sum::<u64>() + (16 << 20);
+    let bytes = crate::checkpoint::image_estimate(&tree);
     ctx.phase("connecting to the target");
     let mut channel = Channel::connect(&req.to, &req.token, req.timeout)?;
     let hello = Msg::Hello { version: wire::VERSION, job: job.name.clone(), name: name.clone(), bytes, hiber: env!("CARGO_PKG_VERSION").into() };
@@ -247,6 +247,7 @@ struct Handover {
     sent: Mutex<u64>,
 }
 
+/// Whether `$HIBER_MIGRATE_DROP_AT` names `step` (fault injection, both sides).
 fn drop_at(step: &str) -> bool {
     std::env::var("HIBER_MIGRATE_DROP_AT").is_ok_and(|v| v == step)
 }
@@ -335,14 +336,5 @@ impl Coordinator for Handover {
         if let Some(ch) = self.channel.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             let _ = wire::send(ch, &Msg::Abort { reason: why.to_string() });
         }
-    }
-}
-
-/// Whether `dir` (or its nearest existing ancestor) has `bytes` free.
-fn has_room(dir: &Path, bytes: u64) -> Result<(), (u64, PathBuf)> {
-    let probe = dir.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/"));
-    match crate::sys::available_bytes(probe) {
-        Ok(available) if available < bytes => Err((available, probe.to_path_buf())),
-        _ => Ok(()),
     }
 }

@@ -160,9 +160,9 @@ fn admit(ctx: &Context, version: u32, name: &str, bytes: u64) -> Result<PathBuf,
         return Err((format!("a job named '{name}' exists on the target"), Some("pick another with --name, or `hiber rm` it there".into())));
     }
     let dir = ctx.state.root().join("incoming");
-    if let Err((available, probe)) = super::has_room(&dir, bytes) {
+    if let Err(available) = crate::checkpoint::room_for(&dir, bytes) {
         return Err((
-            format!("no room on the target: the image needs about {} MiB, {} has {} MiB free", bytes >> 20, probe.display(), available >> 20),
+            format!("no room on the target: the image needs about {} MiB, its state directory has {} MiB free", bytes >> 20, available >> 20),
             Some("free space in the target's state directory ($HIBER_STATE)".into()),
         ));
     }
@@ -210,7 +210,7 @@ fn take_image(ch: &mut Channel, dir: &Path, logs_dir: &Path, budget: u64) -> Res
                     .custom_flags(libc::O_NOFOLLOW)
                     .open(&dest)
                     .map_err(|e| format!("{}: {e}", dest.display()))?;
-                if drop_at("receiving") {
+                if super::drop_at("receiving") {
                     ch.shutdown();
                 }
                 // Not synced: the staging directory lives only until the job runs, and a crash
@@ -241,10 +241,6 @@ fn take_image(ch: &mut Channel, dir: &Path, logs_dir: &Path, budget: u64) -> Res
             other => return Err(format!("unexpected message from the source: {other:?}")),
         }
     }
-}
-
-fn drop_at(step: &str) -> bool {
-    std::env::var("HIBER_MIGRATE_DROP_AT").is_ok_and(|v| v == step)
 }
 
 /// The staging directory, removed however the migration ends.

@@ -13,6 +13,25 @@ mod progress;
 
 pub const HIBER: &str = env!("CARGO_BIN_EXE_hiber");
 
+/// A Python program that talks to itself over an established loopback TCP connection (the
+/// shape of a launcher and its store, or a server and its client), checking every answer
+/// against the running sum: prints `tick N ok` (or `tick N BAD ...`) every 20 ms.
+pub const TCP_PAIR: &str = "\
+import socket, time
+srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)
+cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()
+total = 0
+for n in range(1, 100000):
+    cli.sendall(n.to_bytes(8, 'little'))
+    got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), 'little')
+    total += got
+    conn.sendall(total.to_bytes(8, 'little'))
+    back = int.from_bytes(cli.recv(8, socket.MSG_WAITALL), 'little')
+    ok = got == n and back == n * (n + 1) // 2
+    print('tick', n, 'ok' if ok else f'BAD {got} {back}', flush=True)
+    time.sleep(0.02)
+";
+
 /// Fails loudly (never skips) when the machine cannot run these tests.
 pub fn require_environment() {
     // SAFETY: geteuid has no preconditions.
