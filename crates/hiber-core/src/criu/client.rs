@@ -200,10 +200,7 @@ impl Criu {
 
     pub fn version(&self) -> Result<CriuVersion, CriuError> {
         // A private directory for CRIU's stderr: never a fixed name in a shared /tmp.
-        let dir = std::env::temp_dir().join(format!("hiber-criu-version-{}-{}", std::process::id(), unique()));
-        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
-            .create(&dir)
-            .map_err(|source| CriuError::Io { step: "create a private directory", source })?;
+        let dir = private_temp_dir("hiber-criu-version").map_err(|source| CriuError::Io { step: "create a private directory", source })?;
         let resp = self.call(request(CriuReqType::Version, None), (&[], &[]), &mut |_| Ok(()), "version", &dir, None);
         let _ = std::fs::remove_dir_all(&dir);
         let resp = resp?;
@@ -363,6 +360,23 @@ impl Criu {
 fn unique() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A new 0700 directory `PREFIX-…` in the temporary directory. The name's pid can be an
+/// earlier hiber's, killed before it removed its own (a fresh-clone CI run met one), so a
+/// name that exists is passed over, never reused.
+fn private_temp_dir(prefix: &str) -> std::io::Result<PathBuf> {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let mut last = None;
+    for _ in 0..64 {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}-{nanos}-{}", std::process::id(), unique()));
+        match std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::AlreadyExists)))
 }
 
 fn request(kind: CriuReqType, opts: Option<rpc::CriuOpts>) -> rpc::CriuReq {
