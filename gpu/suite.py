@@ -2093,6 +2093,74 @@ def opencl_nvidia_to_pocl_and_back(m):
 
 
 @scenario
+@exclusive
+def opencl_nvidia_2gib_through_the_proxy(m):
+    """#36's checkpoint row: a job holding two 1 GiB OpenCL buffers on NVIDIA's GPU, through
+    the proxy, checkpointed (stopping) and restored on the GPU, on its trajectory."""
+    env = opencl_env()
+    prog = ocl_program("stencil")
+    ref = sh(prog, "6", str(256 << 20), "gpu", "0", env=env, timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    hiber("run", "--name", "ocl2g", "--no-agent", "--opencl=proxy", "--", prog, "6", str(256 << 20), "gpu", "1500", env=env)
+    wait_step("ocl2g", 2, 150)
+    m["nvidia_in_job"] = any("libnvidia-opencl" in maps_text(p) for p in job_pids("ocl2g"))
+    assert not m["nvidia_in_job"], "no process of the job maps NVIDIA's OpenCL"
+    img = image_of("ocl2g")
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "ocl2g", "--out", img, env=env)
+    sec = device_section(img, "opencl")
+    m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
+    assert m["opencl_mib"] == 2048, m["opencl_mib"]
+    before = progress("ocl2g")
+    rs = hiber_json("restore", img, "--name", "ocl2g-r", env=env)
+    assert_verified("ocl2g-r", limit=600)
+    assert_continues(before, progress("ocl2g-r"), before[-1][0] + 1)
+    assert progress("ocl2g") + progress("ocl2g-r") == ref_traj, "trajectory differs from the uninterrupted run"
+    m.update(
+        checkpoint_s=round(ck["total_seconds"], 2),
+        quiesce_s=round(sec["quiesce_seconds"], 2),
+        dump_s=round(ck["dump_seconds"], 2),
+        restore_s=round(rs["total_seconds"], 2),
+        restore_devices_s=round(rs["devices_seconds"], 2),
+        image_mib=ck["image_bytes"] >> 20,
+    )
+
+
+@scenario
+def opencl_nvidia_discovery_child_beside_cuda_job(m):
+    """#36, item 5: a child that lists NVIDIA's OpenCL platforms and devices and runs on (as
+    hwloc's plugin does in launchers' daemons), beside a PyTorch training process, in one
+    job run with --opencl=proxy. No process of the job maps NVIDIA's OpenCL; the job is
+    checkpointed (stopping) and restored: the training on its uninterrupted trajectory, the
+    child going on from where it stopped and listing the same platforms again."""
+    env = opencl_env()
+    disc = ocl_program("discover")
+    ref = sh("python3", TRAIN, "--steps", "200", timeout=300, env=env)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    script = f"{disc} 1200 50 & d=$!; python3 {TRAIN} --steps 200; s=$?; wait $d && exit $s"
+    hiber("run", "--name", "odisc", "--opencl=proxy", "--", "sh", "-c", script, env=env)
+    wait_step("odisc", 50, 120)
+    wait("the discovery child to list", 30, lambda: "listed " in log("odisc"))
+    m["listed"] = next(l for l in log("odisc").splitlines() if l.startswith("listed "))
+    maps = {p: maps_text(p) for p in job_pids("odisc")}
+    assert not any("libnvidia-opencl" in t for t in maps.values()), "no process of the job maps NVIDIA's OpenCL"
+    assert any("libhiber_agent" in t for t in maps.values()), "the training process has the agent"
+    img = image_of("odisc")
+    ck = hiber_json("checkpoint", "odisc", "--out", img, env=env)
+    m["engines"] = [d["engine"] for d in json.loads((Path(img) / "manifest.json").read_text())["devices"]]
+    alive_at = max(int(l.split()[1]) for l in log("odisc").splitlines() if l.startswith("alive "))
+    assert alive_at < 1199, "the child was still running at the checkpoint"
+    rs = hiber_json("restore", img, "--name", "odisc-r", env=env)
+    assert_verified("odisc-r", limit=300)
+    text = log("odisc-r")
+    got = assert_on_reference("odisc-r", ref_traj)
+    resumed = min(int(l.split()[1]) for l in text.splitlines() if l.startswith("alive "))
+    assert resumed == alive_at + 1, f"the child resumed at alive {resumed}, stopped at {alive_at}"
+    again = [l for l in text.splitlines() if l.startswith("listed again ")]
+    assert again == ["listed again " + m["listed"].split(" ", 1)[1]], (again, m["listed"])
+    m.update(resumed_step=got[0][0], checkpoint_s=round(ck["total_seconds"], 2), restore_s=round(rs["total_seconds"], 2))
+
+
+@scenario
 def opencl_on_nvidia_refused_before_anything_stops(m):
     refused_on_nvidia(m, "ocln", "gpu")
 
@@ -2140,7 +2208,7 @@ def opencl_layer_overhead(m):
     env = opencl_env()
     rows = sh(
         "python3", REPO / "bench/opencl/overhead.py", ocl_program("launch"), CARRY / "bin/libhiber_opencl.so",
-        "--roundtrip", ocl_program("roundtrip"), "--hiber", HIBER,
+        "--roundtrip", ocl_program("roundtrip"), "--bandwidth", ocl_program("bandwidth"), "--hiber", HIBER,
         "--pairs", "5", "--rounds", "20000", "--device", "gpu", "--device", "cpu", env=env, timeout=500,
     )
     m["table"] = rows.stdout.strip().splitlines()

@@ -14,10 +14,10 @@ install -m 0755 -s "$repo/target/release/libhiber_opencl.so" "$carry/bin/libhibe
 # The OpenCL test programs and the layer's microbenchmark, built here (the GPU machine has
 # no OpenCL headers): they link only the ICD loader, which it has.
 mkdir -p "$carry/opencl"
-for p in stencil reduce image; do
+for p in stencil reduce image discover; do
     cc -O2 -Wall -o "$carry/opencl/$p" "$repo/crates/hiber/tests/opencl/$p.c" -lOpenCL
 done
-for p in launch roundtrip; do
+for p in launch roundtrip bandwidth; do
     cc -O2 -Wall -o "$carry/opencl/$p" "$repo/bench/opencl/$p.c" -lOpenCL
 done
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)

@@ -7,10 +7,12 @@ number of times each. Prints a markdown row per program and device: the medians 
 per-call times and their ratios to no layer.
 
 Programs (built from this directory): launch.c (many tiny kernels, small transfers: the
-pattern where a layer costs the most) and roundtrip.c (a call whose answer the
-application waits for, over and over).
+pattern where a layer costs the most), roundtrip.c (a call whose answer the
+application waits for, over and over) and bandwidth.c (blocking writes and reads of
+--mib MiB from pageable memory; its "per call" is one transfer).
 
 Usage: overhead.py LAUNCH_BINARY LAYER_LIB [--roundtrip BINARY] [--hiber HIBER]
+       [--bandwidth BINARY [--mib N]]
        [--pairs N] [--rounds N] [--device D ...]
 (D as the programs take it: an index, gpu or cpu.) The environment (OCL_ICD_VENDORS,
 POCL_DEVICES) passes through.
@@ -63,6 +65,8 @@ def main():
     ap.add_argument("binary")
     ap.add_argument("layer")
     ap.add_argument("--roundtrip", help="roundtrip.c's binary: a row for calls that wait for their answer")
+    ap.add_argument("--bandwidth", help="bandwidth.c's binary: a row for 1 GiB writes and reads (--mib)")
+    ap.add_argument("--mib", type=int, default=1024, help="the bandwidth row's transfer size")
     ap.add_argument("--hiber", help="hiber's binary: a column for the proxy")
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=20000)
@@ -75,6 +79,10 @@ def main():
     programs = [("launch", a.binary, a.rounds)]
     if a.roundtrip:
         programs.append(("roundtrip", a.roundtrip, a.rounds * 5))
+    if a.bandwidth:
+        # µs per transfer of MIB MiB: the ratio to no layer is the inverse of the share of
+        # its bandwidth.
+        programs.append((f"bandwidth {a.mib} MiB", a.bandwidth, a.mib))
     head = " | ".join(f"{m} (µs/call, median)" for m, _ in modes)
     ratios = " | ".join(f"{m} / no layer" for m, _ in modes[1:])
     print(f"| program | device | runs per mode | {head} | {ratios} |")

@@ -180,7 +180,9 @@ fn client_env(pid: i32) -> std::io::Result<HashMap<String, String>> {
 fn serve() -> std::io::Result<()> {
     let fd = std::io::stdin().as_fd().try_clone_to_owned()?;
     let stream = UnixStream::from(fd);
-    let handler = Handler { dispatcher: Dispatcher::new(), notify: std::sync::OnceLock::new() };
+    // The process it serves, whose memory its bulk transfers read and write directly.
+    let dispatcher = Dispatcher::new().with_peer(peer_pid(&stream)?);
+    let handler = Handler { dispatcher, notify: std::sync::OnceLock::new() };
     hiber_layer::channel::serve(stream, Arc::new(handler))
 }
 

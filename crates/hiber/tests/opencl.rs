@@ -21,7 +21,12 @@ const PTHREAD: &str = "pthread-";
 
 /// Compiles test program `name` into the scratch directory.
 fn program(h: &Hiber, name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/opencl");
+    compile(h, "crates/hiber/tests/opencl", name)
+}
+
+/// Builds DIR/NAME.c (DIR from the repository's root) into the test's scratch directory.
+fn compile(h: &Hiber, dir: &str, name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(dir);
     let out = h.scratch.join(name);
     let st = Command::new("cc")
         .args(["-O2", "-Wall", "-o"])
@@ -686,6 +691,31 @@ fn proxy_killed_mid_run_fails_the_next_call() {
             .any(|j| j["name"] == "pd" && j["state"] == "running" && j["problem"].as_str().is_some_and(|b| b.contains("OpenCL proxy")))
     });
     assert!(h.ok(&["ls"]).contains("broken: the OpenCL proxy of process"), "{}", h.ok(&["ls"]));
+}
+
+/// Bulk transfers through the proxy (blocking writes and reads of 80 MiB: three of the
+/// proxy's staging pieces, the last one short) go straight between the process's memory
+/// and the proxy's, and every byte read back is the one written (bandwidth.c compares
+/// them); with that path turned off they stream through the channel, with the same bytes.
+#[test]
+fn proxy_bulk_transfers_go_straight_to_the_processes_memory() {
+    let h = Hiber::new("ocl-proxy-bulk");
+    let bin = compile(&h, "bench/opencl", "bandwidth");
+    for (name, peer) in [("bw", "1"), ("bwc", "0")] {
+        let out = h
+            .command(&["run", "--opencl=proxy", "--name", name, "--", &bin.display().to_string(), "2", "80", "1"])
+            .env("POCL_DEVICES", DEVICES)
+            .env("HIBER_OPENCL_PEER_MEMORY", peer)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "hiber run failed: {}", String::from_utf8_lossy(&out.stderr));
+        let state = h.wait_done(name, Duration::from_secs(120));
+        let log = h.log(name);
+        assert_eq!(state, "exited(0)", "{log}");
+        assert_eq!(log.lines().filter(|l| l.starts_with("gbs ")).count(), 2, "{log}");
+        let layer = std::fs::read_to_string(h.state.join(format!("jobs/{name}/opencl.log"))).unwrap_or_default();
+        assert_eq!(layer.contains("bulk transfers go straight between"), peer == "1", "{name}: {layer}");
+    }
 }
 
 /// A process that forks after its first OpenCL calls: the child's calls get a proxy of its

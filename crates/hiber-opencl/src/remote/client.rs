@@ -16,7 +16,7 @@ use std::ptr::null_mut;
 use std::sync::{Mutex, OnceLock};
 
 use super::wire::{self, Layout, Op, Reader, WireError, Writer, MODE_CALL, MODE_POST};
-use super::{add_callback, remove_callback, transport, Callback};
+use super::{add_callback, peer, remove_callback, transport, transport_and_generation, Callback};
 use crate::cl::{self, cl_bitfield, cl_bool, cl_int, cl_uint, BufferRegion, ImageDesc, ImageFormat, Real, H};
 
 type R<T> = Result<T, cl_int>;
@@ -431,6 +431,38 @@ unsafe fn enqueue(op: Op, may_post: bool, event: *mut H, build: impl FnOnce(&mut
     let mut r = skip_rc(&a)?;
     // SAFETY: forwarded.
     unsafe { event_out(&mut r, event) }
+}
+
+/// Whether this connection's proxy reads and writes this process's memory itself for bulk
+/// transfers ([`peer`]): asked once per connection, with a [`peer::Probe`].
+fn peer_memory() -> bool {
+    static KNOWN: Mutex<Option<(u64, bool)>> = Mutex::new(None);
+    if !peer::allowed() {
+        return false;
+    }
+    let Some((t, generation)) = transport_and_generation() else { return false };
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((g, ok)) = *known {
+        if g == generation {
+            return ok;
+        }
+    }
+    let probe = peer::Probe::new();
+    let mut w = begin(Op::PeerMemory, MODE_CALL);
+    w.u64(probe.addr());
+    let echoed = t.call(&w.buf).ok().and_then(|buf| {
+        let mut r = Reader::new(&buf);
+        r.i32().ok()?;
+        (r.i32().ok()? == cl::CL_SUCCESS).then(|| r.bytes().ok().map(|b| probe.matches(b)))?
+    });
+    let ok = echoed == Some(true);
+    crate::log(if ok {
+        "remote: bulk transfers go straight between this process's memory and the proxy's"
+    } else {
+        "remote: the proxy does not reach this process's memory; bulk transfers go through the channel"
+    });
+    *known = Some((generation, ok));
+    ok
 }
 
 /// Posts a call that takes one handle (releases, retains, flush).
@@ -1319,6 +1351,23 @@ unsafe fn read_into(w: Writer, event: *mut H, place: impl FnOnce(&[u8]) -> R<()>
         return Err(rc);
     }
     place(r.bytes()?)?;
+    // SAFETY: forwarded.
+    unsafe { read_end(&a, r, event) }
+}
+
+/// A read whose bytes the proxy wrote into this process itself: its answer has no bytes.
+unsafe fn read_done(a: Answer, event: *mut H) -> R<()> {
+    let mut r = a.reader();
+    let rc = r.i32()?;
+    if rc != cl::CL_SUCCESS {
+        return Err(rc);
+    }
+    // SAFETY: forwarded.
+    unsafe { read_end(&a, r, event) }
+}
+
+/// A read's answer past its bytes: a deferred error, or the event part.
+unsafe fn read_end(a: &Answer, mut r: Reader<'_>, event: *mut H) -> R<()> {
     if a.deferred != cl::CL_SUCCESS {
         // The call fails: it gives the application no event (the proxy's is let go).
         if r.bool()? {
@@ -1342,6 +1391,23 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    if size >= peer::PEER_MIN && !ptr.is_null() && peer_memory() {
+        return code(|| {
+            let mut w = begin(Op::EnqueueReadBufferPeer, MODE_CALL);
+            w.h(q);
+            w.h(m);
+            w.usize(offset);
+            w.usize(size);
+            w.u64(ptr as u64);
+            // SAFETY: as in `clGetPlatformIDs`; the proxy writes the `size` bytes at `ptr`
+            // (which has room for them) before it answers.
+            unsafe {
+                waits(&mut w, n, list);
+                w.bool(!event.is_null());
+                read_done(call(w)?, event)
+            }
+        });
+    }
     code(|| {
         let mut w = begin(Op::EnqueueReadBuffer, MODE_CALL);
         w.h(q);
@@ -1408,6 +1474,21 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
     list: *const H,
     event: *mut H,
 ) -> cl_int {
+    if size >= peer::PEER_MIN && !ptr.is_null() && peer_memory() {
+        // SAFETY: as below; the proxy reads the `size` bytes at `ptr` itself, before the
+        // write completes (the application may not change them until then).
+        return code(|| unsafe {
+            enqueue(Op::EnqueueWriteBufferPeer, blocking == 0, event, |w| {
+                w.h(q);
+                w.h(m);
+                w.bool(blocking != 0);
+                w.usize(offset);
+                w.usize(size);
+                w.u64(ptr as u64);
+                waits(w, n, list);
+            })
+        });
+    }
     // SAFETY: as in `clGetPlatformIDs`; `ptr` holds `size` bytes.
     code(|| unsafe {
         enqueue(Op::EnqueueWriteBuffer, blocking == 0, event, |w| {

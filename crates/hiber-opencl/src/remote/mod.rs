@@ -22,7 +22,9 @@
 //! # Memory
 //! Reads are always done blocking in the proxy and their bytes written to the
 //! application's pointer before the stub returns (a non-blocking read that completes at
-//! once is allowed). Writes copy the application's bytes into the request. A map is done
+//! once is allowed). Writes copy the application's bytes into the request, but for
+//! those of at least [`peer::PEER_MIN`] bytes, which the proxy reads straight from this
+//! process's memory, as large reads write into it ([`peer`]), when it can. A map is done
 //! blocking in the proxy and answered with a copy of the mapped bytes, held in application
 //! memory: at `host_ptr + offset` for a `CL_MEM_USE_HOST_PTR` object (the spec requires
 //! that pointer), else in pages the stub maps; unmap sends the bytes back when the map was
@@ -52,6 +54,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use crate::cl::{cl_int, H};
 
 pub mod client;
+pub mod peer;
 pub mod server;
 pub mod wire;
 
@@ -78,6 +81,9 @@ pub trait Transport: Send + Sync {
 pub type ConnectFn = fn() -> Option<Arc<dyn Transport>>;
 
 static TRANSPORT: RwLock<Option<Arc<dyn Transport>>> = RwLock::new(None);
+/// Counts the transports set or connected: what is known of one proxy (whether it reaches
+/// this process's memory) is not taken for the next.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
 static CONNECT: OnceLock<ConnectFn> = OnceLock::new();
 
 /// Whether the layer runs in proxy mode: `HIBER_OPENCL_PROXY` set and non-empty, read once.
@@ -88,7 +94,9 @@ pub fn enabled() -> bool {
 
 /// Sets (or, with `None`, drops) the transport every stub uses.
 pub fn set_transport(t: Option<Arc<dyn Transport>>) {
-    *TRANSPORT.write().unwrap_or_else(|e| e.into_inner()) = t;
+    let mut slot = TRANSPORT.write().unwrap_or_else(|e| e.into_inner());
+    *slot = t;
+    GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Sets the function that connects when there is no transport; only the first one counts.
@@ -111,8 +119,16 @@ pub(crate) fn transport() -> Option<Arc<dyn Transport>> {
     }
     if slot.is_none() {
         *slot = connect();
+        GENERATION.fetch_add(1, Ordering::AcqRel);
     }
     slot.clone()
+}
+
+/// The current transport and its generation (see [`GENERATION`]), connecting as [`transport`].
+pub(crate) fn transport_and_generation() -> Option<(Arc<dyn Transport>, u64)> {
+    let t = transport()?;
+    let _held = TRANSPORT.read().unwrap_or_else(|e| e.into_inner());
+    Some((t, GENERATION.load(Ordering::Acquire)))
 }
 
 /// Notification kinds (the byte after the callback's id).

@@ -17,6 +17,7 @@ use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::peer;
 use super::wire::{self, Layout, Op, Reader, WireError, Writer, MODE_POST};
 use super::{NOTIFY_CONTEXT, NOTIFY_DESTRUCTOR, NOTIFY_EVENT};
 use crate::cl::{self, cl_int, cl_uint, ImageDesc, ImageFormat, Real, H};
@@ -26,6 +27,7 @@ use crate::cl::{self, cl_int, cl_uint, ImageDesc, ImageFormat, Real, H};
 pub type Notifier = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
 const CL_OUT_OF_HOST_MEMORY: cl_int = -6;
+const CL_OUT_OF_RESOURCES: cl_int = -5;
 const CL_INVALID_VALUE: cl_int = -30;
 const CL_INVALID_IMAGE_FORMAT_DESCRIPTOR: cl_int = -39;
 const CL_INVALID_WORK_DIMENSION: cl_int = -53;
@@ -80,6 +82,10 @@ pub struct Dispatcher {
     real: Option<Real>,
     deferred: AtomicI32,
     maps: Mutex<HashMap<(u64, u64), Vec<Mapped>>>,
+    /// The application's pid, for bulk transfers through its memory ([`peer`]).
+    peer: Option<i32>,
+    /// Staging pieces of bulk transfers, kept for the next one.
+    staging: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Default for Dispatcher {
@@ -94,12 +100,19 @@ impl Dispatcher {
     /// `CL_INVALID_OPERATION`.
     pub fn new() -> Dispatcher {
         let real = Real::load().map_err(|e| crate::log(&format!("proxy: cannot load the OpenCL ICD loader (libOpenCL.so.1): {e}"))).ok();
-        Dispatcher { real, deferred: AtomicI32::new(0), maps: Mutex::default() }
+        Dispatcher { real, deferred: AtomicI32::new(0), maps: Mutex::default(), peer: None, staging: Mutex::default() }
     }
 
     /// A dispatcher over the given entry points.
     pub fn with_real(real: Real) -> Dispatcher {
-        Dispatcher { real: Some(real), deferred: AtomicI32::new(0), maps: Mutex::default() }
+        Dispatcher { real: Some(real), deferred: AtomicI32::new(0), maps: Mutex::default(), peer: None, staging: Mutex::default() }
+    }
+
+    /// The same, serving the process `pid`, whose memory bulk transfers may then read and
+    /// write directly ([`peer`]) where the kernel allows it.
+    pub fn with_peer(mut self, pid: i32) -> Dispatcher {
+        self.peer = Some(pid);
+        self
     }
 
     /// Handles one request and writes its answer into `answer` (cleared first): `i32
@@ -136,7 +149,10 @@ impl Dispatcher {
             if rc != cl::CL_SUCCESS {
                 let _ = self.deferred.compare_exchange(0, rc, Ordering::AcqRel, Ordering::Acquire);
             }
-        } else if matches!(op, Some(Op::Finish | Op::WaitForEvents | Op::EnqueueReadBuffer | Op::EnqueueReadBufferRect | Op::EnqueueReadImage)) {
+        } else if matches!(
+            op,
+            Some(Op::Finish | Op::WaitForEvents | Op::EnqueueReadBuffer | Op::EnqueueReadBufferPeer | Op::EnqueueReadBufferRect | Op::EnqueueReadImage)
+        ) {
             // Only the calls that wait for the queue's work take the error of a posted call
             // (and report it); any other call leaves it for them.
             let d = self.deferred.swap(0, Ordering::AcqRel);
@@ -582,6 +598,33 @@ impl Dispatcher {
                         f(q, m, blocking, off, data.len(), data.as_ptr().cast(), waits.len() as cl_uint, opt_list(&waits), ev)
                     })
                 }
+                PeerMemory => {
+                    let (mut got, addr) = ([0u8; 16], r.u64()?);
+                    match self.peer.map(|pid| peer::read(pid, addr, &mut got)) {
+                        Some(Ok(())) => {
+                            w.i32(cl::CL_SUCCESS);
+                            w.bytes(&got);
+                        }
+                        Some(Err(e)) => {
+                            crate::log(&format!("proxy: cannot reach the application's memory ({e}); its bulk transfers go through the channel"));
+                            w.i32(cl::CL_INVALID_OPERATION);
+                        }
+                        None => w.i32(cl::CL_INVALID_OPERATION),
+                    }
+                    Ok(())
+                }
+                EnqueueWriteBufferPeer => {
+                    let (q, m, _blocking, off, size, addr) = (r.h()?, r.h()?, r.bool()?, r.usize()?, r.usize()?, r.u64()?);
+                    let (waits, want) = (r.handles()?, r.bool()?);
+                    let rc = self.write_from_peer(q, m, off, size, addr, &waits, want)?;
+                    event_answer(w, rc.0, want, rc.1)
+                }
+                EnqueueReadBufferPeer => {
+                    let (q, m, off, size, addr) = (r.h()?, r.h()?, r.usize()?, r.usize()?, r.u64()?);
+                    let (waits, want) = (r.handles()?, r.bool()?);
+                    let rc = self.read_to_peer(q, m, off, size, addr, &waits, want)?;
+                    event_answer(w, rc.0, want, rc.1)
+                }
                 EnqueueWriteBufferRect => {
                     let f = f!(self.clEnqueueWriteBufferRect);
                     let (q, m, blocking, bo, region) = (r.h()?, r.h()?, r.bool()?, r.triple()?, r.triple()?);
@@ -845,6 +888,159 @@ impl Dispatcher {
         event_answer(w, rc, want, ev)
     }
 
+    /// Two staging pieces for a bulk transfer of `size` bytes.
+    fn staging(&self, size: usize) -> Result<[Vec<u8>; 2], Fail> {
+        let len = size.min(peer::PIECE);
+        let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut take = || -> Result<Vec<u8>, Fail> {
+            match pool.pop() {
+                Some(mut v) => {
+                    if v.len() < len {
+                        v.try_reserve_exact(len - v.len()).map_err(|_| Fail::Code(CL_OUT_OF_HOST_MEMORY))?;
+                        v.resize(len, 0);
+                    }
+                    Ok(v)
+                }
+                None => alloc(len),
+            }
+        };
+        Ok([take()?, take()?])
+    }
+
+    fn give_back(&self, bufs: [Vec<u8>; 2]) {
+        let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        for b in bufs {
+            // Two transfers' worth at most stay between transfers.
+            if pool.len() < 4 {
+                pool.push(b);
+            }
+        }
+    }
+
+    /// Waits for `ev` (if any) and lets it go unless it is to be kept; the wait's code.
+    unsafe fn settle(&self, ev: &mut H, keep: bool) -> cl_int {
+        if ev.is_null() {
+            return cl::CL_SUCCESS;
+        }
+        let real = self.real.as_ref();
+        // SAFETY: `ev` is an event a write or read of ours gave; waited on and released once.
+        let rc = real.and_then(|r| r.clWaitForEvents).map_or(cl::CL_INVALID_OPERATION, |f| unsafe { f(1, ev) });
+        if !keep {
+            if let Some(f) = real.and_then(|r| r.clReleaseEvent) {
+                // SAFETY: as above.
+                unsafe { f(*ev) };
+            }
+            *ev = null_mut();
+        }
+        rc
+    }
+
+    /// `clEnqueueWriteBuffer` of `size` bytes at the application's `addr`, read from its
+    /// memory piece by piece: a piece is read while the one before it is written to the
+    /// device. Ends when every piece is on the device; `(rc, event)` (the last piece's, kept
+    /// when `want`).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn write_from_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
+        let f = f!(self.clEnqueueWriteBuffer);
+        let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
+        if size == 0 {
+            return Ok((CL_INVALID_VALUE, null_mut()));
+        }
+        let mut bufs = self.staging(size)?;
+        let mut pending = [null_mut(); 2];
+        let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
+        while done < size {
+            let (slot, len) = (k % 2, (size - done).min(peer::PIECE));
+            // SAFETY: this slot's earlier write, if any.
+            rc = unsafe { self.settle(&mut pending[slot], false) };
+            if rc != cl::CL_SUCCESS {
+                break;
+            }
+            if let Err(e) = peer::read(pid, addr + done as u64, &mut bufs[slot][..len]) {
+                rc = peer_failed(&e);
+                break;
+            }
+            // SAFETY: the piece stays untouched until its event completes (settled before
+            // the slot is used again, and before the buffers go back).
+            rc = unsafe { f(q, m, CL_FALSE, off + done, len, bufs[slot].as_ptr().cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
+            if rc != cl::CL_SUCCESS {
+                break;
+            }
+            done += len;
+            k += 1;
+        }
+        let last = (k + 1) % 2;
+        let keep = rc == cl::CL_SUCCESS && want;
+        for slot in [1 - last, last] {
+            // SAFETY: our own events, each settled once.
+            let r = unsafe { self.settle(&mut pending[slot], keep && slot == last) };
+            if rc == cl::CL_SUCCESS {
+                rc = r;
+            }
+        }
+        self.give_back(bufs);
+        Ok((rc, if keep { pending[last] } else { null_mut() }))
+    }
+
+    /// `clEnqueueReadBuffer` of `size` bytes into the application's memory at `addr`, piece
+    /// by piece: a piece is copied to the application while the next is read from the
+    /// device. `(rc, event)` as [`Dispatcher::write_from_peer`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn read_to_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
+        let f = f!(self.clEnqueueReadBuffer);
+        let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
+        if size == 0 {
+            return Ok((CL_INVALID_VALUE, null_mut()));
+        }
+        let mut bufs: [Vec<u8>; 2] = self.staging(size)?;
+        let mut pending = [null_mut(); 2];
+        let mut piece: [(usize, usize); 2] = [(0, 0); 2];
+        let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
+        let (mut prev, mut kept): (Option<usize>, H) = (None, null_mut());
+        loop {
+            let mut started = None;
+            if done < size && rc == cl::CL_SUCCESS {
+                let (slot, len) = (k % 2, (size - done).min(peer::PIECE));
+                piece[slot] = (done, len);
+                // SAFETY: the slot's earlier piece was copied out (below) before it is read
+                // into again, and every read is settled before the buffers go back.
+                rc = unsafe { f(q, m, CL_FALSE, off + done, len, bufs[slot].as_mut_ptr().cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
+                if rc == cl::CL_SUCCESS {
+                    (done, k, started) = (done + len, k + 1, Some(slot));
+                }
+            }
+            // The piece before the one just started: wait for it and copy it out.
+            if let Some(p) = prev {
+                let keep = want && started.is_none() && rc == cl::CL_SUCCESS && done == size;
+                // SAFETY: our own event, settled once.
+                let r = unsafe { self.settle(&mut pending[p], keep) };
+                if rc == cl::CL_SUCCESS {
+                    rc = r;
+                }
+                if rc == cl::CL_SUCCESS {
+                    let (at, len) = piece[p];
+                    if let Err(e) = peer::write(pid, addr + at as u64, &bufs[p][..len]) {
+                        rc = peer_failed(&e);
+                    }
+                }
+                if keep && rc == cl::CL_SUCCESS {
+                    kept = std::mem::replace(&mut pending[p], null_mut());
+                }
+            }
+            prev = started;
+            if prev.is_none() {
+                break;
+            }
+        }
+        // Nothing of ours may still be reading into the staging when it goes back.
+        for ev in &mut pending {
+            // SAFETY: as above.
+            unsafe { self.settle(ev, false) };
+        }
+        self.give_back(bufs);
+        Ok((rc, kept))
+    }
+
     /// Answers a map: `rc, u64 pointer, packed bytes, [event], [row pitch, slice pitch]`,
     /// and remembers the region for the unmap.
     #[allow(clippy::too_many_arguments)]
@@ -977,6 +1173,17 @@ fn alloc(n: usize) -> Result<Vec<u8>, Fail> {
     v.try_reserve_exact(n).map_err(|_| Fail::Code(CL_OUT_OF_HOST_MEMORY))?;
     v.resize(n, 0);
     Ok(v)
+}
+
+/// The code a bulk transfer fails with when the application's memory cannot be reached:
+/// a bad pointer is the application's (`CL_INVALID_VALUE`), anything else the proxy's.
+fn peer_failed(e: &std::io::Error) -> cl_int {
+    crate::log(&format!("proxy: a bulk transfer could not reach the application's memory: {e}"));
+    if e.raw_os_error() == Some(libc::EFAULT) {
+        CL_INVALID_VALUE
+    } else {
+        CL_OUT_OF_RESOURCES
+    }
 }
 
 /// The packed bytes of a rect region.

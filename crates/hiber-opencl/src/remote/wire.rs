@@ -276,6 +276,9 @@ ops! {
     EnqueueMapImage, EnqueueUnmapMemObject, EnqueueMigrateMemObjects, EnqueueNDRangeKernel,
     EnqueueTask, EnqueueMarkerWithWaitList, EnqueueBarrierWithWaitList, EnqueueMarker,
     EnqueueBarrier, EnqueueWaitForEvents,
+    // Bulk transfers the proxy makes straight from and into the application's memory
+    // (`remote::peer`), and the check that it can.
+    PeerMemory, EnqueueWriteBufferPeer, EnqueueReadBufferPeer,
 }
 
 /// The bytes of a region of host memory and how they are laid out: `slices` slices

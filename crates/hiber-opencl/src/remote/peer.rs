@@ -1,0 +1,123 @@
+//! Bulk transfers without the channel: the proxy reads the bytes of a large buffer write
+//! straight from the application's memory, and writes a large read's bytes straight into
+//! it (`process_vm_readv`/`process_vm_writev`), so they are copied once between the two
+//! processes, as NVCR's shared transfer buffer does, but without the application's data
+//! having to live in a shared segment first. The channel streams them otherwise, in
+//! pieces, several times slower (bench/opencl/overhead.py's bandwidth row).
+//!
+//! The kernel lets the proxy do this when it may ptrace the application: the same user
+//! without Yama's restriction, or root. The application checks once per connection
+//! ([`Probe`]) and falls back to the channel when the proxy cannot; `HIBER_OPENCL_PEER_MEMORY=0`
+//! turns it off.
+
+use std::io;
+
+/// Transfers of at least this many bytes go by peer memory when the proxy can.
+pub const PEER_MIN: usize = 64 << 10;
+/// The proxy's staging pieces: a transfer moves through two of them in turn, so that its
+/// copy between the processes overlaps the device's.
+pub const PIECE: usize = 32 << 20;
+/// Turns the path off (`0`), for tests of the channel's and as a way out.
+pub const ENV: &str = "HIBER_OPENCL_PEER_MEMORY";
+
+/// Copies `out.len()` bytes at `addr` in process `pid` into `out`.
+pub fn read(pid: i32, addr: u64, out: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < out.len() {
+        let local = libc::iovec { iov_base: out[done..].as_mut_ptr().cast(), iov_len: out.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: out.len() - done };
+        // SAFETY: `local` covers the rest of `out`, which we own mutably; `remote` names
+        // memory in another process, which the kernel checks (EFAULT) and never touches here.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::Error::from_raw_os_error(libc::EFAULT)),
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
+    Ok(())
+}
+
+/// Copies `data` to `addr` in process `pid`.
+pub fn write(pid: i32, addr: u64, data: &[u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < data.len() {
+        let local = libc::iovec { iov_base: data[done..].as_ptr() as *mut libc::c_void, iov_len: data.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: data.len() - done };
+        // SAFETY: `local` covers the rest of `data`, which the kernel only reads; `remote` is
+        // checked by the kernel as above.
+        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::Error::from_raw_os_error(libc::EFAULT)),
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
+    Ok(())
+}
+
+/// What the application sends to find out whether its proxy reaches its memory: the
+/// address of 16 bytes it knows, which the proxy reads and sends back.
+pub struct Probe {
+    bytes: [u8; 16],
+}
+
+impl Probe {
+    /// 16 bytes unlikely to be found at that address in another process (this process's
+    /// pid, the time and the address itself).
+    pub fn new() -> Box<Probe> {
+        let mut p = Box::new(Probe { bytes: [0; 16] });
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let a = std::ptr::addr_of!(p.bytes) as u64;
+        p.bytes[..8].copy_from_slice(&(t ^ a.rotate_left(17)).to_le_bytes());
+        p.bytes[8..].copy_from_slice(&(u64::from(std::process::id()) ^ a).to_le_bytes());
+        p
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.bytes.as_ptr() as u64
+    }
+
+    pub fn matches(&self, echoed: &[u8]) -> bool {
+        echoed == self.bytes
+    }
+}
+
+/// Whether the environment leaves the path on.
+pub fn allowed() -> bool {
+    std::env::var_os(ENV).is_none_or(|v| v != "0")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_and_writes_this_process() {
+        let me = std::process::id() as i32;
+        let src: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 % 251) as u8).collect();
+        let mut got = vec![0u8; src.len()];
+        read(me, src.as_ptr() as u64, &mut got).unwrap();
+        assert_eq!(got, src);
+        let mut dst = vec![0u8; 1000];
+        write(me, dst.as_mut_ptr() as u64, &src[..1000]).unwrap();
+        assert_eq!(dst, src[..1000]);
+    }
+
+    #[test]
+    fn a_bad_address_is_an_error_not_a_crash() {
+        let me = std::process::id() as i32;
+        let mut got = [0u8; 64];
+        let e = read(me, 8, &mut got).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+    }
+
+    #[test]
+    fn the_probe_is_read_back() {
+        let p = Probe::new();
+        let mut got = [0u8; 16];
+        read(std::process::id() as i32, p.addr(), &mut got).unwrap();
+        assert!(p.matches(&got));
+        assert!(!p.matches(&[0u8; 16]));
+    }
+}
