@@ -2,11 +2,20 @@
  * pageable) host memory, then a blocking clEnqueueReadBuffer of it back, REPS times. Prints
  * one line per repetition: `rep R us_per_call X` (X: the microseconds of one transfer, the
  * mean of the write's and the read's) and `gbs R write W read R` (GB/s); checks every
- * read's bytes against what was written.
+ * read's bytes against what was written. At the end it releases everything and says
+ * `context destroyed` once the context's destructor callback ran (nothing kept it alive).
  * Usage: bandwidth REPS MIB DEVICE (DEVICE: index, gpu or cpu) */
 #include "../../crates/hiber/tests/opencl/common.h"
 #include <string.h>
 #include <time.h>
+
+static volatile int destroyed;
+
+static void CL_CALLBACK on_destroyed(cl_context c, void *data) {
+    (void)c;
+    (void)data;
+    destroyed = 1;
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -48,5 +57,12 @@ int main(int argc, char **argv) {
         printf("gbs %d write %.2f read %.2f\n", r, n / (t1 - t0) / 1e9, n / (t2 - t1) / 1e9);
         fflush(stdout);
     }
-    return 0;
+    CHECK(clSetContextDestructorCallback(ctx, on_destroyed, NULL));
+    CHECK(clReleaseMemObject(b));
+    CHECK(clReleaseCommandQueue(q));
+    CHECK(clReleaseContext(ctx));
+    for (int i = 0; i < 500 && !destroyed; i++)
+        pause_ms(10);
+    printf(destroyed ? "context destroyed\n" : "context still alive\n");
+    return destroyed ? 0 : 1;
 }

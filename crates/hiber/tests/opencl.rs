@@ -697,6 +697,8 @@ fn proxy_killed_mid_run_fails_the_next_call() {
 /// proxy's staging pieces, the last one short) go straight between the process's memory
 /// and the proxy's, and every byte read back is the one written (bandwidth.c compares
 /// them); with that path turned off they stream through the channel, with the same bytes.
+/// Either way the context is destroyed when the program releases it (the proxy's staging
+/// in it does not keep it alive).
 #[test]
 fn proxy_bulk_transfers_go_straight_to_the_processes_memory() {
     let h = Hiber::new("ocl-proxy-bulk");
@@ -713,6 +715,8 @@ fn proxy_bulk_transfers_go_straight_to_the_processes_memory() {
         let log = h.log(name);
         assert_eq!(state, "exited(0)", "{log}");
         assert_eq!(log.lines().filter(|l| l.starts_with("gbs ")).count(), 2, "{log}");
+        // The proxy's page-locked staging in the context did not keep it alive.
+        assert!(log.contains("context destroyed"), "{log}");
         let layer = std::fs::read_to_string(h.state.join(format!("jobs/{name}/opencl.log"))).unwrap_or_default();
         assert_eq!(layer.contains("bulk transfers go straight between"), peer == "1", "{name}: {layer}");
     }

@@ -34,6 +34,13 @@ const CL_INVALID_WORK_DIMENSION: cl_int = -53;
 const CL_TRUE: cl_uint = 1;
 const CL_FALSE: cl_uint = 0;
 const CL_MEM_TYPE: cl_uint = 0x1100;
+const CL_MEM_READ_WRITE: u64 = 1;
+const CL_MEM_ALLOC_HOST_PTR: u64 = 1 << 4;
+const CL_MAP_READ: u64 = 1;
+const CL_MAP_WRITE: u64 = 1 << 1;
+/// Transfers of at least this many bytes make their context a page-locked staging
+/// ([`Pinned`]); smaller ones use it only when it is there.
+const PINNED_MIN: usize = 4 << 20;
 const CL_PROGRAM_NUM_DEVICES: cl_uint = 0x1162;
 const CL_PROGRAM_BINARY_SIZES: cl_uint = 0x1165;
 const CL_PROGRAM_BINARIES: cl_uint = 0x1166;
@@ -86,7 +93,26 @@ pub struct Dispatcher {
     peer: Option<i32>,
     /// Staging pieces of bulk transfers, kept for the next one.
     staging: Mutex<Vec<Vec<u8>>>,
+    /// Page-locked staging per context (by handle), for bulk transfers the device's DMA
+    /// reads and writes itself; taken out while a transfer uses it.
+    pinned: Mutex<HashMap<u64, Pinned>>,
+    /// Counts `clReleaseContext` calls: a transfer that saw one meanwhile does not put its
+    /// context's staging back.
+    context_releases: std::sync::atomic::AtomicU64,
 }
+
+/// Two page-locked staging pieces of one context: `CL_MEM_ALLOC_HOST_PTR` buffers kept
+/// mapped through a queue of the proxy's own. They hold a reference on their context, so
+/// they are let go of before any `clReleaseContext` of the application's goes through.
+struct Pinned {
+    queue: H,
+    mems: [H; 2],
+    ptrs: [*mut u8; 2],
+}
+
+// SAFETY: the handles and mapped pointers are the platform's, usable from any thread; one
+// transfer at a time holds a `Pinned` (it is taken out of the table while used).
+unsafe impl Send for Pinned {}
 
 impl Default for Dispatcher {
     fn default() -> Dispatcher {
@@ -100,12 +126,28 @@ impl Dispatcher {
     /// `CL_INVALID_OPERATION`.
     pub fn new() -> Dispatcher {
         let real = Real::load().map_err(|e| crate::log(&format!("proxy: cannot load the OpenCL ICD loader (libOpenCL.so.1): {e}"))).ok();
-        Dispatcher { real, deferred: AtomicI32::new(0), maps: Mutex::default(), peer: None, staging: Mutex::default() }
+        Dispatcher {
+            real,
+            deferred: AtomicI32::new(0),
+            maps: Mutex::default(),
+            peer: None,
+            staging: Mutex::default(),
+            pinned: Mutex::default(),
+            context_releases: Default::default(),
+        }
     }
 
     /// A dispatcher over the given entry points.
     pub fn with_real(real: Real) -> Dispatcher {
-        Dispatcher { real: Some(real), deferred: AtomicI32::new(0), maps: Mutex::default(), peer: None, staging: Mutex::default() }
+        Dispatcher {
+            real: Some(real),
+            deferred: AtomicI32::new(0),
+            maps: Mutex::default(),
+            peer: None,
+            staging: Mutex::default(),
+            pinned: Mutex::default(),
+            context_releases: Default::default(),
+        }
     }
 
     /// The same, serving the process `pid`, whose memory bulk transfers may then read and
@@ -230,7 +272,17 @@ impl Dispatcher {
                     let mut err = 0;
                     made(w, f(opt_ptr(&props), t, cb, data, &mut err), err)
                 }
-                ReleaseContext => simple(r, w, f!(self.clReleaseContext)),
+                ReleaseContext => {
+                    let f = f!(self.clReleaseContext);
+                    let c = r.h()?;
+                    self.context_releases.fetch_add(1, Ordering::AcqRel);
+                    let staged = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(c as u64));
+                    if let Some(p) = staged {
+                        self.unpin(p);
+                    }
+                    w.i32(f(c));
+                    Ok(())
+                }
                 GetContextInfo => {
                     let f = f!(self.clGetContextInfo);
                     let h = r.h()?;
@@ -909,10 +961,116 @@ impl Dispatcher {
 
     fn give_back(&self, bufs: [Vec<u8>; 2]) {
         let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        for b in bufs {
+        for b in bufs.into_iter().filter(|b| !b.is_empty()) {
             // Two transfers' worth at most stay between transfers.
             if pool.len() < 4 {
                 pool.push(b);
+            }
+        }
+    }
+
+    /// The page-locked staging of `q`'s context, taken out of the table (made for a
+    /// transfer of [`PINNED_MIN`] bytes or more when there is none), and the count of
+    /// context releases to give back to [`Dispatcher::put_pinned`]. `None`: pageable
+    /// staging is used.
+    unsafe fn take_pinned(&self, q: H, size: usize) -> (Option<Pinned>, u64) {
+        let releases = self.context_releases.load(Ordering::Acquire);
+        // SAFETY: `q` as the caller says.
+        let Some(ctx) = (unsafe { self.queue_context(q) }) else { return (None, releases) };
+        let kept = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(ctx as u64));
+        if kept.is_some() || size < PINNED_MIN {
+            return (kept, releases);
+        }
+        // SAFETY: `q` and its context are live (the platform just answered for them).
+        (unsafe { self.pin(q, ctx) }, releases)
+    }
+
+    /// Puts a context's staging back for the next transfer, unless the application released
+    /// a context meanwhile (then it goes) or another transfer put one back first.
+    fn put_pinned(&self, q: H, p: Option<Pinned>, releases: u64) {
+        let Some(p) = p else { return };
+        // SAFETY: `q` is still the application's (our transfer used it just now).
+        let ctx = unsafe { self.queue_context(q) };
+        let mut table = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        let back = match ctx {
+            Some(c) if self.context_releases.load(Ordering::Acquire) == releases && !table.contains_key(&(c as u64)) => {
+                table.insert(c as u64, p);
+                None
+            }
+            _ => Some(p),
+        };
+        drop(table);
+        if let Some(p) = back {
+            self.unpin(p);
+        }
+    }
+
+    unsafe fn queue_context(&self, q: H) -> Option<H> {
+        let f = self.real.as_ref()?.clGetCommandQueueInfo?;
+        let mut ctx: H = null_mut();
+        // SAFETY: a handle-sized answer into `ctx`.
+        let rc = unsafe { f(q, cl::CL_QUEUE_CONTEXT, std::mem::size_of::<H>(), (&mut ctx as *mut H).cast(), null_mut()) };
+        (rc == cl::CL_SUCCESS && !ctx.is_null()).then_some(ctx)
+    }
+
+    /// Makes two mapped `CL_MEM_ALLOC_HOST_PTR` pieces in `ctx` (page-locked on NVIDIA's
+    /// platform, so its DMA reads and writes them while the next piece is copied), through
+    /// a queue of its own on `q`'s device. `None` when the platform does not.
+    unsafe fn pin(&self, q: H, ctx: H) -> Option<Pinned> {
+        let real = self.real.as_ref()?;
+        let (info, make_queue, make) = (real.clGetCommandQueueInfo?, real.clCreateCommandQueueWithProperties?, real.clCreateBuffer?);
+        let (map, release_mem, release_queue) = (real.clEnqueueMapBuffer?, real.clReleaseMemObject?, real.clReleaseCommandQueue?);
+        let mut dev: H = null_mut();
+        let mut err = 0;
+        // SAFETY: as in `queue_context`; the rest makes and maps objects of our own, each
+        // released on failure (or by `unpin`).
+        unsafe {
+            if info(q, cl::CL_QUEUE_DEVICE, std::mem::size_of::<H>(), (&mut dev as *mut H).cast(), null_mut()) != cl::CL_SUCCESS {
+                return None;
+            }
+            let queue = make_queue(ctx, dev, null(), &mut err);
+            if queue.is_null() {
+                return None;
+            }
+            let mut p = Pinned { queue, mems: [null_mut(); 2], ptrs: [null_mut(); 2] };
+            for i in 0..2 {
+                p.mems[i] = make(ctx, CL_MEM_ALLOC_HOST_PTR | CL_MEM_READ_WRITE, peer::PIECE, null_mut(), &mut err);
+                if !p.mems[i].is_null() {
+                    p.ptrs[i] = map(queue, p.mems[i], CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, peer::PIECE, 0, null(), null_mut(), &mut err).cast();
+                }
+                if p.ptrs[i].is_null() {
+                    for m in p.mems.into_iter().filter(|m| !m.is_null()) {
+                        release_mem(m);
+                    }
+                    release_queue(queue);
+                    crate::log(&format!("proxy: no page-locked staging for bulk transfers (error {err}); they use pageable memory"));
+                    return None;
+                }
+            }
+            Some(p)
+        }
+    }
+
+    /// Unmaps and lets go of a context's staging.
+    fn unpin(&self, p: Pinned) {
+        let Some(real) = self.real.as_ref() else { return };
+        // SAFETY: our own objects, mapped once and released once.
+        unsafe {
+            if let Some(unmap) = real.clEnqueueUnmapMemObject {
+                for (m, ptr) in p.mems.iter().zip(p.ptrs) {
+                    unmap(p.queue, *m, ptr.cast(), 0, null(), null_mut());
+                }
+            }
+            if let Some(finish) = real.clFinish {
+                finish(p.queue);
+            }
+            if let Some(release) = real.clReleaseMemObject {
+                for m in p.mems {
+                    release(m);
+                }
+            }
+            if let Some(release) = real.clReleaseCommandQueue {
+                release(p.queue);
             }
         }
     }
@@ -946,7 +1104,10 @@ impl Dispatcher {
         if size == 0 {
             return Ok((CL_INVALID_VALUE, null_mut()));
         }
-        let mut bufs = self.staging(size)?;
+        // SAFETY: `q` is the application's queue (the platform validates it).
+        let (pinned, releases) = unsafe { self.take_pinned(q, size) };
+        let mut bufs = if pinned.is_some() { Default::default() } else { self.staging(size)? };
+        let pieces = staging_pieces(&mut bufs, pinned.as_ref());
         let mut pending = [null_mut(); 2];
         let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
         while done < size {
@@ -956,13 +1117,16 @@ impl Dispatcher {
             if rc != cl::CL_SUCCESS {
                 break;
             }
-            if let Err(e) = peer::read(pid, addr + done as u64, &mut bufs[slot][..len]) {
+            // SAFETY: the piece is `PIECE` (or the pageable buffer's) bytes of ours, and no
+            // write of ours reads it now (settled above).
+            let piece = unsafe { std::slice::from_raw_parts_mut(pieces[slot], len) };
+            if let Err(e) = peer::read(pid, addr + done as u64, piece) {
                 rc = peer_failed(&e);
                 break;
             }
             // SAFETY: the piece stays untouched until its event completes (settled before
             // the slot is used again, and before the buffers go back).
-            rc = unsafe { f(q, m, CL_FALSE, off + done, len, bufs[slot].as_ptr().cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
+            rc = unsafe { f(q, m, CL_FALSE, off + done, len, pieces[slot].cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
             if rc != cl::CL_SUCCESS {
                 break;
             }
@@ -979,6 +1143,7 @@ impl Dispatcher {
             }
         }
         self.give_back(bufs);
+        self.put_pinned(q, pinned, releases);
         Ok((rc, if keep { pending[last] } else { null_mut() }))
     }
 
@@ -992,7 +1157,10 @@ impl Dispatcher {
         if size == 0 {
             return Ok((CL_INVALID_VALUE, null_mut()));
         }
-        let mut bufs: [Vec<u8>; 2] = self.staging(size)?;
+        // SAFETY: as in `write_from_peer`.
+        let (pinned, releases) = unsafe { self.take_pinned(q, size) };
+        let mut bufs: [Vec<u8>; 2] = if pinned.is_some() { Default::default() } else { self.staging(size)? };
+        let pieces = staging_pieces(&mut bufs, pinned.as_ref());
         let mut pending = [null_mut(); 2];
         let mut piece: [(usize, usize); 2] = [(0, 0); 2];
         let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
@@ -1004,7 +1172,7 @@ impl Dispatcher {
                 piece[slot] = (done, len);
                 // SAFETY: the slot's earlier piece was copied out (below) before it is read
                 // into again, and every read is settled before the buffers go back.
-                rc = unsafe { f(q, m, CL_FALSE, off + done, len, bufs[slot].as_mut_ptr().cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
+                rc = unsafe { f(q, m, CL_FALSE, off + done, len, pieces[slot].cast(), waits.len() as cl_uint, opt_list(waits), &mut pending[slot]) };
                 if rc == cl::CL_SUCCESS {
                     (done, k, started) = (done + len, k + 1, Some(slot));
                 }
@@ -1019,7 +1187,9 @@ impl Dispatcher {
                 }
                 if rc == cl::CL_SUCCESS {
                     let (at, len) = piece[p];
-                    if let Err(e) = peer::write(pid, addr + at as u64, &bufs[p][..len]) {
+                    // SAFETY: the piece the read just completed into (settled above).
+                    let bytes = unsafe { std::slice::from_raw_parts(pieces[p], len) };
+                    if let Err(e) = peer::write(pid, addr + at as u64, bytes) {
                         rc = peer_failed(&e);
                     }
                 }
@@ -1038,6 +1208,7 @@ impl Dispatcher {
             unsafe { self.settle(ev, false) };
         }
         self.give_back(bufs);
+        self.put_pinned(q, pinned, releases);
         Ok((rc, kept))
     }
 
@@ -1173,6 +1344,15 @@ fn alloc(n: usize) -> Result<Vec<u8>, Fail> {
     v.try_reserve_exact(n).map_err(|_| Fail::Code(CL_OUT_OF_HOST_MEMORY))?;
     v.resize(n, 0);
     Ok(v)
+}
+
+/// The two pieces a bulk transfer goes through: the context's page-locked staging, or the
+/// pageable `bufs`.
+fn staging_pieces(bufs: &mut [Vec<u8>; 2], pinned: Option<&Pinned>) -> [*mut u8; 2] {
+    match pinned {
+        Some(p) => p.ptrs,
+        None => [bufs[0].as_mut_ptr(), bufs[1].as_mut_ptr()],
+    }
 }
 
 /// The code a bulk transfer fails with when the application's memory cannot be reached:
