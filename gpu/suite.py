@@ -2118,6 +2118,7 @@ def opencl_nvidia_2gib_through_the_proxy(m):
     m.update(
         checkpoint_s=round(ck["total_seconds"], 2),
         quiesce_s=round(sec["quiesce_seconds"], 2),
+        save_s=round(sec["save_seconds"], 2),
         dump_s=round(ck["dump_seconds"], 2),
         restore_s=round(rs["total_seconds"], 2),
         restore_devices_s=round(rs["devices_seconds"], 2),

@@ -282,6 +282,10 @@ pub struct Section {
     pub processes: Vec<ClProcess>,
     /// Gate, drain and reading the memory objects, all processes.
     pub quiesce_seconds: f64,
+    /// Of that, writing the memory objects' bytes into the image (absent in images made
+    /// before it was measured).
+    #[serde(default)]
+    pub save_seconds: f64,
 }
 
 /// Where memory object `id` of the process with namespace PID `ns_pid` lives in an image.
@@ -459,13 +463,15 @@ struct OpenClCheckpoint {
 fn save(sink: &dyn ImageSink, prefix: &str, m: &HeldMem) -> Result<Vec<FileEntry>, EngineError> {
     let map = crate::sys::Mapping::new(m.fd.as_fd(), m.size as usize, false).map_err(|e| fail(format!("reading memory object {}: {e}", m.id), None))?;
     let data = map.as_slice();
-    let mut out = Vec::new();
-    for (k, rel) in chunks::chunk_files(prefix, m.size).into_iter().enumerate() {
-        let off = k * CHUNK as usize;
-        let end = (off + CHUNK as usize).min(data.len());
-        out.push(chunks::write(sink, &rel, &data[off..end]).map_err(|e| fail(format!("writing OpenCL memory: {e}"), None))?);
-    }
-    Ok(out)
+    let items: Vec<(String, &[u8])> = chunks::chunk_files(prefix, m.size)
+        .into_iter()
+        .enumerate()
+        .map(|(k, rel)| {
+            let off = k * CHUNK as usize;
+            (rel, &data[off..(off + CHUNK as usize).min(data.len())])
+        })
+        .collect();
+    chunks::write_many(sink, &items).map_err(|e| fail(format!("writing OpenCL memory: {e}"), None))
 }
 
 /// A memfd holding the `size` bytes of chunks `prefix.NNNNN`, each checked.
@@ -518,15 +524,18 @@ impl CheckpointSession for OpenClCheckpoint {
 
     fn quiesce(&mut self, sink: &dyn ImageSink, _peers: &dyn crate::coordinator::Coordinator) -> Result<(), EngineError> {
         let start = Instant::now();
+        let mut saving = Duration::ZERO;
         let mut processes = Vec::new();
         for t in &self.targets {
             let (devices, mems, conn) = self.take(t)?;
             // Durable before the layer lets go of the real objects, with --leave-running
             // too: a hiber killed between the release and the replay leaves the bytes where
             // `hiber recover` finds them, never only in its own memory.
+            let t0 = Instant::now();
             for m in &mems {
                 self.written.extend(save(sink, &chunk_prefix(t.ns_pid, m.id), m)?);
             }
+            saving += t0.elapsed();
             let s = &t.status;
             processes.push(ClProcess {
                 ns_pid: t.ns_pid,
@@ -545,7 +554,7 @@ impl CheckpointSession for OpenClCheckpoint {
             self.released.push(t.pid);
             conn.wait_closed();
         }
-        self.section = Some(Section { chunk_bytes: CHUNK, processes, quiesce_seconds: start.elapsed().as_secs_f64() });
+        self.section = Some(Section { chunk_bytes: CHUNK, processes, quiesce_seconds: start.elapsed().as_secs_f64(), save_seconds: saving.as_secs_f64() });
         Ok(())
     }
 
@@ -670,6 +679,7 @@ mod tests {
         let s = Section {
             chunk_bytes: CHUNK,
             quiesce_seconds: 0.1,
+            save_seconds: 0.05,
             processes: vec![ClProcess {
                 ns_pid: 2,
                 comm: "stencil".into(),

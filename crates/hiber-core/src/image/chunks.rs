@@ -79,6 +79,41 @@ pub fn write(sink: &dyn ImageSink, rel: &str, data: &[u8]) -> Result<FileEntry, 
     Ok(FileEntry { path: rel.to_string(), size, blake3, encoding: compressed.map(|_| "zstd".to_string()), fingerprint: None })
 }
 
+/// Writes each `(rel, data)` as [`write`] does, on several threads at once (hashing,
+/// compressing and syncing a chunk take about as long as copying it, so one thread leaves
+/// a fast disk idle). Returns the entries in the order given; the first error fails it,
+/// and the chunks not begun then are not written.
+pub fn write_many(sink: &dyn ImageSink, items: &[(String, &[u8])]) -> Result<Vec<FileEntry>, String> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let done: std::sync::Mutex<Vec<(usize, Result<FileEntry, String>)>> = std::sync::Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, WRITERS).min(items.len());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= items.len() || failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let r = write(sink, &items[i].0, items[i].1);
+                if r.is_err() {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                done.lock().unwrap_or_else(|e| e.into_inner()).push((i, r));
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap_or_else(|e| e.into_inner());
+    done.sort_by_key(|(i, _)| *i);
+    if let Some((_, Err(e))) = done.iter().find(|(_, r)| r.is_err()) {
+        return Err(e.clone());
+    }
+    Ok(done.into_iter().filter_map(|(_, r)| r.ok()).collect())
+}
+
+/// The most threads [`write_many`] writes chunks on.
+const WRITERS: usize = 8;
+
 /// Reads chunk `rel` of the image in `dir` into `buf` (its exact length), checking the file
 /// against its manifest checksum (`sums` is `None` only when recovering from a partial
 /// image, which has no manifest yet: then only the length is checked). A file shorter than

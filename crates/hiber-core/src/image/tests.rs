@@ -464,3 +464,26 @@ fn a_manifest_naming_a_path_outside_the_image_is_refused() {
         }
     }
 }
+
+#[test]
+fn chunks_written_on_several_threads_come_back_in_order_and_verify() {
+    let t = TempDir::new("many");
+    let mut w = ImageWriter::create(&t.0.join("img")).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    let data: Vec<Vec<u8>> = (0..11u8).map(|k| if k == 4 { vec![0u8; 5000] } else { vec![k; 3000 + k as usize] }).collect();
+    let items: Vec<(String, &[u8])> = data.iter().enumerate().map(|(k, d)| (format!("opencl/1/1.{k:05}"), d.as_slice())).collect();
+    let entries = chunks::write_many(&w, &items).unwrap();
+    let names: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(names, items.iter().map(|(r, _)| r.as_str()).collect::<Vec<_>>(), "in the order given");
+    w.commit(sample_manifest(), &entries).unwrap();
+    let img = t.0.join("img");
+    Image::open(&img).unwrap().verify().unwrap();
+    for (rel, d) in &items {
+        assert_eq!(fs::read(img.join(rel)).unwrap(), *d);
+    }
+    // A chunk that cannot be written fails the whole call.
+    let w = ImageWriter::create(&t.0.join("img2")).unwrap();
+    fs::write(w.criu_dir().join("core-1.img"), b"core").unwrap();
+    let bad: Vec<(String, &[u8])> = vec![("opencl/1/ok.00000".into(), &data[1][..]), ("criu/core-1.img/under-a-file".into(), &data[2][..])];
+    assert!(chunks::write_many(&w, &bad).is_err());
+}
