@@ -15,7 +15,8 @@ Usage: overhead.py LAUNCH_BINARY LAYER_LIB [--roundtrip BINARY] [--hiber HIBER]
        [--bandwidth BINARY [--mib N]]
        [--pairs N] [--rounds N] [--device D ...]
 (D as the programs take it: an index, gpu or cpu.) The environment (OCL_ICD_VENDORS,
-POCL_DEVICES) passes through.
+POCL_DEVICES, and HIBER_OPENCL_PINNED for the proxy) passes through. --only PROGRAM,...
+runs only those rows.
 """
 import argparse
 import os
@@ -34,7 +35,9 @@ def run(binary, count, device, env_extra):
     out = subprocess.run([binary, "3", str(count), device], env=env, check=True, capture_output=True, text=True).stdout
     # The first repetition warms caches and compilers up; the rest count.
     times = [float(l.split()[3]) for l in out.splitlines() if l.startswith("rep ")]
-    return statistics.median(times[1:])
+    # bandwidth.c's `gbs R write W read R`: each direction's GB/s.
+    gbs = [(float(l.split()[3]), float(l.split()[5])) for l in out.splitlines() if l.startswith("gbs ")][1:]
+    return statistics.median(times[1:]), gbs
 
 
 class Proxy:
@@ -71,6 +74,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=20000)
     ap.add_argument("--device", action="append", default=None)
+    ap.add_argument("--only", help="run only these programs (comma-separated: launch, roundtrip, bandwidth)")
     a = ap.parse_args()
     proxy = Proxy(a.hiber) if a.hiber else None
     modes = [("no layer", {}), ("inline layer", {"LD_PRELOAD": a.layer})]
@@ -83,25 +87,38 @@ def main():
         # µs per transfer of MIB MiB: the ratio to no layer is the inverse of the share of
         # its bandwidth.
         programs.append((f"bandwidth {a.mib} MiB", a.bandwidth, a.mib))
+    if a.only:
+        programs = [p for p in programs if p[0].split()[0] in a.only.split(",")]
     head = " | ".join(f"{m} (µs/call, median)" for m, _ in modes)
     ratios = " | ".join(f"{m} / no layer" for m, _ in modes[1:])
     print(f"| program | device | runs per mode | {head} | {ratios} |")
     print("|---" * (3 + 2 * len(modes) - 1) + "|")
+    notes = []
     try:
         for name, binary, count in programs:
             for dev in a.device or ["0"]:
                 got = {m: [] for m, _ in modes}
+                gbs = {m: [] for m, _ in modes}
                 for i in range(a.pairs):
                     # Rotate which goes first, so drift does not favour one mode.
                     for m, extra in modes[i % len(modes):] + modes[: i % len(modes)]:
-                        got[m].append(run(binary, count, dev, extra))
+                        t, g = run(binary, count, dev, extra)
+                        got[m].append(t)
+                        gbs[m] += g
                 med = [statistics.median(got[m]) for m, _ in modes]
                 cells = " | ".join(f"{x:.4f}" for x in med)
                 rs = " | ".join(f"{x / med[0]:.3f}" for x in med[1:])
                 print(f"| {name} | {dev} | {a.pairs} | {cells} | {rs} |", flush=True)
+                if all(gbs[m] for m, _ in modes):
+                    each = ", ".join(
+                        f"{m} write {statistics.median(w for w, _ in gbs[m]):.2f} read {statistics.median(r for _, r in gbs[m]):.2f}" for m, _ in modes
+                    )
+                    notes.append(f"{name} on {dev}, GB/s (medians): {each}")
     finally:
         if proxy:
             proxy.close()
+    for n in notes:
+        print(f"\n- {n}")
 
 
 if __name__ == "__main__":

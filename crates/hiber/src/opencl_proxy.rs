@@ -147,11 +147,14 @@ fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<Worker> {
         })
         .and_then(|log| log.parent().map(Path::to_path_buf));
     let fd: OwnedFd = stream.into();
+    // The proxy's own settings come from the listener's environment, not the application's.
+    let own = std::env::var_os(hiber_opencl::remote::server::PINNED_ENV).map(|v| (hiber_opencl::remote::server::PINNED_ENV, v));
     let child = Command::new(exe)
         .arg("__opencl-proxy")
         .arg("--serve")
         .env_clear()
         .envs(env)
+        .envs(own)
         .current_dir(if cwd.is_dir() { cwd } else { PathBuf::from("/") })
         .stdin(Stdio::from(fd))
         .stdout(Stdio::null())

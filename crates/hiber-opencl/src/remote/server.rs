@@ -978,7 +978,7 @@ impl Dispatcher {
         // SAFETY: `q` as the caller says.
         let Some(ctx) = (unsafe { self.queue_context(q) }) else { return (None, releases) };
         let kept = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(ctx as u64));
-        if kept.is_some() || size < PINNED_MIN {
+        if kept.is_some() || size < PINNED_MIN || !pinning() {
             return (kept, releases);
         }
         // SAFETY: `q` and its context are live (the platform just answered for them).
@@ -1345,6 +1345,16 @@ fn alloc(n: usize) -> Result<Vec<u8>, Fail> {
     v.resize(n, 0);
     Ok(v)
 }
+
+/// Whether bulk transfers may stage through page-locked memory: `HIBER_OPENCL_PINNED=0` in
+/// the proxy's environment (`hiber run` passes its own) says no, for comparisons.
+pub fn pinning() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os(PINNED_ENV).is_none_or(|v| v != "0"))
+}
+
+/// See [`pinning`].
+pub const PINNED_ENV: &str = "HIBER_OPENCL_PINNED";
 
 /// The two pieces a bulk transfer goes through: the context's page-locked staging, or the
 /// pageable `bufs`.
