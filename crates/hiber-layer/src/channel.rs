@@ -1029,6 +1029,11 @@ struct Serving {
     /// Which threads are inside the handler (slots, then the post thread): `serve` does not
     /// wait for those once the client is gone.
     in_handler: [AtomicBool; NSLOTS + 1],
+    /// The lowest count of handled posts that a call thread sleeping on the posts' bell
+    /// waits for (`u64::MAX`: none). The post thread rings only once it gets there: ringing
+    /// after every post woke the sleeper (a system call and a context switch) for each one,
+    /// which cost about 2 µs a post on NVIDIA's platform.
+    posts_wake_at: AtomicU64,
 }
 
 impl Serving {
@@ -1053,8 +1058,13 @@ impl Serving {
         loop {
             seg.post_ring().read(&mut req, &check)?;
             self.handle(NSLOTS, &req, &mut answer)?;
-            seg.header().posts_done.fetch_add(1, Ordering::Release);
-            seg.header().posts_done_bell.ring();
+            let done = seg.header().posts_done.fetch_add(1, Ordering::SeqCst) + 1;
+            let wake_at = self.posts_wake_at.load(Ordering::SeqCst);
+            if done >= wake_at {
+                // A waiter that lowered it meanwhile is woken now too, and looks again.
+                let _ = self.posts_wake_at.compare_exchange(wake_at, u64::MAX, Ordering::SeqCst, Ordering::SeqCst);
+                seg.header().posts_done_bell.ring();
+            }
             shrink(&mut req);
             shrink(&mut answer);
         }
@@ -1080,7 +1090,13 @@ impl Serving {
                 slot.hand_to(TURN_CLIENT);
             }
             let h = seg.header();
-            h.posts_done_bell.wait(|| h.posts_done.load(Ordering::Acquire) >= seq, &check)?;
+            // Before each sleep, say how far the posts must get for this thread (the post
+            // thread rings then); every ring wakes every sleeper, which says it again.
+            let check_and_ask = |timed_out: bool| {
+                self.posts_wake_at.fetch_min(seq, Ordering::SeqCst);
+                check(timed_out)
+            };
+            h.posts_done_bell.wait(|| h.posts_done.load(Ordering::SeqCst) >= seq, &check_and_ask)?;
             self.handle(i, &req, &mut answer)?;
             let mut off = 0;
             let mut flags = PIECE_FIRST;
@@ -1137,6 +1153,7 @@ pub fn serve(stream: UnixStream, handler: Arc<dyn Handler>) -> io::Result<()> {
         sock: stream.try_clone()?,
         panicked: AtomicBool::new(false),
         in_handler: std::array::from_fn(|_| AtomicBool::new(false)),
+        posts_wake_at: AtomicU64::new(u64::MAX),
     });
     let mut threads = Vec::new();
     let s = serving.clone();

@@ -61,6 +61,8 @@ impl Handler for TestHandler {
                 let n = notifier.clone();
                 std::thread::spawn(move || n.notify(b"from a thread").unwrap()).join().unwrap();
             }
+            // Work that takes `n` microseconds.
+            Some(b'S') => std::thread::sleep(Duration::from_micros(arg_u32(req, 1) as u64)),
             // An answer of `n` bytes.
             Some(b'D') => answer.extend_from_slice(&pattern(arg_u32(req, 1) as usize, 3)),
             _ => answer.extend_from_slice(b"?"),
@@ -427,4 +429,27 @@ fn notifications_sent_before_on_notify_wait_for_it() {
     c.close();
     proxy.join().unwrap().unwrap();
     let _ = std::fs::remove_file(&path);
+}
+
+/// A call made after many slow posts waits for them asleep, and is woken once they are
+/// done, not once per post: waking it after every post cost a system call and a context
+/// switch each (about 2 µs a post through NVIDIA's OpenCL).
+#[test]
+fn a_call_waiting_for_slow_posts_is_not_woken_for_each() {
+    let (child, c, _path) = proxy_process("wake");
+    let mut child = child;
+    let posts = 400u32;
+    let mut req = vec![b'S'];
+    req.extend_from_slice(&300u32.to_le_bytes());
+    for _ in 0..posts {
+        c.post(&req).unwrap();
+    }
+    let rings = |c: &Client| c.conn().unwrap().seg.header().posts_done_bell.0.load(Ordering::SeqCst) >> 1;
+    let before = rings(&c);
+    assert_eq!(echo(&c, b"after").unwrap(), b"after");
+    let woken = rings(&c).wrapping_sub(before);
+    assert!(woken < posts / 10, "the posts' bell rang {woken} times for {posts} posts");
+    drop(c);
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
