@@ -327,6 +327,101 @@ impl Write for Channel {
     }
 }
 
+/// An established [`Channel`] that a reader thread and writers on other threads use at
+/// once (the coordinator reads each participant on a thread of its own and answers from
+/// another). The TLS state is shared under a lock that no blocking socket read holds: a
+/// read waits for bytes on its own clone of the socket, then feeds them in.
+pub struct Duplex {
+    tls: std::sync::Mutex<rustls::Connection>,
+    /// Writes (under the lock).
+    sock: TcpStream,
+    /// Reads (outside it).
+    rsock: TcpStream,
+}
+
+impl Duplex {
+    pub fn new(ch: Channel) -> io::Result<Duplex> {
+        let (tls, sock): (rustls::Connection, TcpStream) = match ch {
+            Channel::Client(s) => {
+                let s = *s;
+                (s.conn.into(), s.sock)
+            }
+            Channel::Server(s) => {
+                let s = *s;
+                (s.conn.into(), s.sock)
+            }
+        };
+        let rsock = sock.try_clone()?;
+        Ok(Duplex { tls: std::sync::Mutex::new(tls), sock, rsock })
+    }
+
+    fn tls(&self) -> std::sync::MutexGuard<'_, rustls::Connection> {
+        self.tls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes all of `buf`, encrypted.
+    pub fn write_all(&self, buf: &[u8]) -> io::Result<()> {
+        let mut tls = self.tls();
+        tls.writer().write_all(buf)?;
+        while tls.wants_write() {
+            tls.write_tls(&mut &self.sock)?;
+        }
+        Ok(())
+    }
+
+    /// How long a read waits for the peer (`None`: for ever).
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.rsock.set_read_timeout(t)
+    }
+
+    /// How long a write waits for the peer to take it.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.sock.set_write_timeout(t)
+    }
+
+    /// Closes the connection at once (both directions), as a lost one would be.
+    pub fn shutdown(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Read for &Duplex {
+    /// Decrypted bytes; `Ok(0)` once the peer closed, with or without saying so.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut raw = vec![0u8; 16 << 10];
+        loop {
+            {
+                let mut tls = self.tls();
+                match tls.reader().read(buf) {
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+                    Err(e) => return Err(e),
+                }
+            }
+            let n = (&self.rsock).read(&mut raw)?;
+            let mut tls = self.tls();
+            if n == 0 {
+                // The peer's end of the stream: what is buffered is read above, then 0.
+                tls.read_tls(&mut io::empty())?;
+            } else {
+                tls.read_tls(&mut &raw[..n])?;
+            }
+            tls.process_new_packets().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            while tls.wants_write() {
+                tls.write_tls(&mut &self.sock)?;
+            }
+            if n == 0 {
+                return match tls.reader().read(buf) {
+                    Ok(n) => Ok(n),
+                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::UnexpectedEof) => Ok(0),
+                    Err(e) => Err(e),
+                };
+            }
+        }
+    }
+}
+
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

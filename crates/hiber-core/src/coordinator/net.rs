@@ -1,10 +1,10 @@
 //! A coordinator across processes and hosts: one `hiber coordinate` server, and each
 //! participating hiber (`checkpoint` or `restore` with `--coordinator`) as its client.
 //!
-//! The protocol (version 3) is one JSON object per line over TCP:
+//! The protocol (version 4) is one JSON object per line, over TLS 1.3 (see below):
 //!
 //! ```text
-//! participant → coordinator   {"v": 3, "hello": {"session": TOKEN, "name": NAME}}
+//! participant → coordinator   {"v": 4, "hello": {"name": NAME}}
 //! coordinator → participant   {"welcome": {"index": I, "participants": N, "timeout_s": T}}
 //!                                                                   (once all N joined)
 //! participant → coordinator   {"reached": PHASE}                                (after each phase)
@@ -55,20 +55,25 @@
 //! while the others are told to go on.
 //!
 //! The session token keeps strangers out of a session (the coordinator listens on a TCP
-//! port): a shared secret of at least 128 bits, compared in constant time, never written
-//! to a log. It travels in the clear: across hosts, run the session on a trusted network
-//! or through a tunnel.
+//! port): a shared secret of at least 128 bits, never written to a log, and never sent.
+//! Every connection is a [`crate::secure`] channel keyed by it, as `hiber migrate`'s: the
+//! coordinator proves it holds the token with a TLS certificate made from it, each
+//! participant proves it inside the encrypted channel, and what the session says (phases,
+//! the NCCL ranks' ids and counts it exchanges) is encrypted on the wire. A participant
+//! with another token, or a stranger, fails the handshake and is turned away; the session
+//! waits on for its own.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::{BarrierError, Coordinator, Local, Phase};
+use crate::secure::{Channel, Duplex, SecureError, Token};
 
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// The most one participant sends in one exchange, as JSON.
 pub const MAX_DATA: usize = 256 << 10;
 /// The longest line the coordinator reads: a participant's message with its data.
@@ -92,9 +97,11 @@ pub fn session_token() -> std::io::Result<String> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub struct Hello {
-    pub session: String,
     pub name: String,
 }
+
+/// How long a connection has to finish its handshake and say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a participant sends (see the module's wire shapes).
 #[derive(Debug, Clone, PartialEq)]
@@ -121,12 +128,12 @@ fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
     line
 }
 
-fn send<T: Serialize>(mut w: &TcpStream, msg: &T) -> std::io::Result<()> {
+fn send<T: Serialize>(w: &Duplex, msg: &T) -> std::io::Result<()> {
     w.write_all(&encode(msg))
 }
 
 /// Reads one message (at most `max` bytes); `None` at the end of the stream.
-fn recv<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>, max: u64) -> std::io::Result<Option<T>> {
+fn recv<T: for<'de> Deserialize<'de>, R: Read>(r: &mut BufReader<R>, max: u64) -> std::io::Result<Option<T>> {
     let mut line = String::new();
     if std::io::Read::take(&mut *r, max).read_line(&mut line)? == 0 {
         return Ok(None);
@@ -161,12 +168,13 @@ impl Up {
     }
 }
 
-fn send_up(w: &TcpStream, msg: &Up) -> std::io::Result<()> {
-    send(w, &msg.to_value())
+fn send_up(w: &mut Channel, msg: &Up) -> std::io::Result<()> {
+    w.write_all(&encode(&msg.to_value()))?;
+    w.flush()
 }
 
-fn recv_up(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<Up>> {
-    match recv::<serde_json::Value>(r, MAX_UP_LINE)? {
+fn recv_up<R: Read>(r: &mut BufReader<R>) -> std::io::Result<Option<Up>> {
+    match recv::<serde_json::Value, R>(r, MAX_UP_LINE)? {
         None => Ok(None),
         Some(v) => Up::from_value(&v).map(Some).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not a participant's message")),
     }
@@ -179,7 +187,7 @@ pub struct Remote {
     local: Local,
     /// This participant's place in every gathered list.
     index: usize,
-    conn: Mutex<(TcpStream, BufReader<TcpStream>)>,
+    conn: Mutex<BufReader<Channel>>,
     timeout: Duration,
     /// Told to abort, or failed: only the phases of the undo are passed from here on.
     aborted: std::sync::atomic::AtomicBool,
@@ -190,41 +198,31 @@ impl Remote {
     /// `timeout`) until every participant has joined.
     pub fn join(addr: &str, session: &str, name: &str, timeout: Duration, local: Local) -> Result<Remote, BarrierError> {
         let err = |what: &str, e: &dyn std::fmt::Display| BarrierError(format!("{what} {addr}: {e}"));
-        let mut last = None;
-        let mut stream = None;
-        for sa in addr.to_socket_addrs().map_err(|e| err("cannot resolve", &e))? {
-            match TcpStream::connect_timeout(&sa, Duration::from_secs(10)) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let stream = match (stream, last) {
-            (Some(s), _) => s,
-            (None, Some(e)) => return Err(err("cannot reach the coordinator at", &e)),
-            (None, None) => return Err(BarrierError(format!("{addr} names no address"))),
-        };
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(timeout)).map_err(|e| err("socket", &e))?;
-        let mut reader = BufReader::new(stream.try_clone().map_err(|e| err("socket", &e))?);
-        send_up(&stream, &Up::Hello { v: PROTOCOL_VERSION, hello: Hello { session: session.into(), name: name.into() } })
-            .map_err(|e| err("cannot talk to the coordinator at", &e))?;
-        let (index, timeout) = match recv::<Down>(&mut reader, MAX_DOWN_LINE) {
+        let token = Token::from_bytes(session.as_bytes());
+        let mut ch = Channel::connect(addr, &token, HELLO_TIMEOUT).map_err(|e| match e {
+            SecureError::Connect { source, .. } => err("cannot reach the coordinator at", &source),
+            SecureError::Identity { .. } | SecureError::Refused => BarrierError(format!(
+                "the coordinator at {addr} is not serving this session: not a participant of this session (another token, or a hiber that speaks another protocol version than {PROTOCOL_VERSION})"
+            )),
+            other => err("no secure connection to the coordinator at", &other),
+        })?;
+        send_up(&mut ch, &Up::Hello { v: PROTOCOL_VERSION, hello: Hello { name: name.into() } }).map_err(|e| err("cannot talk to the coordinator at", &e))?;
+        ch.set_read_timeout(Some(timeout)).map_err(|e| err("socket", &e))?;
+        let mut reader = BufReader::new(ch);
+        let (index, timeout) = match recv::<Down, _>(&mut reader, MAX_DOWN_LINE) {
             Ok(Some(Down::Welcome { index, participants, timeout_s })) => {
                 tracing::debug!(index, participants, "joined the coordinator's session");
                 // Past the coordinator's own deadline: it aborts everyone before this one
                 // would give up alone.
                 let t = Duration::from_secs(timeout_s) + PARTICIPANT_MARGIN;
-                stream.set_read_timeout(Some(t)).map_err(|e| err("socket", &e))?;
+                reader.get_ref().set_read_timeout(Some(t)).map_err(|e| err("socket", &e))?;
                 (index, t)
             }
             Ok(Some(Down::Abort(why))) => return Err(BarrierError(format!("the coordinator refused: {why}"))),
             Ok(other) => return Err(BarrierError(format!("the coordinator at {addr} answered {other:?}"))),
             Err(e) => return Err(err("no welcome from the coordinator at", &e)),
         };
-        Ok(Remote { local, index, conn: Mutex::new((stream, reader)), timeout, aborted: false.into() })
+        Ok(Remote { local, index, conn: Mutex::new(reader), timeout, aborted: false.into() })
     }
 
     /// Reports `phase` (with `data`, if any) and waits for the coordinator's answer: every
@@ -236,10 +234,10 @@ impl Remote {
         }
         self.local.barrier(phase)?;
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let (stream, reader) = &mut *conn;
-        send_up(stream, &Up::Reached { reached: phase, data }).map_err(|e| BarrierError(format!("lost the coordinator at {phase:?}: {e}")))?;
+        let reader = &mut *conn;
+        send_up(reader.get_mut(), &Up::Reached { reached: phase, data }).map_err(|e| BarrierError(format!("lost the coordinator at {phase:?}: {e}")))?;
         loop {
-            return match recv::<Down>(reader, MAX_DOWN_LINE) {
+            return match recv::<Down, _>(reader, MAX_DOWN_LINE) {
                 Ok(Some(Down::Go(p))) if p == phase => Ok(None),
                 Ok(Some(Down::Gathered { phase: p, data })) if p == phase => Ok(Some(data)),
                 // In the undo round: the abort this one knows of already. Or an abort during
@@ -279,11 +277,11 @@ impl Coordinator for Remote {
         if self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return;
         }
-        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         // At most a line of it: the others only show it.
         let why: String = why.chars().take(1000).collect();
-        if send_up(&conn.0, &Up::Failed { failed: why }).is_err() {
-            let _ = conn.0.shutdown(std::net::Shutdown::Both);
+        if send_up(conn.get_mut(), &Up::Failed { failed: why }).is_err() {
+            conn.get_ref().shutdown();
         }
     }
 
@@ -298,7 +296,7 @@ impl Coordinator for Remote {
             // Refused before it is reported, and the connection ended: the others hear at
             // once that this one failed, and abort.
             let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = conn.0.shutdown(std::net::Shutdown::Both);
+            conn.get_ref().shutdown();
             return Err(BarrierError(format!("{size} bytes to exchange at {phase:?}, more than the protocol's {MAX_DATA}")));
         }
         let index = self.index;
@@ -322,17 +320,12 @@ pub enum Outcome {
 /// What a connection's reader thread hands the coordinator.
 enum Heard {
     /// Participant I joined, by this name: its connection, for answers.
-    Joined(usize, String, TcpStream),
+    Joined(usize, String, Arc<Duplex>),
     Reached(usize, Phase, Option<serde_json::Value>),
     /// A participant said it failed, and why.
     Failed(usize, String),
     /// A participant left, failed, or sent what it should not.
     Lost(usize, String),
-}
-
-/// Whether two tokens are equal, in time that does not depend on where they differ.
-fn same_token(a: &str, b: &str) -> bool {
-    blake3::hash(a.as_bytes()) == blake3::hash(b.as_bytes())
 }
 
 /// Serves one session on `listener`: waits for `participants` to join with `session`, then
@@ -347,26 +340,26 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
     accept.set_nonblocking(false)?;
     // Handshakes: each connection on its own thread, which then keeps reading for it.
     {
-        let (tx, joined, session) = (tx.clone(), joined.clone(), session.to_string());
+        let (tx, joined, token) = (tx.clone(), joined.clone(), Arc::new(Token::from_bytes(session.as_bytes())));
         std::thread::Builder::new().name("hiber-coordinator-accept".into()).spawn(move || {
             while joined.load(std::sync::atomic::Ordering::SeqCst) < participants {
                 let Ok((stream, peer)) = accept.accept() else { return };
-                let (tx, joined, session) = (tx.clone(), joined.clone(), session.clone());
+                let (tx, joined, token) = (tx.clone(), joined.clone(), token.clone());
                 let _ = std::thread::Builder::new()
                     .name("hiber-coordinator-conn".into())
-                    .spawn(move || handshake_then_read(stream, peer, &session, participants, &joined, &tx));
+                    .spawn(move || handshake_then_read(stream, peer, &token, participants, &joined, &tx));
             }
         })?;
     }
     drop(tx);
-    let abort = |conns: &[(String, TcpStream)], why: String| {
+    let abort = |conns: &[(String, Arc<Duplex>)], why: String| {
         for (_, s) in conns {
             let _ = send(s, &Down::Abort(why.clone()));
         }
         Ok(Outcome::Aborted(why))
     };
     let deadline = std::time::Instant::now() + timeout;
-    let mut slots: Vec<Option<(String, TcpStream)>> = (0..participants).map(|_| None).collect();
+    let mut slots: Vec<Option<(String, Arc<Duplex>)>> = (0..participants).map(|_| None).collect();
     let mut early: Vec<Heard> = Vec::new();
     while slots.iter().any(Option::is_none) {
         match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
@@ -374,12 +367,12 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
             // A participant that reports before all joined is answered once they have.
             Ok(h) => early.push(h),
             Err(_) => {
-                let joined: Vec<(String, TcpStream)> = slots.into_iter().flatten().collect();
+                let joined: Vec<(String, Arc<Duplex>)> = slots.into_iter().flatten().collect();
                 return abort(&joined, format!("only {} of {participants} participants joined within {} s", joined.len(), timeout.as_secs()));
             }
         }
     }
-    let conns: Vec<(String, TcpStream)> = slots.into_iter().flatten().collect();
+    let conns: Vec<(String, Arc<Duplex>)> = slots.into_iter().flatten().collect();
     for (i, (_, s)) in conns.iter().enumerate() {
         send(s, &Down::Welcome { index: i, participants, timeout_s: timeout.as_secs() })?;
     }
@@ -388,7 +381,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
     // `gone`: a participant known to have left, which the round does not wait for. `carry`:
     // the phase under way, when it is one of the undo's (a rebuild of NCCL communicators),
     // with who reached it: the round goes on with it rather than making them start over.
-    let abort_from = |conns: &[(String, TcpStream)], why: String, gone: Option<usize>, carry: Option<Carried>| {
+    let abort_from = |conns: &[(String, Arc<Duplex>)], why: String, gone: Option<usize>, carry: Option<Carried>| {
         for (_, s) in conns {
             let _ = send(s, &Down::Abort(why.clone()));
         }
@@ -403,7 +396,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
         let carried = |phase: Option<Phase>, reached: &[bool], data: &[Option<serde_json::Value>]| {
             phase.filter(|p| p.in_undo()).map(|p| Carried { phase: p, reached: reached.to_vec(), data: data.to_vec() })
         };
-        let abort = |conns: &[(String, TcpStream)], why: String, phase: Option<Phase>, reached: &[bool], data: &[Option<serde_json::Value>]| {
+        let abort = |conns: &[(String, Arc<Duplex>)], why: String, phase: Option<Phase>, reached: &[bool], data: &[Option<serde_json::Value>]| {
             abort_from(conns, why, None, carried(phase, reached, data))
         };
         while reached.iter().any(|r| !r) {
@@ -468,7 +461,7 @@ pub fn serve(listener: &TcpListener, participants: usize, session: &str, timeout
             return abort(&conns, format!("the data gathered at {p:?} is {} bytes, more than the protocol's {MAX_DOWN_LINE}", line.len()), None, &[], &[]);
         }
         for (i, (name, s)) in conns.iter().enumerate() {
-            if let Err(e) = (&*s).write_all(&line) {
+            if let Err(e) = s.write_all(&line) {
                 // Those told already hear the abort at their next phase.
                 return abort_from(&conns, format!("participant '{name}' could not be told to go on past {p:?}: {e}"), Some(i), None);
             }
@@ -491,18 +484,18 @@ struct Carried {
 /// ([`Phase::in_undo`]) together, each hearing what every other one there sent (null in the
 /// place of one that left or has nothing to undo). Returns once every participant has left,
 /// or when a phase's deadline passes.
-fn undo_round(conns: &[(String, TcpStream)], gone: Option<usize>, carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+fn undo_round(conns: &[(String, Arc<Duplex>)], gone: Option<usize>, carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
     let n = conns.len();
     let mut live: Vec<bool> = (0..n).map(|i| Some(i) != gone).collect();
     undo_phases(conns, &mut live, carry, rx, timeout);
     // Every connection ends here (its reader thread would keep it open): a participant
     // still waiting hears that the session is over.
     for (_, s) in conns {
-        let _ = s.shutdown(std::net::Shutdown::Both);
+        s.shutdown();
     }
 }
 
-fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], mut carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
+fn undo_phases(conns: &[(String, Arc<Duplex>)], live: &mut [bool], mut carry: Option<Carried>, rx: &std::sync::mpsc::Receiver<Heard>, timeout: Duration) {
     let n = conns.len();
     loop {
         let deadline = std::time::Instant::now() + timeout;
@@ -520,7 +513,7 @@ fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], mut carry: Opti
                     if phase.is_some_and(|q| q != p) {
                         // Out of step with the others: it cannot take part.
                         live[i] = false;
-                        let _ = conns[i].1.shutdown(std::net::Shutdown::Both);
+                        conns[i].1.shutdown();
                         continue;
                     }
                     phase = Some(p);
@@ -537,7 +530,7 @@ fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], mut carry: Opti
         let data = data.into_iter().zip(live.iter()).map(|(d, l)| if *l { d.unwrap_or_default() } else { serde_json::Value::Null }).collect();
         let line = encode(&Down::Gathered { phase: p, data });
         for (i, (_, s)) in conns.iter().enumerate() {
-            if reached[i] && live[i] && (&*s).write_all(&line).is_err() {
+            if reached[i] && live[i] && s.write_all(&line).is_err() {
                 live[i] = false;
             }
         }
@@ -545,30 +538,37 @@ fn undo_phases(conns: &[(String, TcpStream)], live: &mut [bool], mut carry: Opti
     }
 }
 
-/// One connection: its hello (turned away without the session's token), then every
-/// message it sends, as [`Heard`], until it ends.
+/// One connection: its handshake (turned away without the session's token) and hello,
+/// then every message it sends, as [`Heard`], until it ends.
 fn handshake_then_read(
     stream: TcpStream,
     peer: std::net::SocketAddr,
-    session: &str,
+    token: &Token,
     participants: usize,
     joined: &std::sync::atomic::AtomicUsize,
     tx: &std::sync::mpsc::Sender<Heard>,
 ) {
-    let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let Ok(clone) = stream.try_clone() else { return };
-    let mut reader = BufReader::new(clone);
+    let conn = match Channel::accept(stream, token, HELLO_TIMEOUT).and_then(|ch| Duplex::new(ch).map_err(SecureError::from)) {
+        Ok(c) => Arc::new(c),
+        Err(e) => {
+            // A stranger, or a participant of another session: turned away, the session
+            // waits on.
+            tracing::warn!(%peer, error = %e, "a connection without this session's token was turned away");
+            return;
+        }
+    };
+    let _ = conn.set_read_timeout(Some(HELLO_TIMEOUT));
+    let stream = conn.clone();
+    let mut reader = BufReader::new(&*conn);
     let name = match recv_up(&mut reader) {
-        Ok(Some(Up::Hello { v, hello })) if v == PROTOCOL_VERSION && same_token(&hello.session, session) => hello.name,
-        Ok(Some(Up::Hello { v, .. })) if v != PROTOCOL_VERSION => {
+        Ok(Some(Up::Hello { v, hello })) if v == PROTOCOL_VERSION => hello.name,
+        Ok(Some(Up::Hello { v, .. })) => {
             let _ = send(&stream, &Down::Abort(format!("protocol version {v}; this coordinator speaks {PROTOCOL_VERSION}")));
             return;
         }
-        // A stranger, or a participant of another session: turned away, the session waits on.
         _ => {
-            tracing::warn!(%peer, "a connection without this session's token was turned away");
-            let _ = send(&stream, &Down::Abort("not a participant of this session".into()));
+            tracing::warn!(%peer, "a participant that did not say hello was turned away");
+            let _ = send(&stream, &Down::Abort("no hello".into()));
             return;
         }
     };
@@ -581,8 +581,7 @@ fn handshake_then_read(
     let _ = stream.set_read_timeout(None);
     // A participant that stops reading must not hold the others' answers for ever.
     let _ = stream.set_write_timeout(Some(ANSWER_WRITE_TIMEOUT));
-    let Ok(answer) = stream.try_clone() else { return };
-    if tx.send(Heard::Joined(index, name, answer)).is_err() {
+    if tx.send(Heard::Joined(index, name, stream.clone())).is_err() {
         return;
     }
     loop {
@@ -750,6 +749,14 @@ mod tests {
         let (addr, server) = coordinator(1);
         let e = Remote::join(&addr, "wrong", "x", Duration::from_secs(5), Local::default()).err().unwrap();
         assert!(e.0.contains("not a participant of this session"), "{}", e.0);
+        // A hiber of the protocol before TLS says hello in plain JSON, token and all: it
+        // hears nothing it can take for a welcome.
+        let mut old = TcpStream::connect(&addr).unwrap();
+        old.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        old.write_all(b"{\"v\":3,\"hello\":{\"session\":\"secret\",\"name\":\"old\"}}\n").unwrap();
+        let mut heard = String::new();
+        let _ = std::io::Read::read_to_string(&mut old, &mut heard);
+        assert!(!heard.contains("welcome"), "{heard}");
         // The session still waits for its participant, who then finishes alone.
         let r = Remote::join(&addr, "secret", "ok", Duration::from_secs(5), Local::default()).unwrap();
         for p in [Phase::RestorePrepared, Phase::ProcessesRestored, Phase::DevicesRestored] {
@@ -770,6 +777,62 @@ mod tests {
         assert!(a.join().unwrap().is_err());
         assert!(b.join().unwrap().is_err());
         assert!(matches!(server.join().unwrap(), Outcome::Aborted(why) if why.contains("while the others reached")));
+    }
+
+    /// Relays every connection to `to`, keeping a copy of what crosses in both directions.
+    fn tap(to: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let keep = seen.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(a) = c else { return };
+                let b = TcpStream::connect(&to).unwrap();
+                for (mut from, mut into) in [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)] {
+                    let keep = keep.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 4096];
+                        while let Ok(n) = std::io::Read::read(&mut from, &mut buf) {
+                            if n == 0 || into.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            keep.lock().unwrap().extend_from_slice(&buf[..n]);
+                        }
+                        let _ = into.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        (addr, seen)
+    }
+
+    #[test]
+    fn the_session_is_encrypted_and_its_token_never_crosses_the_wire() {
+        let (addr, server) = coordinator(2);
+        let (tapped, seen) = tap(addr);
+        let parts: Vec<_> = (0..2)
+            .map(|i| {
+                let addr = tapped.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", &format!("participant-{i}"), Duration::from_secs(20), Local::default()).unwrap();
+                    r.barrier(Phase::Prepared).unwrap();
+                    r.exchange(Phase::Quiesced, serde_json::json!({"nccl_unique_id": "plain-text-marker"})).unwrap();
+                    for p in [Phase::Captured, Phase::Dumped, Phase::Committed] {
+                        r.barrier(p).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for p in parts {
+            p.join().unwrap();
+        }
+        assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
+        let wire = seen.lock().unwrap().clone();
+        assert!(wire.len() > 1000, "the tap saw the session ({} bytes)", wire.len());
+        for plain in ["secret", "participant-", "quiesced", "plain-text-marker", "welcome"] {
+            assert!(!wire.windows(plain.len()).any(|w| w == plain.as_bytes()), "'{plain}' crossed the wire in the clear");
+        }
     }
 
     #[test]
@@ -888,10 +951,7 @@ mod tests {
             serde_json::to_value(Down::Gathered { phase: Phase::Prepared, data: vec![d.clone(), serde_json::Value::Null] }).unwrap(),
             serde_json::json!({"gathered": {"phase": "prepared", "data": [d, null]}})
         );
-        assert_eq!(
-            Up::Hello { v: 3, hello: Hello { session: "s".into(), name: "n".into() } }.to_value(),
-            serde_json::json!({"v": 3, "hello": {"session": "s", "name": "n"}})
-        );
+        assert_eq!(Up::Hello { v: 4, hello: Hello { name: "n".into() } }.to_value(), serde_json::json!({"v": 4, "hello": {"name": "n"}}));
         assert_eq!(serde_json::to_value(Down::Go(Phase::DevicesRestored)).unwrap(), serde_json::json!({"go": "devices_restored"}));
         assert_eq!(
             serde_json::to_value(Down::Welcome { index: 1, participants: 2, timeout_s: 5 }).unwrap(),
