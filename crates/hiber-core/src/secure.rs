@@ -332,16 +332,24 @@ impl Write for Channel {
 /// another). The TLS state is shared under a lock that no blocking socket read holds: a
 /// read waits for bytes on its own clone of the socket, then feeds them in.
 pub struct Duplex {
-    tls: std::sync::Mutex<rustls::Connection>,
+    tls: std::sync::Mutex<Shared>,
     /// Writes (under the lock).
     sock: TcpStream,
     /// Reads (outside it).
     rsock: TcpStream,
 }
 
+/// What the lock holds: the connection, and bytes read from the socket that it did not take
+/// yet (rustls takes a few KiB at a time).
+struct Shared {
+    conn: rustls::Connection,
+    unread: Vec<u8>,
+    eof: bool,
+}
+
 impl Duplex {
     pub fn new(ch: Channel) -> io::Result<Duplex> {
-        let (tls, sock): (rustls::Connection, TcpStream) = match ch {
+        let (conn, sock): (rustls::Connection, TcpStream) = match ch {
             Channel::Client(s) => {
                 let s = *s;
                 (s.conn.into(), s.sock)
@@ -352,19 +360,34 @@ impl Duplex {
             }
         };
         let rsock = sock.try_clone()?;
-        Ok(Duplex { tls: std::sync::Mutex::new(tls), sock, rsock })
+        Ok(Duplex { tls: std::sync::Mutex::new(Shared { conn, unread: Vec::new(), eof: false }), sock, rsock })
     }
 
-    fn tls(&self) -> std::sync::MutexGuard<'_, rustls::Connection> {
+    fn tls(&self) -> std::sync::MutexGuard<'_, Shared> {
         self.tls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Writes all of `buf`, encrypted.
+    /// Sends what the connection has ready for the socket.
+    fn flush_tls(&self, conn: &mut rustls::Connection) -> io::Result<()> {
+        while conn.wants_write() {
+            conn.write_tls(&mut &self.sock)?;
+        }
+        Ok(())
+    }
+
+    /// Writes all of `buf`, encrypted. The connection buffers a limited amount, so it is
+    /// sent to the socket as it fills.
     pub fn write_all(&self, buf: &[u8]) -> io::Result<()> {
         let mut tls = self.tls();
-        tls.writer().write_all(buf)?;
-        while tls.wants_write() {
-            tls.write_tls(&mut &self.sock)?;
+        let mut rest = buf;
+        while !rest.is_empty() {
+            let n = tls.conn.writer().write(rest)?;
+            rest = &rest[n..];
+            let full = n == 0 && !tls.conn.wants_write();
+            self.flush_tls(&mut tls.conn)?;
+            if full {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "the TLS connection took nothing"));
+            }
         }
         Ok(())
     }
@@ -392,31 +415,37 @@ impl Read for &Duplex {
         loop {
             {
                 let mut tls = self.tls();
-                match tls.reader().read(buf) {
+                let Shared { conn, unread, eof } = &mut *tls;
+                // Feed what was read and not taken yet, as much as the connection takes.
+                while !unread.is_empty() {
+                    let n = conn.read_tls(&mut &unread[..])?;
+                    unread.drain(..n);
+                    conn.process_new_packets().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                self.flush_tls(conn)?;
+                match conn.reader().read(buf) {
                     Ok(n) => return Ok(n),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock && !*eof => {}
+                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::UnexpectedEof) => return Ok(0),
                     Err(e) => return Err(e),
+                }
+                if *eof && unread.is_empty() {
+                    return Ok(0);
                 }
             }
             let n = (&self.rsock).read(&mut raw)?;
             let mut tls = self.tls();
             if n == 0 {
                 // The peer's end of the stream: what is buffered is read above, then 0.
-                tls.read_tls(&mut io::empty())?;
+                tls.eof = true;
+                if tls.unread.is_empty() {
+                    tls.conn.read_tls(&mut io::empty())?;
+                }
             } else {
-                tls.read_tls(&mut &raw[..n])?;
-            }
-            tls.process_new_packets().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            while tls.wants_write() {
-                tls.write_tls(&mut &self.sock)?;
-            }
-            if n == 0 {
-                return match tls.reader().read(buf) {
-                    Ok(n) => Ok(n),
-                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::UnexpectedEof) => Ok(0),
-                    Err(e) => Err(e),
-                };
+                tls.unread.extend_from_slice(&raw[..n]);
             }
         }
     }

@@ -711,6 +711,35 @@ mod tests {
         assert_eq!(hosts, ["host0", "host1", "host2"]);
     }
 
+    /// Messages much larger than a TLS record, both ways: each participant sends 200 KiB
+    /// and hears every one's (600 KiB at once), byte for byte.
+    #[test]
+    fn large_exchanges_cross_the_encrypted_channel_intact() {
+        let (addr, server) = coordinator(3);
+        let parts: Vec<_> = (0..3u8)
+            .map(|i| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    let r = Remote::join(&addr, "secret", &format!("h{i}"), Duration::from_secs(20), Local::default()).unwrap();
+                    r.barrier(Phase::Prepared).unwrap();
+                    let mine: String = (0..200 << 10).map(|k| char::from(b'a' + ((k * 7 + usize::from(i)) % 26) as u8)).collect();
+                    let all = r.exchange(Phase::Quiesced, serde_json::json!(mine)).unwrap();
+                    for p in [Phase::Captured, Phase::Dumped, Phase::Committed] {
+                        r.barrier(p).unwrap();
+                    }
+                    (r.index(), mine, all)
+                })
+            })
+            .collect();
+        let got: Vec<_> = parts.into_iter().map(|p| p.join().unwrap()).collect();
+        assert_eq!(server.join().unwrap(), Outcome::Done(Phase::Committed));
+        for (index, mine, all) in &got {
+            assert_eq!(all.len(), 3);
+            assert_eq!(all[*index], serde_json::json!(mine));
+            assert_eq!(all, &got[0].2);
+        }
+    }
+
     #[test]
     fn too_much_to_exchange_fails_that_participant_and_aborts_the_others() {
         let (addr, server) = coordinator(2);
