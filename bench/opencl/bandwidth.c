@@ -2,8 +2,9 @@
  * pageable) host memory, then a blocking clEnqueueReadBuffer of it back, REPS times. Prints
  * one line per repetition: `rep R us_per_call X` (X: the microseconds of one transfer, the
  * mean of the write's and the read's) and `gbs R write W read R` (GB/s); checks every
- * read's bytes against what was written. At the end it releases everything and says
- * `context destroyed` once the context's destructor callback ran (nothing kept it alive).
+ * read's bytes against what was written. At the end it releases the context, moves the
+ * bytes once more through its queue and buffer, releases them, and says `context
+ * destroyed` once the context's destructor callback ran (nothing kept it alive).
  * Usage: bandwidth REPS MIB DEVICE (DEVICE: index, gpu or cpu) */
 #include "../../crates/hiber/tests/opencl/common.h"
 #include <string.h>
@@ -57,10 +58,18 @@ int main(int argc, char **argv) {
         printf("gbs %d write %.2f read %.2f\n", r, n / (t1 - t0) / 1e9, n / (t2 - t1) / 1e9);
         fflush(stdout);
     }
+    /* The context released first, as a program may while its queue and buffer still
+     * work: one more transfer through them, then they go too, and the context with them. */
     CHECK(clSetContextDestructorCallback(ctx, on_destroyed, NULL));
+    CHECK(clReleaseContext(ctx));
+    CHECK(clEnqueueWriteBuffer(q, b, CL_TRUE, 0, n, src, 0, NULL, NULL));
+    CHECK(clEnqueueReadBuffer(q, b, CL_TRUE, 0, n, dst, 0, NULL, NULL));
+    if (memcmp(src, dst, n) != 0) {
+        fprintf(stderr, "after the context's release: the bytes read back differ\n");
+        return 1;
+    }
     CHECK(clReleaseMemObject(b));
     CHECK(clReleaseCommandQueue(q));
-    CHECK(clReleaseContext(ctx));
     for (int i = 0; i < 500 && !destroyed; i++)
         pause_ms(10);
     printf(destroyed ? "context destroyed\n" : "context still alive\n");

@@ -112,6 +112,13 @@ impl Bell {
     /// `check(timed_out)` runs before each sleep and after a slice ran out, and its error
     /// ends the wait.
     fn wait(&self, ready: impl Fn() -> bool, check: &dyn Fn(bool) -> io::Result<()>) -> io::Result<()> {
+        self.wait_armed(ready, check, &|| {})
+    }
+
+    /// As [`Bell::wait`], with `armed` run before each sleep once this waiter is marked
+    /// asleep: a ring from then on wakes it, so what `armed` publishes for the ringer (the
+    /// count it waits for) cannot be missed by a ring that comes meanwhile.
+    fn wait_armed(&self, ready: impl Fn() -> bool, check: &dyn Fn(bool) -> io::Result<()>, armed: &dyn Fn()) -> io::Result<()> {
         if ready() {
             return Ok(());
         }
@@ -140,6 +147,7 @@ impl Bell {
         loop {
             check(timed_out)?;
             let seen = self.0.fetch_or(1, Ordering::SeqCst) | 1;
+            armed();
             if ready() {
                 return Ok(());
             }
@@ -1090,13 +1098,14 @@ impl Serving {
                 slot.hand_to(TURN_CLIENT);
             }
             let h = seg.header();
-            // Before each sleep, say how far the posts must get for this thread (the post
-            // thread rings then); every ring wakes every sleeper, which says it again.
-            let check_and_ask = |timed_out: bool| {
+            // Before each sleep, once marked asleep, say how far the posts must get for this
+            // thread (the post thread rings then). Every ring wakes every sleeper, which says
+            // it again: a ring that reset the count before this thread said it changes the
+            // bell's word, and the sleep does not begin.
+            let ask = || {
                 self.posts_wake_at.fetch_min(seq, Ordering::SeqCst);
-                check(timed_out)
             };
-            h.posts_done_bell.wait(|| h.posts_done.load(Ordering::SeqCst) >= seq, &check_and_ask)?;
+            h.posts_done_bell.wait_armed(|| h.posts_done.load(Ordering::SeqCst) >= seq, &check, &ask)?;
             self.handle(i, &req, &mut answer)?;
             let mut off = 0;
             let mut flags = PIECE_FIRST;

@@ -87,7 +87,9 @@ pub fn write_many(sink: &dyn ImageSink, items: &[(String, &[u8])]) -> Result<Vec
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed = std::sync::atomic::AtomicBool::new(false);
     let done: std::sync::Mutex<Vec<(usize, Result<FileEntry, String>)>> = std::sync::Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, WRITERS).min(items.len());
+    // Each compressing thread holds a compressed copy of its chunk as well: fewer of them.
+    let most = if sink.compression().is_some() { WRITERS / 2 } else { WRITERS };
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, most).min(items.len());
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| loop {

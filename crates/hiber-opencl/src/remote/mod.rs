@@ -126,8 +126,10 @@ pub(crate) fn transport() -> Option<Arc<dyn Transport>> {
 
 /// The current transport and its generation (see [`GENERATION`]), connecting as [`transport`].
 pub(crate) fn transport_and_generation() -> Option<(Arc<dyn Transport>, u64)> {
-    let t = transport()?;
-    let _held = TRANSPORT.read().unwrap_or_else(|e| e.into_inner());
+    transport()?;
+    // Both under the lock that setting a transport takes: the generation is this one's.
+    let held = TRANSPORT.read().unwrap_or_else(|e| e.into_inner());
+    let t = held.as_ref().filter(|t| !t.inherited())?.clone();
     Some((t, GENERATION.load(Ordering::Acquire)))
 }
 

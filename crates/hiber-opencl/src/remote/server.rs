@@ -34,6 +34,7 @@ const CL_INVALID_WORK_DIMENSION: cl_int = -53;
 const CL_TRUE: cl_uint = 1;
 const CL_FALSE: cl_uint = 0;
 const CL_MEM_TYPE: cl_uint = 0x1100;
+const CL_MEM_SIZE: cl_uint = 0x1102;
 const CL_MEM_READ_WRITE: u64 = 1;
 const CL_MEM_ALLOC_HOST_PTR: u64 = 1 << 4;
 const CL_MAP_READ: u64 = 1;
@@ -99,6 +100,9 @@ pub struct Dispatcher {
     /// Counts `clReleaseContext` calls: a transfer that saw one meanwhile does not put its
     /// context's staging back.
     context_releases: std::sync::atomic::AtomicU64,
+    /// Contexts that get no page-locked staging: released by the application (staging
+    /// would keep them alive), or where making it failed once.
+    no_pin: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// Two page-locked staging pieces of one context: `CL_MEM_ALLOC_HOST_PTR` buffers kept
@@ -134,6 +138,7 @@ impl Dispatcher {
             staging: Mutex::default(),
             pinned: Mutex::default(),
             context_releases: Default::default(),
+            no_pin: Mutex::default(),
         }
     }
 
@@ -147,6 +152,7 @@ impl Dispatcher {
             staging: Mutex::default(),
             pinned: Mutex::default(),
             context_releases: Default::default(),
+            no_pin: Mutex::default(),
         }
     }
 
@@ -262,7 +268,9 @@ impl Dispatcher {
                     let devs = r.handles()?;
                     let (cb, data) = context_notify(r.u64()?, notify);
                     let mut err = 0;
-                    made(w, f(opt_ptr(&props), devs.len() as cl_uint, devs.as_ptr(), cb, data, &mut err), err)
+                    let c = f(opt_ptr(&props), devs.len() as cl_uint, devs.as_ptr(), cb, data, &mut err);
+                    self.context_made(c);
+                    made(w, c, err)
                 }
                 CreateContextFromType => {
                     let f = f!(self.clCreateContextFromType);
@@ -270,12 +278,18 @@ impl Dispatcher {
                     let t = r.u64()?;
                     let (cb, data) = context_notify(r.u64()?, notify);
                     let mut err = 0;
-                    made(w, f(opt_ptr(&props), t, cb, data, &mut err), err)
+                    let c = f(opt_ptr(&props), t, cb, data, &mut err);
+                    self.context_made(c);
+                    made(w, c, err)
                 }
                 ReleaseContext => {
                     let f = f!(self.clReleaseContext);
                     let c = r.h()?;
                     self.context_releases.fetch_add(1, Ordering::AcqRel);
+                    // The application's last reference: the layer forwards it once no queue
+                    // or buffer of the context is left either. Nothing makes staging for
+                    // it again (a late transfer would keep it alive).
+                    self.no_pin.lock().unwrap_or_else(|e| e.into_inner()).insert(c as u64);
                     let staged = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(c as u64));
                     if let Some(p) = staged {
                         self.unpin(p);
@@ -978,11 +992,23 @@ impl Dispatcher {
         // SAFETY: `q` as the caller says.
         let Some(ctx) = (unsafe { self.queue_context(q) }) else { return (None, releases) };
         let kept = self.pinned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(ctx as u64));
-        if kept.is_some() || size < PINNED_MIN || !pinning() {
+        if kept.is_some() || size < PINNED_MIN || !pinning() || self.no_pin.lock().unwrap_or_else(|e| e.into_inner()).contains(&(ctx as u64)) {
             return (kept, releases);
         }
         // SAFETY: `q` and its context are live (the platform just answered for them).
-        (unsafe { self.pin(q, ctx) }, releases)
+        let made = unsafe { self.pin(q, ctx) };
+        if made.is_none() {
+            self.no_pin.lock().unwrap_or_else(|e| e.into_inner()).insert(ctx as u64);
+        }
+        (made, releases)
+    }
+
+    /// A context the platform just made (null: none): a handle value it used before for a
+    /// context since released may have staging again.
+    fn context_made(&self, c: H) {
+        if !c.is_null() {
+            self.no_pin.lock().unwrap_or_else(|e| e.into_inner()).remove(&(c as u64));
+        }
     }
 
     /// Puts a context's staging back for the next transfer, unless the application released
@@ -993,7 +1019,11 @@ impl Dispatcher {
         let ctx = unsafe { self.queue_context(q) };
         let mut table = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
         let back = match ctx {
-            Some(c) if self.context_releases.load(Ordering::Acquire) == releases && !table.contains_key(&(c as u64)) => {
+            Some(c)
+                if self.context_releases.load(Ordering::Acquire) == releases
+                    && !table.contains_key(&(c as u64))
+                    && !self.no_pin.lock().unwrap_or_else(|e| e.into_inner()).contains(&(c as u64)) =>
+            {
                 table.insert(c as u64, p);
                 None
             }
@@ -1011,6 +1041,19 @@ impl Dispatcher {
         // SAFETY: a handle-sized answer into `ctx`.
         let rc = unsafe { f(q, cl::CL_QUEUE_CONTEXT, std::mem::size_of::<H>(), (&mut ctx as *mut H).cast(), null_mut()) };
         (rc == cl::CL_SUCCESS && !ctx.is_null()).then_some(ctx)
+    }
+
+    /// Whether `[off, off + size)` lies inside buffer `m` (checked before the first piece
+    /// moves, so that a transfer the platform refuses changes nothing). `true` when the size
+    /// cannot be asked: the platform's own check then applies to each piece.
+    unsafe fn fits(&self, m: H, off: usize, size: usize) -> bool {
+        let Some(info) = self.real.as_ref().and_then(|r| r.clGetMemObjectInfo) else { return true };
+        let mut len = 0usize;
+        // SAFETY: a size_t-sized answer into `len`.
+        if unsafe { info(m, CL_MEM_SIZE, std::mem::size_of::<usize>(), (&mut len as *mut usize).cast(), null_mut()) } != cl::CL_SUCCESS {
+            return true;
+        }
+        off.checked_add(size).is_some_and(|end| end <= len)
     }
 
     /// Makes two mapped `CL_MEM_ALLOC_HOST_PTR` pieces in `ctx` (page-locked on NVIDIA's
@@ -1101,7 +1144,8 @@ impl Dispatcher {
     unsafe fn write_from_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
         let f = f!(self.clEnqueueWriteBuffer);
         let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
-        if size == 0 {
+        // SAFETY: `m` is the application's (the platform validates it).
+        if size == 0 || !unsafe { self.fits(m, off, size) } {
             return Ok((CL_INVALID_VALUE, null_mut()));
         }
         // SAFETY: `q` is the application's queue (the platform validates it).
@@ -1154,7 +1198,8 @@ impl Dispatcher {
     unsafe fn read_to_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
         let f = f!(self.clEnqueueReadBuffer);
         let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
-        if size == 0 {
+        // SAFETY: as in `write_from_peer`.
+        if size == 0 || !unsafe { self.fits(m, off, size) } {
             return Ok((CL_INVALID_VALUE, null_mut()));
         }
         // SAFETY: as in `write_from_peer`.
