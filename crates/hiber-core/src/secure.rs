@@ -411,17 +411,24 @@ impl Duplex {
 impl Read for &Duplex {
     /// Decrypted bytes; `Ok(0)` once the peer closed, with or without saying so.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let mut raw = vec![0u8; 16 << 10];
         loop {
             {
                 let mut tls = self.tls();
                 let Shared { conn, unread, eof } = &mut *tls;
-                // Feed what was read and not taken yet, as much as the connection takes.
+                // Feed what was read and not taken yet, until there is something to return
+                // (rustls holds at most 16 KiB of it: the rest waits here).
                 while !unread.is_empty() {
                     let n = conn.read_tls(&mut &unread[..])?;
                     unread.drain(..n);
-                    conn.process_new_packets().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-                    if n == 0 {
+                    let state = match conn.process_new_packets() {
+                        Ok(state) => state,
+                        Err(e) => {
+                            // The alert it queued tells the peer why.
+                            let _ = self.flush_tls(conn);
+                            return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+                        }
+                    };
+                    if n == 0 || state.plaintext_bytes_to_read() > 0 {
                         break;
                     }
                 }
@@ -436,6 +443,7 @@ impl Read for &Duplex {
                     return Ok(0);
                 }
             }
+            let mut raw = vec![0u8; 16 << 10];
             let n = (&self.rsock).read(&mut raw)?;
             let mut tls = self.tls();
             if n == 0 {
@@ -522,6 +530,38 @@ mod tests {
         drop(Channel::handshake(&addr, &t, Duration::from_secs(5)).unwrap());
         let results = server.join().unwrap();
         assert!(results.iter().all(|r| matches!(r, Err(SecureError::Refused))), "{results:?}");
+    }
+
+    /// A peer that sends message after message without waiting: every byte comes out of a
+    /// `Duplex` in order, however the socket's reads cut the records.
+    #[test]
+    fn a_duplex_reads_back_to_back_messages_whole() {
+        let t = Token::from_bytes(b"a token for the duplex test, long enough");
+        let (client, server) = pair(t.clone(), t);
+        let (mut client, server) = (client.unwrap(), Duplex::new(server.unwrap()).unwrap());
+        let sent: Vec<u8> = (0..(600 << 10)).map(|i: usize| (i * 31 % 251) as u8).collect();
+        let writer = std::thread::spawn(move || {
+            for piece in sent.chunks(100 << 10) {
+                client.write_all(piece).unwrap();
+            }
+            client.flush().unwrap();
+            (client, sent)
+        });
+        // Let the whole of it pile up in the socket before the first read.
+        std::thread::sleep(Duration::from_millis(300));
+        // In small reads, as a line reader makes them: decrypted bytes wait between reads.
+        let mut got = vec![0u8; 600 << 10];
+        for piece in got.chunks_mut(3000) {
+            (&server).read_exact(piece).unwrap();
+        }
+        let (mut client, sent) = writer.join().unwrap();
+        assert!(got == sent, "the bytes differ");
+        // And back the other way, larger than rustls buffers.
+        let back: Vec<u8> = sent.iter().rev().copied().collect();
+        server.write_all(&back).unwrap();
+        let mut echo = vec![0u8; back.len()];
+        client.read_exact(&mut echo).unwrap();
+        assert!(echo == back);
     }
 
     #[test]
