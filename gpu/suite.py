@@ -2099,23 +2099,34 @@ def opencl_nvidia_2gib_through_the_proxy(m):
     """#36's checkpoint row: a job holding two 1 GiB OpenCL buffers on NVIDIA's GPU, through
     the proxy, checkpointed (stopping) and restored on the GPU, on its trajectory."""
     env = opencl_env()
-    prog = ocl_program("stencil")
-    ref = sh(prog, "6", str(256 << 20), "gpu", "0", env=env, timeout=300)
+    ref = sh(ocl_program("stencil"), "6", str(256 << 20), "gpu", "0", env=env, timeout=300)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
-    hiber("run", "--name", "ocl2g", "--no-agent", "--opencl=proxy", "--", prog, "6", str(256 << 20), "gpu", "1500", env=env)
-    wait_step("ocl2g", 2, 150)
-    m["nvidia_in_job"] = any("libnvidia-opencl" in maps_text(p) for p in job_pids("ocl2g"))
-    assert not m["nvidia_in_job"], "no process of the job maps NVIDIA's OpenCL"
-    img = image_of("ocl2g")
-    ck = hiber_logged(m, "checkpoint_log", "checkpoint", "ocl2g", "--out", img, env=env)
+
+    def running():
+        m["nvidia_in_job"] = any("libnvidia-opencl" in maps_text(p) for p in job_pids("ocl2g"))
+        assert not m["nvidia_in_job"], "no process of the job maps NVIDIA's OpenCL"
+
+    ocl_2gib(m, "ocl2g", env, "6", "gpu", "1500", ("--no-agent", "--opencl=proxy"), running)
+    assert progress("ocl2g") + progress("ocl2g-r") == ref_traj, "trajectory differs from the uninterrupted run"
+
+
+def ocl_2gib(m, job, env, steps, device, sleep, run_args=(), running=lambda: None):
+    """The stencil over two 1 GiB buffers on DEVICE, STEPS steps SLEEP ms apart, as job JOB
+    (`hiber run RUN_ARGS`); RUNNING checks it once it runs. Checkpointed (stopping) at step
+    2: the image holds its 2048 MiB of OpenCL memory. Restored as JOB-r: it goes on from the
+    cut and verifies. The times go into M."""
+    hiber("run", "--name", job, *run_args, "--", ocl_program("stencil"), steps, str(256 << 20), device, sleep, env=env)
+    wait_step(job, 2, 150)
+    running()
+    img = image_of(job)
+    ck = hiber_logged(m, "checkpoint_log", "checkpoint", job, "--out", img, env=env)
     sec = device_section(img, "opencl")
     m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
     assert m["opencl_mib"] == 2048, m["opencl_mib"]
-    before = progress("ocl2g")
-    rs = hiber_json("restore", img, "--name", "ocl2g-r", env=env)
-    assert_verified("ocl2g-r", limit=600)
-    assert_continues(before, progress("ocl2g-r"), before[-1][0] + 1)
-    assert progress("ocl2g") + progress("ocl2g-r") == ref_traj, "trajectory differs from the uninterrupted run"
+    before = progress(job)
+    rs = hiber_json("restore", img, "--name", job + "-r", env=env)
+    assert_verified(job + "-r", limit=600)
+    assert_continues(before, progress(job + "-r"), before[-1][0] + 1)
     m.update(
         checkpoint_s=round(ck["total_seconds"], 2),
         quiesce_s=round(sec["quiesce_seconds"], 2),
@@ -2175,31 +2186,13 @@ def opencl_pocl_beside_nvidia_refused(m):
 @scenario
 @exclusive
 def opencl_2gib_on_pocl(m):
-    """Two 1 GiB buffers (PoCL's largest allocation here is under 2 GiB; NVIDIA's platform
-    cannot be checkpointed yet): checkpoint and restore times against the disk's rate."""
+    """Two 1 GiB buffers on PoCL (its largest allocation here is under 2 GiB): checkpoint and
+    restore times against the disk's rate. NVIDIA's row is opencl_nvidia_2gib_through_the_proxy."""
     env = pocl_env()
     dd = sh("dd", "if=/dev/zero", "of=/tmp/hiber-dd", "bs=64M", "count=32", "oflag=direct", check=False)
     m["disk_write"] = (dd.stderr.strip().splitlines() or ["?"])[-1]
     Path("/tmp/hiber-dd").unlink(missing_ok=True)
-    hiber("run", "--name", "ocl4", "--", ocl_program("stencil"), "5", str(256 << 20), "1", "0", env=env)
-    wait_step("ocl4", 2, 150)
-    img = image_of("ocl4")
-    ck = hiber_json("checkpoint", "ocl4", "--out", img, env=env)
-    sec = device_section(img, "opencl")
-    m["opencl_mib"] = sum(p["bytes"] for p in sec["processes"]) >> 20
-    assert m["opencl_mib"] == 2048, m
-    before = progress("ocl4")
-    rs = hiber_json("restore", img, "--name", "ocl4-r", env=env)
-    assert_verified("ocl4-r", limit=600)
-    assert_continues(before, progress("ocl4-r"), before[-1][0] + 1)
-    m.update(
-        checkpoint_s=round(ck["total_seconds"], 2),
-        quiesce_s=round(sec["quiesce_seconds"], 2),
-        dump_s=round(ck["dump_seconds"], 2),
-        restore_s=round(rs["total_seconds"], 2),
-        restore_devices_s=round(rs["devices_seconds"], 2),
-        image_mib=ck["image_bytes"] >> 20,
-    )
+    ocl_2gib(m, "ocl4", env, "5", "1", "0")
 
 
 @scenario

@@ -24,26 +24,16 @@ pub const ENV: &str = "HIBER_OPENCL_PEER_MEMORY";
 /// threads at once for a large piece (one thread's copy between processes runs at a few
 /// GB/s, under a device's DMA).
 pub fn read(pid: i32, addr: u64, out: &mut [u8]) -> io::Result<()> {
-    let lane = lane_len(out.len());
-    if lane >= out.len() {
-        return read_one(pid, addr, out);
-    }
-    std::thread::scope(|s| {
-        let lanes: Vec<_> = out.chunks_mut(lane).enumerate().map(|(k, part)| s.spawn(move || read_one(pid, addr + (k * lane) as u64, part))).collect();
-        lanes.into_iter().try_for_each(|t| t.join().unwrap_or_else(|_| Err(io::Error::other("a copy thread panicked"))))
-    })
+    let base = out.as_mut_ptr() as usize;
+    // SAFETY: each lane is a distinct range of `out`, which we hold mutably for the call.
+    in_lanes(out.len(), |at, len| unsafe { copy(pid, addr + at as u64, base + at, len, true) })
 }
 
 /// Copies `data` to `addr` in process `pid`, on several threads as [`read`].
 pub fn write(pid: i32, addr: u64, data: &[u8]) -> io::Result<()> {
-    let lane = lane_len(data.len());
-    if lane >= data.len() {
-        return write_one(pid, addr, data);
-    }
-    std::thread::scope(|s| {
-        let lanes: Vec<_> = data.chunks(lane).enumerate().map(|(k, part)| s.spawn(move || write_one(pid, addr + (k * lane) as u64, part))).collect();
-        lanes.into_iter().try_for_each(|t| t.join().unwrap_or_else(|_| Err(io::Error::other("a copy thread panicked"))))
-    })
+    let base = data.as_ptr() as usize;
+    // SAFETY: each lane is a range of `data`, which the kernel only reads.
+    in_lanes(data.len(), |at, len| unsafe { copy(pid, addr + at as u64, base + at, len, false) })
 }
 
 /// The most threads one piece is copied on.
@@ -57,31 +47,40 @@ fn lane_len(len: usize) -> usize {
     len.div_ceil(lanes).next_multiple_of(4096)
 }
 
-fn read_one(pid: i32, addr: u64, out: &mut [u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < out.len() {
-        let local = libc::iovec { iov_base: out[done..].as_mut_ptr().cast(), iov_len: out.len() - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: out.len() - done };
-        // SAFETY: `local` covers the rest of `out`, which we own mutably; `remote` names
-        // memory in another process, which the kernel checks (EFAULT) and never touches here.
-        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-        match n {
-            n if n > 0 => done += n as usize,
-            0 => return Err(io::Error::from_raw_os_error(libc::EFAULT)),
-            _ => return Err(io::Error::last_os_error()),
-        }
+/// Runs `copy(at, len)` for each lane of `[0, len)`: on this thread for one lane, else on a
+/// thread each. The first error fails it.
+fn in_lanes(len: usize, copy: impl Fn(usize, usize) -> io::Result<()> + Sync) -> io::Result<()> {
+    let lane = lane_len(len);
+    if lane >= len {
+        return copy(0, len);
     }
-    Ok(())
+    let copy = &copy;
+    std::thread::scope(|s| {
+        let lanes: Vec<_> = (0..len).step_by(lane).map(|at| s.spawn(move || copy(at, lane.min(len - at)))).collect();
+        lanes.into_iter().try_for_each(|t| t.join().unwrap_or_else(|_| Err(io::Error::other("a copy thread panicked"))))
+    })
 }
 
-fn write_one(pid: i32, addr: u64, data: &[u8]) -> io::Result<()> {
+/// Copies `len` bytes between `local` here and `addr` in process `pid`: into `local` when
+/// `into_here`, out of it otherwise.
+///
+/// # Safety
+/// `[local, local + len)` is memory of this process that stays valid for the call, and
+/// that nothing else touches meanwhile when `into_here` (the kernel writes it).
+unsafe fn copy(pid: i32, addr: u64, local: usize, len: usize, into_here: bool) -> io::Result<()> {
     let mut done = 0;
-    while done < data.len() {
-        let local = libc::iovec { iov_base: data[done..].as_ptr() as *mut libc::c_void, iov_len: data.len() - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: data.len() - done };
-        // SAFETY: `local` covers the rest of `data`, which the kernel only reads; `remote` is
-        // checked by the kernel as above.
-        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+    while done < len {
+        let here = libc::iovec { iov_base: (local + done) as *mut libc::c_void, iov_len: len - done };
+        let there = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: len - done };
+        // SAFETY: `here` is ours as the caller promises; `there` names memory in another
+        // process, which the kernel checks (EFAULT) and never touches here.
+        let n = unsafe {
+            if into_here {
+                libc::process_vm_readv(pid, &here, 1, &there, 1, 0)
+            } else {
+                libc::process_vm_writev(pid, &here, 1, &there, 1, 0)
+            }
+        };
         match n {
             n if n > 0 => done += n as usize,
             0 => return Err(io::Error::from_raw_os_error(libc::EFAULT)),

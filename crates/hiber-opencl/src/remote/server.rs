@@ -118,6 +118,18 @@ struct Pinned {
 // transfer at a time holds a `Pinned` (it is taken out of the table while used).
 unsafe impl Send for Pinned {}
 
+/// A bulk transfer's staging: the context's page-locked pieces, or pageable `bufs`, and
+/// where each of the two pieces starts (`pieces`, into one or the other; a Vec's bytes do
+/// not move with it).
+struct Bulk {
+    pid: i32,
+    pinned: Option<Pinned>,
+    /// The count of context releases when the staging was taken (see `put_pinned`).
+    releases: u64,
+    bufs: [Vec<u8>; 2],
+    pieces: [*mut u8; 2],
+}
+
 impl Default for Dispatcher {
     fn default() -> Dispatcher {
         Dispatcher::new()
@@ -1136,6 +1148,30 @@ impl Dispatcher {
         rc
     }
 
+    /// What a bulk transfer of `size` bytes at `off` of `m`, on `q`, moves through; `Err`
+    /// with the code to answer when it is refused before anything moves.
+    unsafe fn bulk(&self, q: H, m: H, off: usize, size: usize) -> Result<Result<Bulk, cl_int>, Fail> {
+        let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
+        // SAFETY: `m` is the application's (the platform validates it).
+        if size == 0 || !unsafe { self.fits(m, off, size) } {
+            return Ok(Err(CL_INVALID_VALUE));
+        }
+        // SAFETY: `q` is the application's queue (the platform validates it).
+        let (pinned, releases) = unsafe { self.take_pinned(q, size) };
+        let mut bufs: [Vec<u8>; 2] = if pinned.is_some() { Default::default() } else { self.staging(size)? };
+        let pieces = match &pinned {
+            Some(p) => p.ptrs,
+            None => [bufs[0].as_mut_ptr(), bufs[1].as_mut_ptr()],
+        };
+        Ok(Ok(Bulk { pid, pinned, releases, bufs, pieces }))
+    }
+
+    /// Gives a finished transfer's staging back (every piece's device copy settled).
+    fn end_bulk(&self, q: H, b: Bulk) {
+        self.give_back(b.bufs);
+        self.put_pinned(q, b.pinned, b.releases);
+    }
+
     /// `clEnqueueWriteBuffer` of `size` bytes at the application's `addr`, read from its
     /// memory piece by piece: a piece is read while the one before it is written to the
     /// device. Ends when every piece is on the device; `(rc, event)` (the last piece's, kept
@@ -1143,15 +1179,12 @@ impl Dispatcher {
     #[allow(clippy::too_many_arguments)]
     unsafe fn write_from_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
         let f = f!(self.clEnqueueWriteBuffer);
-        let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
-        // SAFETY: `m` is the application's (the platform validates it).
-        if size == 0 || !unsafe { self.fits(m, off, size) } {
-            return Ok((CL_INVALID_VALUE, null_mut()));
-        }
-        // SAFETY: `q` is the application's queue (the platform validates it).
-        let (pinned, releases) = unsafe { self.take_pinned(q, size) };
-        let mut bufs = if pinned.is_some() { Default::default() } else { self.staging(size)? };
-        let pieces = staging_pieces(&mut bufs, pinned.as_ref());
+        // SAFETY: `q` and `m` are the application's (the platform validates them).
+        let bulk = match unsafe { self.bulk(q, m, off, size)? } {
+            Ok(b) => b,
+            Err(rc) => return Ok((rc, null_mut())),
+        };
+        let (pid, pieces) = (bulk.pid, bulk.pieces);
         let mut pending = [null_mut(); 2];
         let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
         while done < size {
@@ -1186,8 +1219,7 @@ impl Dispatcher {
                 rc = r;
             }
         }
-        self.give_back(bufs);
-        self.put_pinned(q, pinned, releases);
+        self.end_bulk(q, bulk);
         Ok((rc, if keep { pending[last] } else { null_mut() }))
     }
 
@@ -1197,15 +1229,12 @@ impl Dispatcher {
     #[allow(clippy::too_many_arguments)]
     unsafe fn read_to_peer(&self, q: H, m: H, off: usize, size: usize, addr: u64, waits: &[H], want: bool) -> Result<(cl_int, H), Fail> {
         let f = f!(self.clEnqueueReadBuffer);
-        let pid = self.peer.ok_or(Fail::Code(cl::CL_INVALID_OPERATION))?;
         // SAFETY: as in `write_from_peer`.
-        if size == 0 || !unsafe { self.fits(m, off, size) } {
-            return Ok((CL_INVALID_VALUE, null_mut()));
-        }
-        // SAFETY: as in `write_from_peer`.
-        let (pinned, releases) = unsafe { self.take_pinned(q, size) };
-        let mut bufs: [Vec<u8>; 2] = if pinned.is_some() { Default::default() } else { self.staging(size)? };
-        let pieces = staging_pieces(&mut bufs, pinned.as_ref());
+        let bulk = match unsafe { self.bulk(q, m, off, size)? } {
+            Ok(b) => b,
+            Err(rc) => return Ok((rc, null_mut())),
+        };
+        let (pid, pieces) = (bulk.pid, bulk.pieces);
         let mut pending = [null_mut(); 2];
         let mut piece: [(usize, usize); 2] = [(0, 0); 2];
         let (mut rc, mut done, mut k) = (cl::CL_SUCCESS, 0usize, 0usize);
@@ -1252,8 +1281,7 @@ impl Dispatcher {
             // SAFETY: as above.
             unsafe { self.settle(ev, false) };
         }
-        self.give_back(bufs);
-        self.put_pinned(q, pinned, releases);
+        self.end_bulk(q, bulk);
         Ok((rc, kept))
     }
 
@@ -1400,15 +1428,6 @@ pub fn pinning() -> bool {
 
 /// See [`pinning`].
 pub const PINNED_ENV: &str = "HIBER_OPENCL_PINNED";
-
-/// The two pieces a bulk transfer goes through: the context's page-locked staging, or the
-/// pageable `bufs`.
-fn staging_pieces(bufs: &mut [Vec<u8>; 2], pinned: Option<&Pinned>) -> [*mut u8; 2] {
-    match pinned {
-        Some(p) => p.ptrs,
-        None => [bufs[0].as_mut_ptr(), bufs[1].as_mut_ptr()],
-    }
-}
 
 /// The code a bulk transfer fails with when the application's memory cannot be reached:
 /// a bad pointer is the application's (`CL_INVALID_VALUE`), anything else the proxy's.
