@@ -68,6 +68,11 @@ const SEGMENT_SIZE: usize = NOTIFY_OFF + RING_HDR + NOTIFY_CAP;
 const SPIN: Duration = Duration::from_micros(20);
 /// How long a wait then yields its CPU before it sleeps.
 const YIELD: Duration = Duration::from_micros(50);
+/// A call behind more posts than this waits for its answer asleep, without spinning: the
+/// posts take long enough that a futex wake-up costs little next to them, and a spinning
+/// waiter (the application's, and the proxy's call thread) would take CPUs, or the SMT
+/// siblings of CPUs, that the post thread and the platform run on.
+const LONG_GAP: u64 = 32;
 /// How long a futex sleep lasts before the sleeper checks that its peer lives.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 
@@ -112,35 +117,39 @@ impl Bell {
     /// `check(timed_out)` runs before each sleep and after a slice ran out, and its error
     /// ends the wait.
     fn wait(&self, ready: impl Fn() -> bool, check: &dyn Fn(bool) -> io::Result<()>) -> io::Result<()> {
-        self.wait_armed(ready, check, &|| {})
+        self.wait_armed(ready, check, &|| {}, true)
     }
 
     /// As [`Bell::wait`], with `armed` run before each sleep once this waiter is marked
     /// asleep: a ring from then on wakes it, so what `armed` publishes for the ringer (the
-    /// count it waits for) cannot be missed by a ring that comes meanwhile.
-    fn wait_armed(&self, ready: impl Fn() -> bool, check: &dyn Fn(bool) -> io::Result<()>, armed: &dyn Fn()) -> io::Result<()> {
+    /// count it waits for) cannot be missed by a ring that comes meanwhile. Without `spin`
+    /// it goes to sleep at once: for a wait known to be long (behind many posts), where
+    /// spinning would only take a CPU from the threads it waits for.
+    fn wait_armed(&self, ready: impl Fn() -> bool, check: &dyn Fn(bool) -> io::Result<()>, armed: &dyn Fn(), spin: bool) -> io::Result<()> {
         if ready() {
             return Ok(());
         }
-        let start = Instant::now();
-        loop {
-            for _ in 0..64 {
-                std::hint::spin_loop();
+        if spin {
+            let start = Instant::now();
+            loop {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                    if ready() {
+                        return Ok(());
+                    }
+                }
+                if start.elapsed() >= SPIN {
+                    break;
+                }
+            }
+            // The peer may be waiting for this very CPU (a loaded machine, or the scheduler
+            // put both on one): let it run for a while before paying a futex sleep and wake-up.
+            while start.elapsed() < SPIN + YIELD {
+                // SAFETY: sched_yield has no preconditions.
+                unsafe { libc::sched_yield() };
                 if ready() {
                     return Ok(());
                 }
-            }
-            if start.elapsed() >= SPIN {
-                break;
-            }
-        }
-        // The peer may be waiting for this very CPU (a loaded machine, or the scheduler
-        // put both on one): let it run for a while before paying a futex sleep and wake-up.
-        while start.elapsed() < SPIN + YIELD {
-            // SAFETY: sched_yield has no preconditions.
-            unsafe { libc::sched_yield() };
-            if ready() {
-                return Ok(());
             }
         }
         let mut timed_out = false;
@@ -387,7 +396,12 @@ impl Slot<'_> {
     }
 
     fn wait_for(&self, turn: u32, check: &dyn Fn(bool) -> io::Result<()>) -> io::Result<()> {
-        self.hdr.bell.wait(|| self.hdr.turn.load(Ordering::Acquire) == turn, check)
+        self.wait_long(turn, check, false)
+    }
+
+    /// As `wait_for`; a `long` wait sleeps at once (see [`Bell::wait_armed`]).
+    fn wait_long(&self, turn: u32, check: &dyn Fn(bool) -> io::Result<()>, long: bool) -> io::Result<()> {
+        self.hdr.bell.wait_armed(|| self.hdr.turn.load(Ordering::Acquire) == turn, check, &|| {}, !long)
     }
 }
 
@@ -719,7 +733,7 @@ static INHERITED: [Inherited; INHERITED_MAX] = [const { Inherited { fd: AtomicI3
 
 /// Runs in a child right after `fork` (one thread, the parent's other threads gone): closes
 /// every client's socket and unmaps its segment. The child's `Client`s then fail every call
-/// and are leaked, never dropped (see `Client::pid`).
+/// and are leaked, never dropped (see `Client::made_in`).
 extern "C" fn drop_inherited() {
     for e in &INHERITED {
         let fd = e.fd.swap(-1, Ordering::AcqRel);
@@ -767,7 +781,7 @@ type NotifyFn = Arc<dyn Fn(&[u8]) + Send + Sync>;
 pub struct Client {
     /// The process that connected: in a child forked from it the client is dead (its socket
     /// and mapping are gone, see `drop_inherited`), fails every call and is never dropped.
-    pid: u32,
+    made_in: crate::fork::Epoch,
     generation: u64,
     conn: RwLock<Option<Arc<Conn>>>,
     pool: Arc<SlotPool>,
@@ -793,7 +807,7 @@ impl Client {
         let conn = Conn { seg, sock, state: AtomicU8::new(OPEN), posts_issued: AtomicU64::new(0), post_lock: Mutex::new(()) };
         track_for_fork(conn.sock.as_raw_fd(), conn.seg.base as usize);
         Ok(Client {
-            pid: std::process::id(),
+            made_in: crate::fork::epoch(),
             generation: GENERATION.fetch_add(1, Ordering::Relaxed),
             conn: RwLock::new(Some(Arc::new(conn))),
             pool: Arc::new(SlotPool { free: Mutex::new(((0..NSLOTS as u32).rev().collect(), 0)) }),
@@ -803,7 +817,7 @@ impl Client {
     }
 
     fn conn(&self) -> io::Result<Arc<Conn>> {
-        if self.pid != std::process::id() {
+        if !self.made_in.is_current() {
             return Err(io::Error::new(io::ErrorKind::NotConnected, "the proxy channel belongs to the parent process (inherited by fork)"));
         }
         let c = self.conn.read().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(closed_error)?;
@@ -849,7 +863,8 @@ impl Client {
         let conn = self.conn()?;
         let slot = conn.seg.slot(self.my_slot(&conn)?);
         let check = |t: bool| conn.check(t);
-        slot.hdr.post_seq.store(if after_posts { conn.posts_issued.load(Ordering::Acquire) } else { 0 }, Ordering::Relaxed);
+        let seq = if after_posts { conn.posts_issued.load(Ordering::Acquire) } else { 0 };
+        slot.hdr.post_seq.store(seq, Ordering::Relaxed);
         let mut off = 0;
         let mut flags = PIECE_FIRST;
         loop {
@@ -860,8 +875,10 @@ impl Client {
             slot.put(&req[off..off + n], flags);
             slot.hand_to(TURN_PROXY);
             off += n;
-            // An acknowledgement, or (after the last piece) the answer's first piece.
-            slot.wait_for(TURN_CLIENT, &check)?;
+            // An acknowledgement, or (after the last piece) the answer's first piece, which
+            // comes only once the proxy has handled the posts before this call.
+            let long = flags & PIECE_LAST != 0 && seq.saturating_sub(conn.seg.header().posts_done.load(Ordering::Acquire)) > LONG_GAP;
+            slot.wait_long(TURN_CLIENT, &check, long)?;
             if flags & PIECE_LAST != 0 {
                 break;
             }
@@ -922,7 +939,7 @@ impl Client {
     /// Returns once the calls in flight have failed (within [`WAIT_SLICE`] or so) and the
     /// notification thread let go; that thread ends after the `f` it may be running returns.
     pub fn close(&self) {
-        if self.pid != std::process::id() {
+        if !self.made_in.is_current() {
             // Inherited by fork: gone already, and nothing of it may be touched.
             return;
         }
@@ -942,7 +959,7 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
-        if self.pid != std::process::id() {
+        if !self.made_in.is_current() {
             // Inherited by fork: its descriptor and mapping were dropped at the fork, and their
             // numbers may be another's now.
             if let Some(c) = self.conn.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
@@ -1060,12 +1077,28 @@ impl Serving {
     }
 
     fn serve_posts(&self) -> io::Result<()> {
+        let mut stats = std::env::var_os(STATS_ENV).filter(|p| !p.is_empty()).map(|p| (p, PostStats::default()));
+        let r = self.post_loop(stats.as_mut().map(|(_, s)| s));
+        if let Some((path, s)) = stats {
+            s.append_to(Path::new(&path));
+        }
+        r
+    }
+
+    fn post_loop(&self, mut stats: Option<&mut PostStats>) -> io::Result<()> {
         let seg = &self.conn.seg;
         let check = |_: bool| self.conn.check();
         let (mut req, mut answer) = (Vec::new(), Vec::new());
         loop {
+            let t0 = stats.is_some().then(Instant::now);
             seg.post_ring().read(&mut req, &check)?;
+            let t1 = stats.is_some().then(Instant::now);
             self.handle(NSLOTS, &req, &mut answer)?;
+            if let (Some(s), Some(t0), Some(t1)) = (stats.as_deref_mut(), t0, t1) {
+                s.posts += 1;
+                s.waiting += t1 - t0;
+                s.handling += t1.elapsed();
+            }
             let done = seg.header().posts_done.fetch_add(1, Ordering::SeqCst) + 1;
             let wake_at = self.posts_wake_at.load(Ordering::SeqCst);
             if done >= wake_at {
@@ -1105,7 +1138,8 @@ impl Serving {
             let ask = || {
                 self.posts_wake_at.fetch_min(seq, Ordering::SeqCst);
             };
-            h.posts_done_bell.wait_armed(|| h.posts_done.load(Ordering::SeqCst) >= seq, &check, &ask)?;
+            let long = seq.saturating_sub(h.posts_done.load(Ordering::SeqCst)) > LONG_GAP;
+            h.posts_done_bell.wait_armed(|| h.posts_done.load(Ordering::SeqCst) >= seq, &check, &ask, !long)?;
             self.handle(i, &req, &mut answer)?;
             let mut off = 0;
             let mut flags = PIECE_FIRST;
@@ -1125,6 +1159,38 @@ impl Serving {
             }
             shrink(&mut req);
             shrink(&mut answer);
+        }
+    }
+}
+
+/// Names a file to which each connection's post thread appends, when it ends, how many posts
+/// it handled and where its time went (a diagnostic: two clock reads a post).
+pub const STATS_ENV: &str = "HIBER_CHANNEL_STATS";
+
+#[derive(Default)]
+struct PostStats {
+    posts: u64,
+    /// In the handler.
+    handling: Duration,
+    /// Waiting for the next post (and reading it).
+    waiting: Duration,
+}
+
+impl PostStats {
+    fn append_to(&self, path: &Path) {
+        use std::io::Write;
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / self.posts.max(1) as f64;
+        let line = format!(
+            "pid {} posts {} handling_s {:.6} waiting_s {:.6} handling_us_per_post {:.3} waiting_us_per_post {:.3}\n",
+            std::process::id(),
+            self.posts,
+            self.handling.as_secs_f64(),
+            self.waiting.as_secs_f64(),
+            per(self.handling),
+            per(self.waiting)
+        );
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).create(true).open(path) {
+            let _ = f.write_all(line.as_bytes());
         }
     }
 }

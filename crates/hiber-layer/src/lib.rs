@@ -10,6 +10,7 @@
 
 pub mod channel;
 pub mod control;
+pub mod fork;
 pub mod gate;
 pub mod table;
 

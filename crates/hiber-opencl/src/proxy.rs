@@ -12,18 +12,19 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use hiber_layer::channel::Client;
+use hiber_layer::fork::{self, Epoch};
 
 use crate::remote::{self, Transport};
 
 /// The proxy's socket: from the environment at first, then whatever `replay` names.
 static PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
 /// The open connection, so a checkpoint can close it, and the process that made it.
-static CLIENT: Mutex<Option<(Arc<Client>, u32)>> = Mutex::new(None);
+static CLIENT: Mutex<Option<(Arc<Client>, Epoch)>> = Mutex::new(None);
 
 /// A connection, and the process that made it: a child forked after its parent's first
 /// OpenCL call inherits the connection, and makes one of its own instead (the platform's
 /// objects it inherited are its parent's, and fail there, as OpenCL objects do after fork).
-struct Channel(Arc<Client>, u32);
+struct Channel(Arc<Client>, Epoch);
 
 impl Transport for Channel {
     fn call(&self, req: &[u8]) -> std::io::Result<Vec<u8>> {
@@ -39,7 +40,7 @@ impl Transport for Channel {
     }
 
     fn inherited(&self) -> bool {
-        self.1 != std::process::id()
+        !self.1.is_current()
     }
 }
 
@@ -73,9 +74,9 @@ pub fn connect() -> Option<Arc<dyn Transport>> {
         }
     };
     client.on_notify(Box::new(remote::on_notify));
-    let me = std::process::id();
-    if let Some((old, pid)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).replace((client.clone(), me)) {
-        if pid != me {
+    let me = fork::epoch();
+    if let Some((old, made_in)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).replace((client.clone(), me)) {
+        if made_in != me {
             // The parent's (see `Channel`): left as it is.
             std::mem::forget(old);
         }
@@ -89,8 +90,8 @@ pub fn connect() -> Option<Arc<dyn Transport>> {
 /// mapping of it.
 pub fn disconnect() {
     remote::set_transport(None);
-    if let Some((c, pid)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        if pid == std::process::id() {
+    if let Some((c, made_in)) = CLIENT.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if made_in.is_current() {
             c.close();
             crate::log("disconnected from the OpenCL proxy");
         } else {

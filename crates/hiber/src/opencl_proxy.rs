@@ -148,7 +148,7 @@ fn spawn_worker(exe: &Path, stream: UnixStream) -> std::io::Result<Worker> {
         .and_then(|log| log.parent().map(Path::to_path_buf));
     let fd: OwnedFd = stream.into();
     // The proxy's own settings come from the listener's environment, not the application's.
-    let own = std::env::var_os(hiber_opencl::remote::server::PINNED_ENV).map(|v| (hiber_opencl::remote::server::PINNED_ENV, v));
+    let own = [hiber_opencl::remote::server::PINNED_ENV, hiber_layer::channel::STATS_ENV].into_iter().filter_map(|k| std::env::var_os(k).map(|v| (k, v)));
     let child = Command::new(exe)
         .arg("__opencl-proxy")
         .arg("--serve")
