@@ -97,13 +97,9 @@ translated! {
     ncclCommRevoke(comm: Comm, flags: c_int) -> NcclResult, on comm, INVALID_ARGUMENT, None;
 }
 
-/// One of the agent's handles (not a communicator NCCL made for another library).
-pub(super) fn is_synthetic(c: Comm) -> bool {
-    (1..=MAX_HANDLE).contains(&(c as usize))
-}
-
 pub(super) fn mark_unsafe(c: Comm, why: &'static str) {
-    if let Some(e) = lock().comms.get_mut(&(c as usize)) {
+    let Some(h) = seq_of(c) else { return };
+    if let Some(e) = lock().comms.get_mut(&h) {
         e.unsafe_use.get_or_insert(why);
     }
 }
@@ -285,11 +281,9 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Comm, ndev: c_int, devlist:
             let real_comm = unsafe { *slot };
             let key = name_of(&[b"all", &std::process::id().to_le_bytes(), &group.to_le_bytes(), &i.to_le_bytes()]);
             let origin = Origin::All { group, index: i, ndev, devs: devs.clone() };
-            match s.register(real_comm, key, i as c_int, ndev, origin) {
-                // SAFETY: as above.
-                Some(h) => unsafe { *slot = h },
-                None => log("more NCCL communicators than the agent can name; later ones are not checkpointable"),
-            }
+            let h = s.register(real_comm, key, i as c_int, ndev, origin);
+            // SAFETY: as above.
+            unsafe { *slot = h };
         }
     }
     end_init();
@@ -318,18 +312,14 @@ pub(super) fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nrank
         (real_query(real_comm, "count"), real_query(real_comm, "rank"), real_query(real_comm, "device"))
     });
     let mut s = lock();
-    match s.register(real_comm, key, rank, nranks, origin) {
-        Some(h) => {
-            if let Some((Ok(n), Ok(rk), Ok(d))) = known {
-                if let Some(e) = s.comms.get_mut(&(h as usize)) {
-                    (e.nranks, e.rank, e.dev) = (n, rk, d);
-                }
-            }
-            // SAFETY: as above.
-            unsafe { *comm = h }
+    let h = s.register(real_comm, key, rank, nranks, origin);
+    if let Some((Ok(n), Ok(rk), Ok(d))) = known {
+        if let Some(e) = seq_of(h).and_then(|seq| s.comms.get_mut(&seq)) {
+            (e.nranks, e.rank, e.dev) = (n, rk, d);
         }
-        None => log("more NCCL communicators than the agent can name; later ones are not checkpointable"),
     }
+    // SAFETY: as above.
+    unsafe { *comm = h };
     r
 }
 
@@ -339,14 +329,15 @@ pub(super) fn adopt(comm: *mut Comm, r: NcclResult, key: u64, rank: c_int, nrank
 /// has its parent's (as NCCL gives it), which its rebuild keeps.
 pub(super) fn adopt_child(parent: Comm, newcomm: *mut Comm, r: NcclResult, how: &[u8], record: Option<Config>) -> NcclResult {
     let (key, record) = {
+        let Some(h) = seq_of(parent) else { return r };
         let mut s = lock();
-        let Some(p) = s.comms.get_mut(&(parent as usize)) else { return r };
+        let Some(p) = s.comms.get_mut(&h) else { return r };
         p.children += 1;
-        let inherited = match &p.origin {
+        let inherited = match p.origin() {
             Origin::Ranks { config } => config.clone(),
             Origin::All { .. } => None,
         };
-        (name_of(&[b"child", &p.key.to_le_bytes(), &p.children.to_le_bytes(), how]), record.or(inherited))
+        (name_of(&[b"child", &p.key().to_le_bytes(), &p.children.to_le_bytes(), how]), record.or(inherited))
     };
     if newcomm.is_null() {
         return r;
@@ -419,13 +410,13 @@ pub unsafe extern "C" fn ncclCommShrink(
 
 /// Ends a communicator the application is done with (`ncclCommDestroy`, `ncclCommAbort`).
 pub(super) fn end(comm: Comm, name: &str) -> NcclResult {
-    let h = comm as usize;
     let f = if name == "abort" { real!("ncclCommAbort" => FnComm) } else { real!("ncclCommDestroy" => FnComm) };
     let Some(f) = f else { return SYSTEM_ERROR };
-    if nested() || !is_synthetic(comm) {
+    let h = match seq_of(comm) {
+        Some(h) if !nested() => h,
         // SAFETY: a communicator the agent did not make, forwarded unchanged.
-        return unsafe { f(comm) };
-    }
+        _ => return unsafe { f(comm) },
+    };
     let real_comm = {
         // Not while hiber holds or rebuilds the communicators: every rank's must be there
         // for the rebuild, and this one is ended once it is rebuilt. One ended for good
@@ -434,10 +425,11 @@ pub(super) fn end(comm: Comm, name: &str) -> NcclResult {
         while s.phase != Phase::Open && s.comms.get(&h).is_some_and(|e| !e.failed) {
             s = wait(s);
         }
-        match s.comms.remove(&h) {
-            Some(e) => e.real,
-            None => return INVALID_ARGUMENT,
-        }
+        let Some(e) = s.comms.remove(&h) else { return INVALID_ARGUMENT };
+        let real = e.take_real();
+        // The application's handle goes with it (the object, once `e` lets go too).
+        release_handle(comm);
+        real
     };
     if real_comm == 0 {
         // Torn down by hiber already: nothing left to end.
@@ -487,14 +479,14 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: Comm) -> NcclResult {
 /// Answered from the record while the communicator is torn down, so that a watchdog
 /// thread polling it (PyTorch's) does not stop.
 pub(super) fn recorded(comm: Comm, pick: fn(&Entry) -> c_int) -> Option<Result<c_int, NcclResult>> {
-    let h = comm as usize;
-    if nested() || !is_synthetic(comm) {
+    if nested() {
         return None;
     }
+    let h = seq_of(comm)?;
     let s = lock();
     match s.comms.get(&h) {
         None => Some(Err(INVALID_ARGUMENT)),
-        Some(e) if e.real == 0 => Some(Ok(pick(e))),
+        Some(e) if e.real() == 0 => Some(Ok(pick(e))),
         Some(_) => None,
     }
 }

@@ -29,10 +29,10 @@ pub(super) fn reports(s: &State) -> Vec<Report> {
         .values()
         .filter(|e| !e.failed)
         .map(|e| Report {
-            key: e.key,
+            key: e.key(),
             rank: e.rank,
             nranks: e.nranks,
-            local: matches!(e.origin, Origin::All { .. }),
+            local: matches!(e.origin(), Origin::All { .. }),
             lanes: e.lanes.iter().map(|(l, n)| (*l, *n)).collect(),
         })
         .collect()
@@ -82,7 +82,7 @@ pub fn hold(timeout: Duration) -> Result<Vec<Report>, String> {
             return Err(format!("NCCL calls still running after {} ms (threads in groups, making communicators: {busy:?})", timeout.as_millis()));
         }
     };
-    let reals: Vec<(usize, Comm)> = s.comms.iter().filter(|(_, e)| !e.failed).map(|(h, e)| (*h, e.real as Comm)).collect();
+    let reals: Vec<(usize, Comm)> = s.comms.iter().filter(|(_, e)| !e.failed).map(|(h, e)| (*h, e.real() as Comm)).collect();
     // NCCL is asked without the lock (it may call its own exported API, the agent's).
     drop(s);
     let _inside = inside();
@@ -217,7 +217,7 @@ impl State {
         self.comms.iter().find_map(|(h, e)| {
             e.lanes.iter().find_map(|(lane, &n)| {
                 let cut = self.limits.get(&(*h, *lane)).or_else(|| self.held_at.get(&(*h, *lane))).copied().unwrap_or(0);
-                (n > cut).then(|| format!("communicator {:016x} lane {lane} reached {n}, past the cut at {cut}", e.key))
+                (n > cut).then(|| format!("communicator {:016x} lane {lane} reached {n}, past the cut at {cut}", e.key()))
             })
         })
     }
@@ -229,7 +229,7 @@ pub fn limit(key: u64, lane: Lane, n: u64) -> Result<(), String> {
     if s.phase != Phase::Held {
         return Err("limit without hold".into());
     }
-    let h = s.comms.iter().find(|(_, e)| e.key == key && !e.failed).map(|(h, _)| *h).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
+    let h = s.comms.iter().find(|(_, e)| e.key() == key && !e.failed).map(|(h, _)| *h).ok_or_else(|| format!("no NCCL communicator {key:016x}"))?;
     if n < s.count(h, lane) {
         return Err(format!("communicator {key:016x} lane {lane} is past {n} already"));
     }
@@ -259,7 +259,7 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
             if let Some(why) = live().find_map(|e| e.unsafe_use) {
                 return Err(format!("an NCCL communicator used {why}, which hiber cannot rebuild yet"));
             }
-            (live().map(|e| e.real as Comm).collect(), live().map(|e| e.dev).filter(|d| *d >= 0).collect())
+            (live().map(|e| e.real() as Comm).collect(), live().map(|e| e.dev).filter(|d| *d >= 0).collect())
         }
         Err(s) => {
             let short: Vec<String> = s
@@ -308,7 +308,7 @@ pub fn drain(timeout: Duration) -> Result<(), String> {
 /// rank's rebuild succeeded, so that none submits work a peer never joins).
 pub fn open() -> Result<(), String> {
     let mut s = lock();
-    if s.phase == Phase::Down && s.comms.values().any(|e| e.real == 0 && !e.failed) {
+    if s.phase == Phase::Down && s.comms.values().any(|e| e.real() == 0 && !e.failed) {
         return Err("NCCL communicators are torn down; rebuild them".into());
     }
     reopen(&mut s);
@@ -341,7 +341,7 @@ pub fn down() -> Result<(), String> {
         // Children before parents, the order a teardown without NCCL's groups needs (they
         // may share the parent's resources). In a group they go at once: NCCL counts the
         // users of shared resources (2.28.9 init.cc), and the last one frees them.
-        let reals = s.comms.iter_mut().rev().map(|(h, e)| (*h, std::mem::take(&mut e.real))).filter(|(_, r)| *r != 0).collect();
+        let reals = s.comms.iter().rev().map(|(h, e)| (*h, e.take_real())).filter(|(_, r)| *r != 0).collect();
         // Calls that already hold a real communicator (a watchdog polling for errors) end
         // first; new ones wait until the rebuild. Bounded: such calls return at once.
         let in_flight = s.in_use;
@@ -378,10 +378,10 @@ pub fn fail(key: u64) -> Result<(), String> {
         }
         let mut found = false;
         let mut stale = Vec::new();
-        for (h, e) in s.comms.iter_mut().filter(|(_, e)| e.key == key && !e.failed) {
+        for (h, e) in s.comms.iter_mut().filter(|(_, e)| e.key() == key && !e.failed) {
             found = true;
             e.failed = true;
-            match std::mem::take(&mut e.real) {
+            match e.take_real() {
                 0 => {}
                 r => stale.push((*h, r)),
             }

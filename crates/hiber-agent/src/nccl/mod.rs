@@ -3,7 +3,8 @@
 //! A communicator holds what neither the driver nor CRIU can take: peer memory mapped from
 //! other processes, proxy threads, sockets. So the agent exports NCCL's API itself
 //! (PyTorch links `libnccl.so.2` dynamically, so a preloaded library stands in front of it)
-//! and hands the application *synthetic* `ncclComm_t`s, small integers, behind which the
+//! and hands the application *synthetic* `ncclComm_t`s, the virtual handles of
+//! `hiber_layer::table` (as the OpenCL layer's objects are), behind which the
 //! real communicator can be torn down before a checkpoint and built again after it (with
 //! `--leave-running`, after a failed checkpoint, or in a restored process), from a record
 //! of how it was made and a fresh unique id that hiber passes between the ranks.
@@ -72,9 +73,6 @@ pub struct Team {
     stride: c_int,
 }
 
-/// Synthetic handles are 1..=MAX_HANDLE; anything larger is a real communicator the agent
-/// did not make (passed through untouched).
-const MAX_HANDLE: usize = 0xffff;
 /// How often the agent looks at a communicator that initializes in the background.
 const INIT_POLL: Duration = Duration::from_millis(1);
 /// How long a teardown waits for calls that hold a communicator.
@@ -100,8 +98,9 @@ mod tests {
     #[test]
     fn a_held_lane_admits_up_to_its_limit_and_a_torn_down_one_nothing() {
         let mut s = State::new();
-        let h = s.register(0x1000 as Comm, 7, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
-        assert!((1..=MAX_HANDLE).contains(&h), "the application gets a synthetic handle");
+        let c = s.register(0x1000 as Comm, 7, 0, 2, Origin::Ranks { config: None });
+        assert_ne!(c, 0x1000 as Comm, "the application gets the agent's handle");
+        let h = seq_of(c).expect("the agent's handle is known as one");
         s.comms.get_mut(&h).unwrap().lanes.insert(Lane::Coll, 3);
         assert!(s.admits(h, Lane::Coll) && s.admits(h, Lane::Send(1)));
         s.phase = Phase::Held;
@@ -114,49 +113,80 @@ mod tests {
         assert!(!s.admits(h, Lane::Coll) && !s.behind(), "at the limit");
         s.phase = Phase::Down;
         assert!(!s.admits(h, Lane::Coll));
+        s.comms.remove(&h);
+        release_handle(c);
+    }
+
+    #[test]
+    fn handles_are_told_from_nccls_own_communicators_and_die_with_their_entry() {
+        // What NCCL's `ncclComm` starts with (its `startMagic`), behind a real communicator.
+        let ncclcomm = Box::new([0x0280_0280_0280_0280u64, 0]);
+        let real = &*ncclcomm as *const [u64; 2] as Comm;
+        assert!(!is_synthetic(real) && !is_synthetic(std::ptr::null_mut()));
+        let mut s = State::new();
+        let c = s.register(real, 3, 0, 1, Origin::Ranks { config: None });
+        assert!(is_synthetic(c));
+        let h = seq_of(c).unwrap();
+        let e = s.comms.get(&h).unwrap();
+        assert_eq!((e.real(), e.key()), (real as usize, 3));
+        assert_eq!(e.take_real(), real as usize);
+        assert_eq!(e.real(), 0, "torn down");
+        e.set_real(0x5000);
+        assert_eq!(e.real(), 0x5000, "rebuilt behind the same handle");
+        let weak = std::sync::Arc::downgrade(&e.obj);
+        release_handle(c);
+        assert!(weak.upgrade().is_some(), "the entry still holds it");
+        s.comms.remove(&h);
+        assert!(weak.upgrade().is_none(), "gone with its entry and handle");
     }
 
     /// The only test that touches the process's own state (the agent's `STATE`).
     #[test]
     fn calls_go_through_again_only_once_every_communicator_is_rebuilt_or_fail_once_ended() {
-        let h = {
+        let (c, h) = {
             let mut s = lock();
-            let h = s.register(0x1000 as Comm, 9, 0, 2, Origin::Ranks { config: None }).unwrap() as usize;
+            let c = s.register(0x1000 as Comm, 9, 0, 2, Origin::Ranks { config: None });
+            let h = seq_of(c).unwrap();
             s.phase = Phase::Down;
-            s.comms.get_mut(&h).unwrap().real = 0;
-            h
+            s.comms.get_mut(&h).unwrap().set_real(0);
+            (c, h)
         };
         assert!(open().is_err(), "torn down, not rebuilt: calls must keep waiting");
         assert!(is_down());
-        lock().comms.get_mut(&h).unwrap().real = 0x2000;
+        lock().comms.get_mut(&h).unwrap().set_real(0x2000);
         assert!(is_down(), "rebuilt but not opened: calls still wait (hiber opens every rank together)");
         open().unwrap();
         assert!(!is_down());
         assert!(fail(9).is_err(), "only torn-down communicators can be ended for good");
         // Torn down again, and a rank of communicator 9 is gone for good: its calls fail as
         // after a peer's death; another communicator of the process waits for its rebuild.
-        let other = {
+        let (oc, other) = {
             let mut s = lock();
-            let other = s.register(0x3000 as Comm, 4, 1, 2, Origin::Ranks { config: None }).unwrap() as usize;
+            let oc = s.register(0x3000 as Comm, 4, 1, 2, Origin::Ranks { config: None });
+            let other = seq_of(oc).unwrap();
             s.phase = Phase::Down;
-            s.comms.get_mut(&h).unwrap().real = 0;
-            s.comms.get_mut(&other).unwrap().real = 0;
-            other
+            s.comms.get_mut(&h).unwrap().set_real(0);
+            s.comms.get_mut(&other).unwrap().set_real(0);
+            (oc, other)
         };
         assert!(fail(5).is_err(), "no such communicator");
         fail(9).unwrap();
         assert_eq!(count(), 1, "only the other communicator counts for a cut or a rebuild");
         assert!(list().iter().all(|r| r.key == 4));
-        assert_eq!(submit(h as Comm, Lane::Coll).err(), Some(REMOTE_ERROR));
-        assert_eq!(real_of(h as Comm).err(), Some(REMOTE_ERROR));
+        assert_eq!(submit(c, Lane::Coll).err(), Some(REMOTE_ERROR));
+        assert_eq!(real_of(c).err(), Some(REMOTE_ERROR));
         assert!(open().is_err() && is_down(), "the other one is not rebuilt yet");
-        lock().comms.get_mut(&other).unwrap().real = 0x4000;
+        lock().comms.get_mut(&other).unwrap().set_real(0x4000);
         open().unwrap();
         assert!(!is_down());
-        assert_eq!(submit(h as Comm, Lane::Coll).err(), Some(REMOTE_ERROR), "still failed once open");
+        assert_eq!(submit(c, Lane::Coll).err(), Some(REMOTE_ERROR), "still failed once open");
+        let (r, _sub) = submit(oc, Lane::Coll).unwrap();
+        assert_eq!(r, 0x4000 as Comm, "the other one's calls reach its rebuilt communicator");
+        drop(_sub);
         lock().comms.remove(&other);
         lock().comms.remove(&h);
-        assert!(is_synthetic(h as Comm) && !is_synthetic(std::ptr::null_mut()) && !is_synthetic((MAX_HANDLE + 1) as Comm));
+        release_handle(oc);
+        release_handle(c);
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub fn unique_id() -> Result<UniqueId, String> {
 pub fn set_id(key: u64, id: UniqueId) -> Result<(), String> {
     let mut s = lock();
     let mut found = false;
-    for e in s.comms.values_mut().filter(|e| e.key == key && !e.failed) {
+    for e in s.comms.values_mut().filter(|e| e.key() == key && !e.failed) {
         e.next_id = Some(id);
         found = true;
     }
@@ -183,18 +183,18 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
         if s.phase != Phase::Down {
             return Err("rebuild of communicators that are not torn down".into());
         }
-        if let Some(e) = s.comms.values().find(|e| !e.failed && matches!(e.origin, Origin::Ranks { .. }) && e.next_id.is_none()) {
-            return Err(format!("no unique id for NCCL communicator {:016x}", e.key));
+        if let Some(e) = s.comms.values().find(|e| !e.failed && matches!(e.origin(), Origin::Ranks { .. }) && e.next_id.is_none()) {
+            return Err(format!("no unique id for NCCL communicator {:016x}", e.key()));
         }
         let mut all: BTreeMap<u64, AllCall> = BTreeMap::new();
         let mut plans = Vec::new();
         let mut stale = Vec::new();
         for (h, e) in s.comms.iter_mut().filter(|(_, e)| !e.failed) {
-            match std::mem::take(&mut e.real) {
+            match e.take_real() {
                 0 => {}
                 r => stale.push((*h, r)),
             }
-            match &mut e.origin {
+            match &e.obj.origin {
                 Origin::All { group, index, ndev, devs } => all.entry(*group).or_insert_with(|| (Vec::new(), *ndev, devs.clone())).0.push((*h, *index)),
                 Origin::Ranks { config } => {
                     let Some(id) = e.next_id.take() else { continue };
@@ -251,7 +251,7 @@ pub fn rebuild(timeout: Duration) -> Result<(), String> {
     let mut s = lock();
     for (h, c) in made {
         match s.comms.get_mut(&h) {
-            Some(e) => e.real = c,
+            Some(e) => e.set_real(c),
             None => log("a rebuilt NCCL communicator has no handle any more"),
         }
     }

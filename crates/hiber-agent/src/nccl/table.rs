@@ -1,5 +1,11 @@
 //! What the agent records: each communicator the application made through it, behind a
-//! synthetic handle, with how it was made, its lanes' counts and the phase of the cut.
+//! virtual handle of hiber-layer's table (the handle the OpenCL layer's objects have too:
+//! the real communicator behind it, swapped at a teardown and a rebuild, and how it was
+//! made), with its lanes' counts and the phase of the cut.
+
+use std::sync::Arc;
+
+use hiber_layer::table::{Layer, Obj, Table};
 
 use super::*;
 
@@ -64,15 +70,68 @@ pub(super) enum Origin {
     All { group: u64, index: usize, ndev: c_int, devs: Vec<c_int> },
 }
 
-pub(super) struct Entry {
-    /// 0 while torn down.
-    pub(super) real: usize,
+/// The agent's layer in hiber-layer's table: one kind of object, the communicator.
+pub(super) struct Nccl;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Kind {
+    Comm,
+}
+
+/// How a communicator was made: what its object in the table carries.
+pub(super) struct Record {
     /// The same on every rank: derived from the unique id, or from the parent's key.
     pub(super) key: u64,
+    pub(super) origin: Origin,
+}
+
+static TABLE: Table<Nccl> = Table::new();
+
+impl Layer for Nccl {
+    type Kind = Kind;
+    type Data = Record;
+    type State = ();
+    /// "hiberNCL", little-endian. NCCL's own `ncclComm` starts with its `startMagic`.
+    const MAGIC: u64 = u64::from_le_bytes(*b"hiberNCL");
+    fn table() -> &'static Table<Nccl> {
+        &TABLE
+    }
+    fn is_root(_kind: Kind) -> bool {
+        false
+    }
+    /// The real communicator is ended by the application's `ncclCommDestroy` or by a
+    /// teardown, never by the handle going: nothing to do (and no lock may be taken here,
+    /// where `STATE` may be held).
+    fn dropped(_kind: Kind, _real: *mut c_void, _handle: usize, _data: &mut Record) {}
+}
+
+/// The agent's communicator behind the application's handle `c`, if it is one (a
+/// communicator NCCL made for someone else is passed through untouched): its place in
+/// creation order, which keys [`State::comms`].
+pub(super) fn seq_of(c: Comm) -> Option<usize> {
+    // Eight bytes are read behind a non-null `c`: the agent's object, or NCCL's (which
+    // starts with its magic).
+    Table::<Nccl>::get(c, Kind::Comm).map(|o| o.seq as usize)
+}
+
+/// The application lets go of its handle `c` (its communicator ended): the object goes
+/// once the entry that holds it does too.
+pub(super) fn release_handle(c: Comm) {
+    Table::<Nccl>::release(c, Kind::Comm);
+}
+
+/// One of the agent's handles (not a communicator NCCL made for another library).
+pub(super) fn is_synthetic(c: Comm) -> bool {
+    seq_of(c).is_some()
+}
+
+pub(super) struct Entry {
+    /// The application's handle: the real communicator behind it (null while torn down) and
+    /// how it was made.
+    pub(super) obj: Arc<Obj<Nccl>>,
     pub(super) rank: c_int,
     pub(super) nranks: c_int,
     pub(super) dev: c_int,
-    pub(super) origin: Origin,
     pub(super) lanes: BTreeMap<Lane, u64>,
     /// Splits and shrinks made from it, which derive their keys from it.
     pub(super) children: u64,
@@ -83,6 +142,34 @@ pub(super) struct Entry {
     /// Torn down for good (a rank's process is gone): its calls fail as after a peer's
     /// death in NCCL, and no cut or rebuild counts it.
     pub(super) failed: bool,
+}
+
+impl Entry {
+    /// The real communicator; 0 while torn down.
+    pub(super) fn real(&self) -> usize {
+        self.obj.real() as usize
+    }
+
+    pub(super) fn set_real(&self, real: usize) {
+        self.obj.set_real(real as *mut c_void);
+    }
+
+    /// The real communicator, leaving none behind the handle.
+    pub(super) fn take_real(&self) -> usize {
+        let r = self.real();
+        if r != 0 {
+            self.set_real(0);
+        }
+        r
+    }
+
+    pub(super) fn key(&self) -> u64 {
+        self.obj.key
+    }
+
+    pub(super) fn origin(&self) -> &Origin {
+        &self.obj.origin
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,8 +183,8 @@ pub(super) enum Phase {
 
 pub(super) struct State {
     pub(super) phase: Phase,
+    /// By creation order ([`seq_of`] the handle).
     pub(super) comms: BTreeMap<usize, Entry>,
-    pub(super) next_handle: usize,
     pub(super) next_all_group: u64,
     /// Threads inside a group, inside a submission, inside a communicator's creation.
     pub(super) in_group: usize,
@@ -117,7 +204,6 @@ impl State {
         State {
             phase: Phase::Open,
             comms: BTreeMap::new(),
-            next_handle: 1,
             next_all_group: 0,
             in_group: 0,
             in_call: 0,
@@ -201,27 +287,13 @@ impl State {
         self.limits.iter().any(|(&(h, lane), &limit)| self.count(h, lane) < limit)
     }
 
-    pub(super) fn register(&mut self, real: Comm, key: u64, rank: c_int, nranks: c_int, origin: Origin) -> Option<Comm> {
-        if self.next_handle > MAX_HANDLE {
-            return None;
-        }
-        let h = self.next_handle;
-        self.next_handle += 1;
-        let entry = Entry {
-            real: real as usize,
-            key,
-            rank,
-            nranks,
-            dev: -1,
-            origin,
-            lanes: BTreeMap::new(),
-            children: 0,
-            unsafe_use: None,
-            next_id: None,
-            failed: false,
-        };
+    /// Records `real` and returns the application's handle for it.
+    pub(super) fn register(&mut self, real: Comm, key: u64, rank: c_int, nranks: c_int, origin: Origin) -> Comm {
+        let obj = TABLE.make(Kind::Comm, real, Record { key, origin });
+        let h = obj.seq as usize;
+        let entry = Entry { obj: obj.clone(), rank, nranks, dev: -1, lanes: BTreeMap::new(), children: 0, unsafe_use: None, next_id: None, failed: false };
         self.comms.insert(h, entry);
-        Some(h as Comm)
+        Table::give(obj) as Comm
     }
 }
 
@@ -246,17 +318,16 @@ impl Drop for InUse {
 /// The real communicator behind `c` (waiting while communicators are torn down), in use
 /// until the guard drops.
 pub(super) fn real_of(c: Comm) -> Result<(Comm, InUse), NcclResult> {
-    let h = c as usize;
-    if !is_synthetic(c) {
+    let Some(h) = seq_of(c) else {
         return Ok((c, InUse(false)));
-    }
+    };
     let mut s = lock();
     loop {
         match s.comms.get(&h) {
             None => return Err(INVALID_ARGUMENT),
             Some(e) if e.failed => return Err(REMOTE_ERROR),
-            Some(e) if e.real != 0 => {
-                let real = e.real as Comm;
+            Some(e) if e.real() != 0 => {
+                let real = e.real() as Comm;
                 s.in_use += 1;
                 return Ok((real, InUse(true)));
             }
@@ -282,12 +353,12 @@ impl Drop for Submission {
 /// Counts a submission on `lane` of `c` (waiting first, outside a group, while the lane is
 /// at its limit) and returns the real communicator.
 pub(super) fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResult> {
-    let h = c as usize;
+    let seq = seq_of(c);
     let mut s = lock();
-    if !is_synthetic(c) {
+    let Some(h) = seq else {
         s.in_call += 1;
         return Ok((c, Submission));
-    }
+    };
     if s.comms.get(&h).is_some_and(|e| e.failed) {
         return Err(REMOTE_ERROR);
     }
@@ -297,11 +368,11 @@ pub(super) fn submit(c: Comm, lane: Lane) -> Result<(Comm, Submission), NcclResu
         }
     }
     let e = s.comms.get_mut(&h).ok_or(INVALID_ARGUMENT)?;
-    if e.real == 0 {
+    if e.real() == 0 {
         return Err(if e.failed { REMOTE_ERROR } else { INVALID_USAGE });
     }
     *e.lanes.entry(lane).or_default() += 1;
-    let real = e.real as Comm;
+    let real = e.real() as Comm;
     s.in_call += 1;
     Ok((real, Submission))
 }
