@@ -2110,12 +2110,25 @@ def opencl_nvidia_2gib_through_the_proxy(m):
     assert progress("ocl2g") + progress("ocl2g-r") == ref_traj, "trajectory differs from the uninterrupted run"
 
 
-def ocl_2gib(m, job, env, steps, device, sleep, run_args=(), running=lambda: None):
-    """The stencil over two 1 GiB buffers on DEVICE, STEPS steps SLEEP ms apart, as job JOB
-    (`hiber run RUN_ARGS`); RUNNING checks it once it runs. Checkpointed (stopping) at step
-    2: the image holds its 2048 MiB of OpenCL memory. Restored as JOB-r: it goes on from the
-    cut and verifies. The times go into M."""
-    hiber("run", "--name", job, *run_args, "--", ocl_program("stencil"), steps, str(256 << 20), device, sleep, env=env)
+@scenario
+def opencl_nvidia_2gib_lean_through_the_proxy(m):
+    """#36's stop target: the same 2 GiB job, but its memory is its OpenCL buffers (the
+    stencil's `lean` mode keeps no host copy of them, as a real job's buffers are filled
+    once and read in pieces), checkpointed (stopping) and restored on the GPU, on its
+    trajectory. What CRIU dumps is then the program and the layer, not 3 GiB of references."""
+    env = opencl_env()
+    ref = sh(ocl_program("stencil"), "6", str(256 << 20), "gpu", "0", "lean", env=env, timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    ocl_2gib(m, "ocl2gl", env, "6", "gpu", "1500", ("--no-agent", "--opencl=proxy"), mode=("lean",))
+    assert progress("ocl2gl") + progress("ocl2gl-r") == ref_traj, "trajectory differs from the uninterrupted run"
+
+
+def ocl_2gib(m, job, env, steps, device, sleep, run_args=(), running=lambda: None, mode=()):
+    """The stencil over two 1 GiB buffers on DEVICE, STEPS steps SLEEP ms apart (in MODE,
+    the stencil's fifth argument), as job JOB (`hiber run RUN_ARGS`); RUNNING checks it once
+    it runs. Checkpointed (stopping) at step 2: the image holds its 2048 MiB of OpenCL
+    memory. Restored as JOB-r: it goes on from the cut and verifies. The times go into M."""
+    hiber("run", "--name", job, *run_args, "--", ocl_program("stencil"), steps, str(256 << 20), device, sleep, *mode, env=env)
     wait_step(job, 2, 150)
     running()
     img = image_of(job)
