@@ -16,6 +16,7 @@ section and `hiber inspect`, what the agent moved itself and what it left to the
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -2220,6 +2221,25 @@ def opencl_layer_overhead(m):
         "--pairs", "3", "--rounds", "20000", "--device", "gpu", "--device", "cpu", env=env, timeout=500,
     )
     m["table"] = rows.stdout.strip().splitlines()
+
+
+@scenario
+@exclusive
+def opencl_launch_on_another_thread(m):
+    """Why the proxy's launch loop is slower on NVIDIA: its post thread runs the posted calls
+    on a thread other than the one that made the context, queue and kernel. The same loop
+    with no layer at all, on the thread that made them and on another (launch.c's `thread`),
+    alternating, medians of the per-call times."""
+    env = opencl_env()
+    runs = {"same thread": [], "another thread": []}
+    for i in range(5):
+        for name, extra in (("same thread", ()), ("another thread", ("thread",)))[:: 1 if i % 2 == 0 else -1]:
+            out = sh(ocl_program("launch"), "3", "20000", "gpu", *extra, env=env, timeout=120).stdout
+            runs[name] += [float(l.split()[3]) for l in out.splitlines() if l.startswith("rep ")]
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    m["us_per_call_median"] = {k: round(v, 4) for k, v in med.items()}
+    m["runs"] = {k: len(v) for k, v in runs.items()}
+    m["ratio"] = round(med["another thread"] / med["same thread"], 3)
 
 
 @scenario
