@@ -1609,8 +1609,10 @@ def xhost_env(rank):
     """Rank RANK of a two-rank job whose ranks are started apart, as on two hosts. Each is a
     host of its own to NCCL (NCCL_HOSTID), which then connects them through its socket
     transport over loopback as it would two hosts, rather than through the GPU (two ranks of
-    one host may not share a GPU, and one GPU is all this scenario needs)."""
-    env = dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(rank),
+    one host may not share a GPU, and one GPU is all this scenario needs). With
+    SUITE_XHOST_SPREAD=1 rank r is on GPU r: two hosts of one GPU each."""
+    gpu = str(rank) if os.environ.get("SUITE_XHOST_SPREAD") == "1" else "0"
+    env = dict(ENV, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK=gpu, RANK=str(rank),
                NCCL_HOSTID=f"hiber-suite-host{rank}", NCCL_DEBUG="WARN")
     # SUITE_XHOST_ENV (K=V,K=V) adds to these or replaces them; a piece without `=` belongs
     # to the value before it (NCCL_DEBUG_SUBSYS=INIT,NET).
