@@ -1,0 +1,161 @@
+//! How `hiber coordinate` scales (#38): N participants, each on a thread of its own with its
+//! own TLS connection (the library's `Remote`, as a `hiber checkpoint --coordinator` uses),
+//! against a real `hiber coordinate` process. For each size it times every phase of one
+//! checkpoint's session from the moment all participants are released at once until the
+//! last one has the coordinator's answer: plain barriers (Prepared, Captured, Committed)
+//! and exchanges (Quiesced, Dumped: each participant sends 64 bytes and gets all N back, as
+//! the NCCL cut's counts are gathered), and the coordinator's peak memory (VmHWM).
+//!
+//! Usage: coordinator_scale HIBER SESSIONS SIZE... > results.json
+//! Prints one JSON object: `{"coordinator": [{"participants", "samples": {"phase_ms",
+//! "exchange_ms"}, "join_s", "coordinator_hwm_mib", "coordinator_threads"}]}`.
+
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use hiber_core::coordinator::net::{session_token, Remote};
+use hiber_core::coordinator::{Coordinator, Local, Phase};
+
+/// The phases of one checkpoint's session, and whether each carries data.
+const PHASES: [(Phase, bool); 5] = [(Phase::Prepared, false), (Phase::Quiesced, true), (Phase::Captured, false), (Phase::Dumped, true), (Phase::Committed, false)];
+
+/// Participants start this far apart: joining (a TLS handshake each) is not what is
+/// measured, and thousands at once on a small machine would run past the handshake's own
+/// timeout. (A participant's `join` returns only once all have joined.)
+const STAGGER: Duration = Duration::from_millis(2);
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 4 {
+        eprintln!("usage: coordinator_scale HIBER SESSIONS SIZE...");
+        std::process::exit(2);
+    }
+    let hiber = &args[1];
+    let sessions: usize = args[2].parse().expect("SESSIONS is a number");
+    let mut rows = Vec::new();
+    for size in &args[3..] {
+        let n: usize = size.parse().expect("SIZE is a number");
+        let mut phase_ms = Vec::new();
+        let mut exchange_ms = Vec::new();
+        let mut join_s = Vec::new();
+        let mut hwm = 0u64;
+        let mut threads = 0u64;
+        for _ in 0..sessions {
+            let s = session(hiber, n);
+            phase_ms.extend(s.phase_ms);
+            exchange_ms.extend(s.exchange_ms);
+            join_s.push(s.join_s);
+            hwm = hwm.max(s.hwm_kib);
+            threads = threads.max(s.threads);
+            eprintln!("{n} participants: join {:.1} s, phases {:?} ms", s.join_s, s.all_ms);
+        }
+        rows.push(serde_json::json!({
+            "participants": n,
+            "sessions": sessions,
+            "samples": {"phase_ms": phase_ms, "exchange_ms": exchange_ms},
+            "join_s": join_s,
+            "coordinator_hwm_mib": hwm as f64 / 1024.0,
+            "coordinator_threads": threads,
+        }));
+    }
+    println!("{}", serde_json::json!({ "coordinator": rows }));
+}
+
+struct Session {
+    phase_ms: Vec<f64>,
+    exchange_ms: Vec<f64>,
+    all_ms: Vec<u64>,
+    join_s: f64,
+    hwm_kib: u64,
+    threads: u64,
+}
+
+fn session(hiber: &str, n: usize) -> Session {
+    let token = session_token().expect("a session token");
+    // A free port, handed to the coordinator (a race with another program is possible and
+    // fails loudly).
+    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut coord = Command::new(hiber)
+        .args(["coordinate", "--participants", &n.to_string(), "--listen", &addr, "--timeout", "300"])
+        .env("HIBER_SESSION", &token)
+        .env("HIBER_LOG", "error")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("hiber coordinate starts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(Instant::now() < deadline, "the coordinator did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start = Instant::now();
+    // All participants wait here before each phase, and the main thread with them.
+    let release = Arc::new(Barrier::new(n + 1));
+    let done: Arc<Mutex<Vec<Vec<Instant>>>> = Arc::new(Mutex::new(vec![Vec::new(); PHASES.len()]));
+    let mut handles = Vec::new();
+    for i in 0..n {
+        let (addr, token, release, done) = (addr.clone(), token.clone(), release.clone(), done.clone());
+        let h = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || {
+                // Returns at the welcome, once every participant has joined.
+                let r = Remote::join(&addr, &token, &format!("p{i}"), Duration::from_secs(300), Local::default()).unwrap_or_else(|e| panic!("participant {i}: {e}"));
+                for (k, (phase, data)) in PHASES.iter().enumerate() {
+                    release.wait();
+                    if *data {
+                        let all = r.exchange(*phase, serde_json::json!({ "rank": i, "pad": "x".repeat(40) })).unwrap_or_else(|e| panic!("participant {i}: {e}"));
+                        assert_eq!(all.len(), n, "every participant's data comes back");
+                    } else {
+                        r.barrier(*phase).unwrap_or_else(|e| panic!("participant {i}: {e}"));
+                    }
+                    done.lock().unwrap()[k].push(Instant::now());
+                }
+            })
+            .expect("a participant thread");
+        handles.push(h);
+        std::thread::sleep(STAGGER);
+    }
+    let mut all_ms = Vec::new();
+    let mut phase_ms = Vec::new();
+    let mut exchange_ms = Vec::new();
+    let mut join_s = 0.0;
+    let mut hwm_kib = 0;
+    let mut threads = 0;
+    for (k, (_, data)) in PHASES.iter().enumerate() {
+        release.wait();
+        let t0 = Instant::now();
+        if k == 0 {
+            join_s = start.elapsed().as_secs_f64();
+        }
+        // Every participant has its answer when the last one records it.
+        loop {
+            if done.lock().unwrap()[k].len() == n {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let last = *done.lock().unwrap()[k].iter().max().expect("n > 0");
+        let ms = last.duration_since(t0).as_secs_f64() * 1e3;
+        all_ms.push(ms.round() as u64);
+        if *data {
+            exchange_ms.push(ms);
+        } else {
+            phase_ms.push(ms);
+        }
+        if k == PHASES.len() - 2 {
+            // Before the last phase, while the coordinator still runs.
+            let status = std::fs::read_to_string(format!("/proc/{}/status", coord.id())).unwrap_or_default();
+            let field = |name: &str| status.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0);
+            hwm_kib = field("VmHWM:");
+            threads = field("Threads:");
+        }
+    }
+    for h in handles {
+        h.join().expect("a participant passed every phase");
+    }
+    let st = coord.wait().expect("the coordinator ends");
+    assert!(st.success(), "the coordinator ended with {st}");
+    Session { phase_ms, exchange_ms, all_ms, join_s, hwm_kib, threads }
+}
