@@ -19,7 +19,8 @@ use hiber_core::coordinator::net::{session_token, Remote};
 use hiber_core::coordinator::{Coordinator, Local, Phase};
 
 /// The phases of one checkpoint's session, and whether each carries data.
-const PHASES: [(Phase, bool); 5] = [(Phase::Prepared, false), (Phase::Quiesced, true), (Phase::Captured, false), (Phase::Dumped, true), (Phase::Committed, false)];
+const PHASES: [(Phase, bool); 5] =
+    [(Phase::Prepared, false), (Phase::Quiesced, true), (Phase::Captured, false), (Phase::Dumped, true), (Phase::Committed, false)];
 
 /// Participants start this far apart: joining (a TLS handshake each) is not what is
 /// measured, and thousands at once on a small machine would run past the handshake's own
@@ -101,11 +102,13 @@ fn session(hiber: &str, n: usize) -> Session {
             .stack_size(256 << 10)
             .spawn(move || {
                 // Returns at the welcome, once every participant has joined.
-                let r = Remote::join(&addr, &token, &format!("p{i}"), Duration::from_secs(300), Local::default()).unwrap_or_else(|e| panic!("participant {i}: {e}"));
+                let r = Remote::join(&addr, &token, &format!("p{i}"), Duration::from_secs(300), Local::default())
+                    .unwrap_or_else(|e| panic!("participant {i}: {e}"));
                 for (k, (phase, data)) in PHASES.iter().enumerate() {
                     release.wait();
                     if *data {
-                        let all = r.exchange(*phase, serde_json::json!({ "rank": i, "pad": "x".repeat(40) })).unwrap_or_else(|e| panic!("participant {i}: {e}"));
+                        let all =
+                            r.exchange(*phase, serde_json::json!({ "rank": i, "pad": "x".repeat(40) })).unwrap_or_else(|e| panic!("participant {i}: {e}"));
                         assert_eq!(all.len(), n, "every participant's data comes back");
                     } else {
                         r.barrier(*phase).unwrap_or_else(|e| panic!("participant {i}: {e}"));
@@ -147,7 +150,8 @@ fn session(hiber: &str, n: usize) -> Session {
         if k == PHASES.len() - 2 {
             // Before the last phase, while the coordinator still runs.
             let status = std::fs::read_to_string(format!("/proc/{}/status", coord.id())).unwrap_or_default();
-            let field = |name: &str| status.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0);
+            let field =
+                |name: &str| status.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0);
             hwm_kib = field("VmHWM:");
             threads = field("Threads:");
         }
