@@ -4,11 +4,14 @@
 //! checkpoint's session from the moment all participants are released at once until the
 //! last one has the coordinator's answer: plain barriers (Prepared, Captured, Committed)
 //! and exchanges (Quiesced, Dumped: each participant sends 64 bytes and gets all N back, as
-//! the NCCL cut's counts are gathered), and the coordinator's peak memory (VmHWM).
+//! the NCCL cut's counts are gathered), the CPU time the coordinator process spent in each
+//! phase (its own share, apart from the participants', which here share its machine), and
+//! its peak memory (VmHWM).
 //!
 //! Usage: coordinator_scale HIBER SESSIONS SIZE... > results.json
 //! Prints one JSON object: `{"coordinator": [{"participants", "samples": {"phase_ms",
-//! "exchange_ms"}, "join_s", "coordinator_hwm_mib", "coordinator_threads"}]}`.
+//! "exchange_ms", "phase_cpu_ms", "exchange_cpu_ms"}, "join_s", "coordinator_hwm_mib",
+//! "coordinator_threads"}]}`.
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -40,6 +43,8 @@ fn main() {
         let n: usize = size.parse().expect("SIZE is a number");
         let mut phase_ms = Vec::new();
         let mut exchange_ms = Vec::new();
+        let mut phase_cpu_ms = Vec::new();
+        let mut exchange_cpu_ms = Vec::new();
         let mut join_s = Vec::new();
         let mut hwm = 0u64;
         let mut threads = 0u64;
@@ -47,6 +52,8 @@ fn main() {
             let s = session(hiber, n);
             phase_ms.extend(s.phase_ms);
             exchange_ms.extend(s.exchange_ms);
+            phase_cpu_ms.extend(s.phase_cpu_ms);
+            exchange_cpu_ms.extend(s.exchange_cpu_ms);
             join_s.push(s.join_s);
             hwm = hwm.max(s.hwm_kib);
             threads = threads.max(s.threads);
@@ -55,7 +62,7 @@ fn main() {
         rows.push(serde_json::json!({
             "participants": n,
             "sessions": sessions,
-            "samples": {"phase_ms": phase_ms, "exchange_ms": exchange_ms},
+            "samples": {"phase_ms": phase_ms, "exchange_ms": exchange_ms, "phase_cpu_ms": phase_cpu_ms, "exchange_cpu_ms": exchange_cpu_ms},
             "join_s": join_s,
             "coordinator_hwm_mib": hwm as f64 / 1024.0,
             "coordinator_threads": threads,
@@ -67,6 +74,8 @@ fn main() {
 struct Session {
     phase_ms: Vec<f64>,
     exchange_ms: Vec<f64>,
+    phase_cpu_ms: Vec<f64>,
+    exchange_cpu_ms: Vec<f64>,
     all_ms: Vec<u64>,
     join_s: f64,
     hwm_kib: u64,
@@ -123,10 +132,13 @@ fn session(hiber: &str, n: usize) -> Session {
     let mut all_ms = Vec::new();
     let mut phase_ms = Vec::new();
     let mut exchange_ms = Vec::new();
+    let mut phase_cpu_ms = Vec::new();
+    let mut exchange_cpu_ms = Vec::new();
     let mut join_s = 0.0;
     let mut hwm_kib = 0;
     let mut threads = 0;
     for (k, (_, data)) in PHASES.iter().enumerate() {
+        let cpu0 = cpu_ms(coord.id());
         release.wait();
         let t0 = Instant::now();
         if k == 0 {
@@ -142,10 +154,14 @@ fn session(hiber: &str, n: usize) -> Session {
         let last = *done.lock().unwrap()[k].iter().max().expect("n > 0");
         let ms = last.duration_since(t0).as_secs_f64() * 1e3;
         all_ms.push(ms.round() as u64);
+        // The coordinator has answered everyone: what it spent on this phase is counted.
+        let cpu = cpu_ms(coord.id()) - cpu0;
         if *data {
             exchange_ms.push(ms);
+            exchange_cpu_ms.push(cpu);
         } else {
             phase_ms.push(ms);
+            phase_cpu_ms.push(cpu);
         }
         if k == PHASES.len() - 2 {
             // Before the last phase, while the coordinator still runs.
@@ -161,5 +177,19 @@ fn session(hiber: &str, n: usize) -> Session {
     }
     let st = coord.wait().expect("the coordinator ends");
     assert!(st.success(), "the coordinator ended with {st}");
-    Session { phase_ms, exchange_ms, all_ms, join_s, hwm_kib, threads }
+    Session { phase_ms, exchange_ms, phase_cpu_ms, exchange_cpu_ms, all_ms, join_s, hwm_kib, threads }
+}
+
+/// The CPU time (user and system) process `pid` has used, in milliseconds.
+fn cpu_ms(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest.split_whitespace().map(|v| v.parse().unwrap_or(0.0)).collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    if f.len() < 13 || hz <= 0.0 {
+        return 0.0;
+    }
+    (f[11] + f[12]) * 1000.0 / hz
 }
