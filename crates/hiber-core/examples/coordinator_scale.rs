@@ -5,8 +5,10 @@
 //! last one has the coordinator's answer: plain barriers (Prepared, Captured, Committed)
 //! and exchanges (Quiesced, Dumped: each participant sends 64 bytes and gets all N back, as
 //! the NCCL cut's counts are gathered), the CPU time the coordinator process spent in each
-//! phase (its own share, apart from the participants', which here share its machine), and
-//! its peak memory (VmHWM).
+//! phase but the last (its own share, apart from the participants', which here share its
+//! machine; the last phase's would take in the coordinator's exit), and its peak memory
+//! (VmHWM). A phase's time runs from the first participant leaving the release to the last
+//! one holding the answer.
 //!
 //! Usage: coordinator_scale HIBER SESSIONS SIZE... > results.json
 //! Prints one JSON object: `{"coordinator": [{"participants", "samples": {"phase_ms",
@@ -36,6 +38,12 @@ fn main() {
         eprintln!("usage: coordinator_scale HIBER SESSIONS SIZE...");
         std::process::exit(2);
     }
+    // A participant that fails would leave the others at a barrier for ever: any panic ends
+    // the run (the coordinator then hears every connection close, and aborts).
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("coordinator_scale: {info}");
+        std::process::exit(1);
+    }));
     let hiber = &args[1];
     let sessions: usize = args[2].parse().expect("SESSIONS is a number");
     let mut rows = Vec::new();
@@ -103,10 +111,12 @@ fn session(hiber: &str, n: usize) -> Session {
     let start = Instant::now();
     // All participants wait here before each phase, and the main thread with them.
     let release = Arc::new(Barrier::new(n + 1));
+    // When each participant left the release of each phase, and when it had its answer.
+    let released: Arc<Mutex<Vec<Vec<Instant>>>> = Arc::new(Mutex::new(vec![Vec::new(); PHASES.len()]));
     let done: Arc<Mutex<Vec<Vec<Instant>>>> = Arc::new(Mutex::new(vec![Vec::new(); PHASES.len()]));
     let mut handles = Vec::new();
     for i in 0..n {
-        let (addr, token, release, done) = (addr.clone(), token.clone(), release.clone(), done.clone());
+        let (addr, token, release, released, done) = (addr.clone(), token.clone(), release.clone(), released.clone(), done.clone());
         let h = std::thread::Builder::new()
             .stack_size(256 << 10)
             .spawn(move || {
@@ -115,6 +125,7 @@ fn session(hiber: &str, n: usize) -> Session {
                     .unwrap_or_else(|e| panic!("participant {i}: {e}"));
                 for (k, (phase, data)) in PHASES.iter().enumerate() {
                     release.wait();
+                    released.lock().unwrap()[k].push(Instant::now());
                     if *data {
                         let all =
                             r.exchange(*phase, serde_json::json!({ "rank": i, "pad": "x".repeat(40) })).unwrap_or_else(|e| panic!("participant {i}: {e}"));
@@ -137,31 +148,34 @@ fn session(hiber: &str, n: usize) -> Session {
     let mut join_s = 0.0;
     let mut hwm_kib = 0;
     let mut threads = 0;
+    let last_phase = PHASES.len() - 1;
     for (k, (_, data)) in PHASES.iter().enumerate() {
-        let cpu0 = cpu_ms(coord.id());
         release.wait();
-        let t0 = Instant::now();
+        // After the release: the first phase's window must not take in the last joins.
+        let cpu0 = cpu_ms(coord.id());
         if k == 0 {
             join_s = start.elapsed().as_secs_f64();
         }
         // Every participant has its answer when the last one records it.
-        loop {
-            if done.lock().unwrap()[k].len() == n {
-                break;
-            }
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while done.lock().unwrap()[k].len() < n {
+            assert!(Instant::now() < deadline, "the participants did not pass phase {k} within 600 s");
             std::thread::sleep(Duration::from_micros(200));
         }
+        // From the first participant out of the release to the last one answered.
+        let t0 = *released.lock().unwrap()[k].iter().min().expect("n > 0");
         let last = *done.lock().unwrap()[k].iter().max().expect("n > 0");
         let ms = last.duration_since(t0).as_secs_f64() * 1e3;
         all_ms.push(ms.round() as u64);
-        // The coordinator has answered everyone: what it spent on this phase is counted.
-        let cpu = cpu_ms(coord.id()) - cpu0;
+        // The coordinator has answered everyone: what it spent on this phase is counted. Not
+        // for the last one: the coordinator ends right after it, and its end would be in it.
+        let cpu = (k < last_phase).then(|| cpu_ms(coord.id()) - cpu0);
         if *data {
             exchange_ms.push(ms);
-            exchange_cpu_ms.push(cpu);
+            exchange_cpu_ms.extend(cpu);
         } else {
             phase_ms.push(ms);
-            phase_cpu_ms.push(cpu);
+            phase_cpu_ms.extend(cpu);
         }
         if k == PHASES.len() - 2 {
             // Before the last phase, while the coordinator still runs.
