@@ -28,6 +28,8 @@ packages=(
     # run real OpenCL programs (clpeak and PyOpenCL among them).
     ocl-icd-libopencl1 ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo clpeak
     python3-pyopencl
+    # Open MPI: the tests run MPI jobs under mpirun, as their users start them.
+    openmpi-bin libopenmpi-dev
 )
 
 install_packages() {

@@ -448,6 +448,12 @@ fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
                 .into(),
         );
     }
+    if text.contains("Unable to open dev/ptmx with specified index") {
+        return Some(
+            "a pseudo-terminal of the image has its number taken on this host: by the original, if it still runs (mpirun gives its ranks terminals), and CRIU restores a terminal under its old number; restore once the original is stopped"
+                .into(),
+        );
+    }
     if !src.pid_namespace && (e.errno() == Some(libc::EEXIST) || text.contains("already")) {
         return Some(format!("the process was not started by `hiber run`, so it must get its old PIDs back; stop the original (pid {}) first", src.pid));
     }
