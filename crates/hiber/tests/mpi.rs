@@ -95,7 +95,9 @@ fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
     run(&h, "mpil", &bin);
     h.wait_step("mpil", 15);
     let img = h.images_dir().join("mpil");
+    let before = h.last_step("mpil").unwrap();
     h.ok(&["checkpoint", "mpil", "--leave-running", "--out", img.to_str().unwrap()]);
+    let after = h.last_step("mpil").unwrap();
     // A copy beside the running original cannot have the terminals mpirun gave its ranks
     // (CRIU restores each under its number): refused with the reason, the original untouched.
     let f = h.fails(&["restore", img.to_str().unwrap(), "--name", "mpil-copy", "--isolate-net"]);
@@ -103,4 +105,32 @@ fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
     h.assert_verified("mpil", Duration::from_secs(60));
     assert_continues(&reference, &h.progress("mpil"), 1);
     assert_eq!(h.last_step("mpil"), Some(STEPS.parse().unwrap()));
+    // Once the original has ended (and mpirun removed what it kept on the host), the image
+    // still restores: mpirun's session directory is in the job's /dev/shm, in the image.
+    h.ok(&["restore", img.to_str().unwrap(), "--name", "mpil-later"]);
+    h.assert_verified("mpil-later", Duration::from_secs(60));
+    let later = h.progress("mpil-later");
+    let first = later.first().map(|p| p.0).unwrap_or(0);
+    assert!(first > before && first <= after + 1, "the copy goes on from the checkpoint (between steps {before} and {after}), not from {first}");
+    assert_continues(&reference, &later, first);
+}
+
+/// Two Open MPI jobs started at once: every job's mpirun is PID 1 in its own PID namespace,
+/// and Open MPI names its session directory after that PID. Both must start, run and end.
+#[test]
+fn two_open_mpi_jobs_start_side_by_side() {
+    let h = Hiber::new("mpi2");
+    let bin = ring(&h);
+    let reference = reference(&bin);
+    let names = ["mpi-a", "mpi-b", "mpi-c"];
+    std::thread::scope(|s| {
+        for name in names {
+            let (h, bin) = (&h, &bin);
+            s.spawn(move || run(h, name, bin));
+        }
+    });
+    for name in names {
+        h.assert_verified(name, Duration::from_secs(60));
+        assert_continues(&reference, &h.progress(name), 1);
+    }
 }

@@ -68,6 +68,10 @@ pub struct JobOptions {
     pub host_ipc: bool,
 }
 
+/// Open MPI 4's setting for where mpirun makes its session directory (else `$TMPDIR`, or
+/// `/tmp`).
+const OMPI_SESSION_DIR_ENV: &str = "OMPI_MCA_orte_tmpdir_base";
+
 pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>, opts: JobOptions) -> Result<Job, CliError> {
     if hiber_core::sys::geteuid() != 0 {
         return Err(CliError::new(ENVIRONMENT, "hiber run needs root: each job gets its own PID namespace").hint("run it with sudo"));
@@ -98,6 +102,13 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
         }
         if opts.opencl.is_none() {
             skip.push(hiber_core::engine::opencl::ENGINE);
+        }
+        // Open MPI names its session directory after mpirun's PID, which is 1 in every job's
+        // PID namespace: two jobs' mpiruns would share /tmp/ompi.HOST.UID/pid.1 and break
+        // each other's start. In the job's own /dev/shm it is the job's, and goes into its
+        // image (so an image restores once the original has ended and removed its own).
+        if !opts.host_shm && std::env::var_os(OMPI_SESSION_DIR_ENV).is_none() {
+            cmd = cmd.env(OMPI_SESSION_DIR_ENV, "/dev/shm").map_err(|e| CliError::new(FAILED, e.to_string()))?;
         }
         let env = hiber_core::engine::launch_env(&dir, &skip);
         let layered = env.iter().any(|(k, _)| k == hiber_wire::opencl::TOKEN_ENV);
