@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{assert_continues, Hiber};
+use common::hosts::{hiber_in, net_of, Hosts};
+use common::{assert_continues, Hiber, HIBER};
 
 const RANKS: &str = "3";
 const STEPS: &str = "150";
@@ -133,4 +134,154 @@ fn two_open_mpi_jobs_start_side_by_side() {
         h.assert_verified(name, Duration::from_secs(60));
         assert_continues(&reference, &h.progress(name), 1);
     }
+}
+
+/// A host's sshd stand-in (`fixtures/sshd_standin.py`) in network namespace `ns`; killed
+/// when dropped.
+struct Sshd(std::process::Child);
+
+impl Sshd {
+    fn start(ns: &str, addr: &str, port: u16) -> Sshd {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sshd_standin.py");
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={ns}"))
+            .args(["python3", script.to_str().unwrap(), addr, &port.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the sshd stand-in");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut line).unwrap();
+        assert_eq!(line.trim(), "listening", "the sshd stand-in on {addr} listens");
+        Sshd(child)
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `hiber coordinate` in host A's namespace and one hiber per side (its state, its host's
+/// namespace, its arguments), all at once: every one must succeed.
+fn coordinated(hosts: &Hosts, sides: [(&Hiber, &str, Vec<String>); 2], port: u16) {
+    let addr = format!("{}:{port}", hosts.a_addr);
+    // Long enough for a session token (hiber refuses short ones).
+    let session = format!("mpi-test-session-{:016}-{port:08}-{:016}", std::process::id(), std::process::id());
+    let mut coord = hiber_in(&hosts.a, sides[0].0, &["coordinate", "--participants", "2", "--listen", &addr, "--timeout", "60"])
+        .env("HIBER_SESSION", &session)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // It says so once it listens.
+    let mut coord_out = std::io::BufReader::new(coord.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut coord_out, &mut line).unwrap();
+    assert!(line.starts_with("coordinating"), "the coordinator did not start: {line}");
+    let children: Vec<_> = sides
+        .iter()
+        .map(|(h, ns, args)| {
+            let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+            a.extend(["--coordinator", &addr]);
+            hiber_in(ns, h, &a).env("HIBER_SESSION", &session).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for (c, (_, _, args)) in children.into_iter().zip(&sides) {
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success(), "hiber {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = coord.wait_with_output().unwrap();
+    assert!(out.status.success(), "the coordinator failed: {}", String::from_utf8_lossy(&out.stderr));
+    drop(coord_out);
+}
+
+/// An Open MPI job across two hosts (network namespaces, ranks talking over TCP between
+/// them): mpirun and two ranks on host A, started as a job of A's hiber; the daemon mpirun
+/// starts on host B through the rsh agent ("ssh"), with its two ranks, a job of B's hiber.
+/// The two hibers cut it as one through `hiber coordinate`: with `--leave-running` (it runs
+/// on), then stopping, and the two images are restored in place together. It ends on the
+/// trajectory of an uninterrupted run, every rank agreeing.
+#[test]
+fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
+    let hosts = Hosts::new();
+    let (ha, hb) = (Hiber::new("mpix-a"), Hiber::new("mpix-b"));
+    let bin = ring(&ha);
+    let reference = {
+        let out = Command::new("mpirun").args(["--allow-run-as-root", "--oversubscribe", "-np", "4", bin.to_str().unwrap(), STEPS, "0"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(text.contains("verify ok"), "the reference run failed: {text}");
+        text.lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() >= 4 && f[0] == "step").then(|| (f[1].parse::<u64>().unwrap(), f[3].to_string()))
+            })
+            .collect::<Vec<_>>()
+    };
+    let port = 2222;
+    let _sshd = [Sshd::start(&hosts.a, &hosts.a_addr, port), Sshd::start(&hosts.b, &hosts.b_addr, port)];
+    let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mpi_rsh_agent.sh");
+    let host_list = format!("{}:2,{}:2", hosts.a_addr, hosts.b_addr);
+    let job = [
+        "run",
+        "--name",
+        "mpix",
+        "--",
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--host",
+        &host_list,
+        "-np",
+        "4",
+        "--mca",
+        "plm_rsh_agent",
+        agent.to_str().unwrap(),
+        "--mca",
+        "btl",
+        "tcp,self",
+        "--mca",
+        "btl_tcp_if_include",
+        &hosts.net,
+        "--mca",
+        "oob_tcp_if_include",
+        &hosts.net,
+        bin.to_str().unwrap(),
+        STEPS,
+        "40",
+    ];
+    let out = hiber_in(&hosts.a, &ha, &job)
+        .env("HIBER_MPI_HOSTS", format!("{}={} {}={}", hosts.a_addr, ha.state.display(), hosts.b_addr, hb.state.display()))
+        .env("HIBER_MPI_BIN", HIBER)
+        .env("HIBER_MPI_SSHD_PORT", port.to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "hiber run: {}", String::from_utf8_lossy(&out.stderr));
+    ha.wait_step("mpix", 10);
+    assert_eq!(ha.state_of("mpix"), "running");
+    assert_eq!(hb.state_of("orted"), "running", "the daemon on host B is a job of B's hiber");
+    assert_eq!(net_of(hb.pid_of("orted")), Hosts::net_inode(&hosts.b), "and it runs on host B");
+
+    // One cut, the job running on.
+    let (ia, ib) = (ha.images_dir().join("a-1"), hb.images_dir().join("b-1"));
+    let args = |job: &str, img: &PathBuf, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["checkpoint", job, "--out", img.to_str().unwrap()].map(String::from).to_vec();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    coordinated(&hosts, [(&ha, &hosts.a, args("mpix", &ia, &["--leave-running"])), (&hb, &hosts.b, args("orted", &ib, &["--leave-running"]))], 7401);
+    let now = ha.last_step("mpix").unwrap();
+    ha.wait_step("mpix", now + 10);
+
+    // Preempted: both stop at one cut, and come back in place together.
+    let (sa, sb) = (ha.images_dir().join("a-2"), hb.images_dir().join("b-2"));
+    coordinated(&hosts, [(&ha, &hosts.a, args("mpix", &sa, &[])), (&hb, &hosts.b, args("orted", &sb, &[]))], 7402);
+    let at = ha.last_step("mpix").unwrap();
+    let restore = |img: &PathBuf, name: &str| -> Vec<String> { ["restore", img.to_str().unwrap(), "--name", name].map(String::from).to_vec() };
+    coordinated(&hosts, [(&ha, &hosts.a, restore(&sa, "mpix-r")), (&hb, &hosts.b, restore(&sb, "orted-r"))], 7403);
+    ha.assert_verified("mpix-r", Duration::from_secs(90));
+    assert_continues(&reference, &ha.progress("mpix"), 1);
+    assert_continues(&reference, &ha.progress("mpix-r"), at + 1);
+    assert_eq!(ha.last_step("mpix-r"), Some(STEPS.parse().unwrap()), "it ran to its last step");
 }

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+pub mod hosts;
+
 /// The workloads' progress-line parser, the very file the binary uses.
 #[path = "../../src/workload/progress.rs"]
 mod progress;
