@@ -138,14 +138,16 @@ fn two_open_mpi_jobs_start_side_by_side() {
 
 /// A host's sshd stand-in (`fixtures/sshd_standin.py`) in network namespace `ns`; killed
 /// when dropped.
+/// The commands it runs see that host's hiber (`HIBER_STATE`), as a host's own would.
 struct Sshd(std::process::Child);
 
 impl Sshd {
-    fn start(ns: &str, addr: &str, port: u16) -> Sshd {
+    fn start(ns: &str, addr: &str, port: u16, hiber: &Hiber) -> Sshd {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sshd_standin.py");
         let mut child = Command::new("nsenter")
             .arg(format!("--net={ns}"))
             .args(["python3", script.to_str().unwrap(), addr, &port.to_string()])
+            .env("HIBER_STATE", &hiber.state)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("start the sshd stand-in");
@@ -199,7 +201,8 @@ fn coordinated(hosts: &Hosts, sides: [(&Hiber, &str, Vec<String>); 2], port: u16
 
 /// An Open MPI job across two hosts (network namespaces, ranks talking over TCP between
 /// them): mpirun and two ranks on host A, started as a job of A's hiber; the daemon mpirun
-/// starts on host B through the rsh agent ("ssh"), with its two ranks, a job of B's hiber.
+/// starts on host B through the rsh agent ("ssh") as `hiber run --name orted -- orted ...`
+/// (Open MPI's `orte_launch_agent`), with its two ranks, a job of B's hiber.
 /// The two hibers cut it as one through `hiber coordinate`: with `--leave-running` (it runs
 /// on), then stopping, and the two images are restored in place together. It ends on the
 /// trajectory of an uninterrupted run, every rank agreeing.
@@ -220,9 +223,12 @@ fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
             .collect::<Vec<_>>()
     };
     let port = 2222;
-    let _sshd = [Sshd::start(&hosts.a, &hosts.a_addr, port), Sshd::start(&hosts.b, &hosts.b_addr, port)];
+    let _sshd = [Sshd::start(&hosts.a, &hosts.a_addr, port, &ha), Sshd::start(&hosts.b, &hosts.b_addr, port, &hb)];
     let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mpi_rsh_agent.sh");
     let host_list = format!("{}:2,{}:2", hosts.a_addr, hosts.b_addr);
+    // Open MPI starts its daemon on every other host as `LAUNCH_AGENT ARGS` over the rsh
+    // agent: there, that is a job of the host's own hiber.
+    let launch = format!("{HIBER} run --name orted -- orted");
     let job = [
         "run",
         "--name",
@@ -239,6 +245,9 @@ fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
         "plm_rsh_agent",
         agent.to_str().unwrap(),
         "--mca",
+        "orte_launch_agent",
+        &launch,
+        "--mca",
         "btl",
         "tcp,self",
         "--mca",
@@ -251,12 +260,7 @@ fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
         STEPS,
         "40",
     ];
-    let out = hiber_in(&hosts.a, &ha, &job)
-        .env("HIBER_MPI_HOSTS", format!("{}={} {}={}", hosts.a_addr, ha.state.display(), hosts.b_addr, hb.state.display()))
-        .env("HIBER_MPI_BIN", HIBER)
-        .env("HIBER_MPI_SSHD_PORT", port.to_string())
-        .output()
-        .unwrap();
+    let out = hiber_in(&hosts.a, &ha, &job).env("HIBER_MPI_SSHD_PORT", port.to_string()).output().unwrap();
     assert!(out.status.success(), "hiber run: {}", String::from_utf8_lossy(&out.stderr));
     ha.wait_step("mpix", 10);
     assert_eq!(ha.state_of("mpix"), "running");
