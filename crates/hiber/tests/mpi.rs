@@ -204,10 +204,11 @@ fn coordinated(hosts: &Hosts, sides: [(&Hiber, &str, Vec<String>); 2], port: u16
 /// starts on host B through the rsh agent ("ssh") as `hiber run --name orted -- orted ...`
 /// (Open MPI's `orte_launch_agent`), with its two ranks, a job of B's hiber.
 /// The two hibers cut it as one through `hiber coordinate`: with `--leave-running` (it runs
-/// on), then stopping, and the two images are restored in place together. It ends on the
+/// on), then stopping, and the two images are restored in place together; stopped again,
+/// and restored on two new machines that took the old ones' addresses. It ends on the
 /// trajectory of an uninterrupted run, every rank agreeing.
 #[test]
-fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
+fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place_and_on_other_hosts() {
     let hosts = Hosts::new();
     let (ha, hb) = (Hiber::new("mpix-a"), Hiber::new("mpix-b"));
     let bin = ring(&ha);
@@ -284,8 +285,21 @@ fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place() {
     let at = ha.last_step("mpix").unwrap();
     let restore = |img: &PathBuf, name: &str| -> Vec<String> { ["restore", img.to_str().unwrap(), "--name", name].map(String::from).to_vec() };
     coordinated(&hosts, [(&ha, &hosts.a, restore(&sa, "mpix-r")), (&hb, &hosts.b, restore(&sb, "orted-r"))], 7403);
-    ha.assert_verified("mpix-r", Duration::from_secs(90));
+    ha.wait_step("mpix-r", at + 10);
+
+    // Preempted again, and brought back on two other machines that took the hosts'
+    // addresses (the old namespaces are gone with everything in them).
+    let (ma, mb) = (ha.images_dir().join("a-3"), hb.images_dir().join("b-3"));
+    coordinated(&hosts, [(&ha, &hosts.a, args("mpix-r", &ma, &[])), (&hb, &hosts.b, args("orted-r", &mb, &[]))], 7404);
+    let at2 = ha.last_step("mpix-r").unwrap();
+    drop(_sshd);
+    let hosts = Hosts::taking_over(hosts);
+    coordinated(&hosts, [(&ha, &hosts.a, restore(&ma, "mpix-m")), (&hb, &hosts.b, restore(&mb, "orted-m"))], 7405);
+    assert_eq!(net_of(ha.pid_of("mpix-m")), Hosts::net_inode(&hosts.a), "mpirun runs on the new host A");
+    assert_eq!(net_of(hb.pid_of("orted-m")), Hosts::net_inode(&hosts.b), "the daemon runs on the new host B");
+    ha.assert_verified("mpix-m", Duration::from_secs(90));
     assert_continues(&reference, &ha.progress("mpix"), 1);
     assert_continues(&reference, &ha.progress("mpix-r"), at + 1);
-    assert_eq!(ha.last_step("mpix-r"), Some(STEPS.parse().unwrap()), "it ran to its last step");
+    assert_continues(&reference, &ha.progress("mpix-m"), at2 + 1);
+    assert_eq!(ha.last_step("mpix-m"), Some(STEPS.parse().unwrap()), "it ran to its last step");
 }

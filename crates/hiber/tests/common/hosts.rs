@@ -22,13 +22,28 @@ pub struct Hosts {
     pub net: String,
 }
 
+static N: AtomicU32 = AtomicU32::new(0);
+
 impl Hosts {
     pub fn new() -> Hosts {
-        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        Hosts::on(&format!("10.77.{}", n + 10))
+    }
+
+    /// Two new hosts that take the addresses of `old`'s (which must be gone): the machines
+    /// a job moves to when its addresses move with it (a floating IP).
+    pub fn taking_over(old: Hosts) -> Hosts {
+        let net = old.net.trim_end_matches(".0/24").to_string();
+        drop(old);
+        Hosts::on(&net)
+    }
+
+    /// Two hosts at `NET.1` and `NET.2`.
+    fn on(net: &str) -> Hosts {
         let n = N.fetch_add(1, Ordering::Relaxed);
         let tag = format!("{}{n}", std::process::id() % 100000);
         let (va, vb) = (format!("vA{tag}"), format!("vB{tag}"));
-        let net = format!("10.77.{}", n + 10);
+        let net = net.to_string();
         let mine = net_of(std::process::id() as i32);
         let mut holders = Vec::new();
         for _ in 0..2 {
