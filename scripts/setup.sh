@@ -28,8 +28,9 @@ packages=(
     # run real OpenCL programs (clpeak and PyOpenCL among them).
     ocl-icd-libopencl1 ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo clpeak
     python3-pyopencl
-    # Open MPI: the tests run MPI jobs under mpirun, as their users start them.
-    openmpi-bin libopenmpi-dev
+    # Open MPI: the tests run MPI jobs under mpirun, as their users start them; Slurm: a
+    # test starts a one-node cluster (its own slurmctld and slurmd) and submits a job to it.
+    openmpi-bin libopenmpi-dev slurm-wlm
 )
 
 install_packages() {
