@@ -118,18 +118,26 @@ fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     assert!(submitted.status.success() && id.parse::<u64>().is_ok(), "sbatch: {said} {}", String::from_utf8_lossy(&submitted.stderr));
     // Slurm holds a requeued batch job about two minutes before it starts it again.
     let log = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    wait("the job to end after its restart", Duration::from_secs(420), || log(&out).contains("hiber-slurm: the program ended"));
+    wait("the job to end after its restarts", Duration::from_secs(600), || log(&out).contains("hiber-slurm: the program ended"));
     let text = log(&out);
     let said: Vec<&str> = text.lines().filter(|l| l.starts_with("hiber-slurm:")).collect();
-    assert!(said.len() >= 5, "{text}\n{}", cluster.run("scontrol", &["show", "job", &id]));
-    assert!(said[0].contains("start 1: no complete image, starting from scratch"), "{said:?}");
-    assert!(said[1].contains("SIGUSR1: checkpointing"), "{said:?}");
-    assert!(said[2].contains("checkpointed"), "{said:?}");
-    assert!(said[3].contains("start 2: restoring from"), "{said:?}");
-    assert_eq!(said[4], "hiber-slurm: the program ended: exited(0)", "{text}");
+    let context = || format!("{said:#?}\n{}", cluster.run("scontrol", &["show", "job", &id]));
+    // Each start says which it is; a start may get the warning again (the requeued job has
+    // the same time limit), and a warning that comes as the program ends finds nothing to
+    // checkpoint. What must hold: it started from scratch once, was checkpointed and
+    // restored at least once, and the program ended well.
+    let starts: Vec<&&str> = said.iter().filter(|l| l.contains(": start ")).collect();
+    assert!(starts[0].contains("start 1: no complete image, starting from scratch"), "{}", context());
+    for (n, l) in starts.iter().enumerate().skip(1) {
+        assert!(l.contains(&format!("start {}: restoring from", n + 1)), "start {} restores: {}", n + 1, context());
+    }
+    assert!(starts.len() >= 2, "the job was requeued and restored: {}", context());
+    let checkpointed = said.iter().filter(|l| l.ends_with("checkpointed; Slurm starts the job again from there")).count();
+    assert_eq!(checkpointed, starts.len() - 1, "one checkpoint before each restart: {}", context());
+    assert_eq!(said.last().copied(), Some("hiber-slurm: the program ended: exited(0)"), "{}", context());
+    let job = cluster.run("scontrol", &["show", "job", &id]);
+    assert!(job.contains(&format!("Restarts={}", starts.len() - 1)), "Slurm started the job as often as it said: {}", context());
     assert!(text.contains("verify ok"), "the program checked its memory at the end: {text}");
     assert_eq!(steps(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
-    let job = cluster.run("scontrol", &["show", "job", &id]);
-    assert!(job.contains("Restarts=1"), "Slurm started the job twice: {job}");
     assert!(!images.join(format!("job-{id}")).exists(), "the image goes once the program has ended");
 }
