@@ -11,45 +11,31 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::hosts::{hiber_in, net_of, Hosts};
-use common::{assert_continues, Hiber, HIBER};
+use common::{assert_continues, progress_in, Hiber, HIBER};
 
 const RANKS: &str = "3";
 const STEPS: &str = "150";
 
-/// Builds tests/fixtures/mpi_ring.c with Open MPI's compiler wrapper.
-fn ring(h: &Hiber) -> PathBuf {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mpi_ring.c");
-    let out = h.scratch.join("mpi_ring");
-    let st = Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&out).arg(&src).status().expect("run mpicc (scripts/setup.sh installs Open MPI)");
-    assert!(st.success(), "mpicc mpi_ring.c failed");
-    out
+/// `mpirun` of `ranks` ranks as root on a machine with fewer cores than ranks, as a user
+/// there would type it.
+fn mpirun(bin: &Path, ranks: &str, pause_ms: &str) -> Vec<String> {
+    ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", ranks, bin.to_str().unwrap(), STEPS, pause_ms].map(String::from).to_vec()
 }
 
-/// `mpirun` as root on a machine with fewer cores than ranks, as a user there would type it.
-fn mpirun(bin: &Path, pause_ms: &str) -> Vec<String> {
-    ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", RANKS, bin.to_str().unwrap(), STEPS, pause_ms].map(String::from).to_vec()
-}
-
-/// The uninterrupted trajectory, run outside hiber.
-fn reference(bin: &Path) -> Vec<(u64, String)> {
-    let args = mpirun(bin, "0");
+/// The uninterrupted trajectory of `ranks` ranks, run outside hiber.
+fn reference(bin: &Path, ranks: &str) -> Vec<(u64, String)> {
+    let args = mpirun(bin, ranks, "0");
     let out = Command::new(&args[0]).args(&args[1..]).output().expect("run mpirun");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("verify ok"), "the reference run failed: {}\n{}", text, String::from_utf8_lossy(&out.stderr));
-    let p: Vec<(u64, String)> = text
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 4 && f[0] == "step").then(|| (f[1].parse().unwrap(), f[3].to_string()))
-        })
-        .collect();
+    let p = progress_in(&text);
     assert_eq!(p.len(), STEPS.parse::<usize>().unwrap());
     p
 }
 
 fn run(h: &Hiber, name: &str, bin: &Path) {
     let mut args = vec!["run", "--name", name, "--"];
-    let cmd = mpirun(bin, "40");
+    let cmd = mpirun(bin, RANKS, "40");
     args.extend(cmd.iter().map(String::as_str));
     h.ok(&args);
 }
@@ -65,8 +51,8 @@ fn processes(h: &Hiber, image: &str) -> u64 {
 #[test]
 fn an_open_mpi_job_is_preempted_twice_and_finishes_on_its_trajectory() {
     let h = Hiber::new("mpi");
-    let bin = ring(&h);
-    let reference = reference(&bin);
+    let bin = h.build_fixture("mpicc", "mpi_ring");
+    let reference = reference(&bin, RANKS);
     run(&h, "mpi", &bin);
     h.wait_step("mpi", 15);
     let first = h.images_dir().join("mpi-1");
@@ -91,8 +77,8 @@ fn an_open_mpi_job_is_preempted_twice_and_finishes_on_its_trajectory() {
 #[test]
 fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
     let h = Hiber::new("mpil");
-    let bin = ring(&h);
-    let reference = reference(&bin);
+    let bin = h.build_fixture("mpicc", "mpi_ring");
+    let reference = reference(&bin, RANKS);
     run(&h, "mpil", &bin);
     h.wait_step("mpil", 15);
     let img = h.images_dir().join("mpil");
@@ -121,8 +107,8 @@ fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
 #[test]
 fn two_open_mpi_jobs_start_side_by_side() {
     let h = Hiber::new("mpi2");
-    let bin = ring(&h);
-    let reference = reference(&bin);
+    let bin = h.build_fixture("mpicc", "mpi_ring");
+    let reference = reference(&bin, RANKS);
     let names = ["mpi-a", "mpi-b", "mpi-c"];
     std::thread::scope(|s| {
         for name in names {
@@ -211,18 +197,9 @@ fn coordinated(hosts: &Hosts, sides: [(&Hiber, &str, Vec<String>); 2], port: u16
 fn an_open_mpi_job_across_two_hosts_is_cut_as_one_and_restored_in_place_and_on_other_hosts() {
     let hosts = Hosts::new();
     let (ha, hb) = (Hiber::new("mpix-a"), Hiber::new("mpix-b"));
-    let bin = ring(&ha);
-    let reference = {
-        let out = Command::new("mpirun").args(["--allow-run-as-root", "--oversubscribe", "-np", "4", bin.to_str().unwrap(), STEPS, "0"]).output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(text.contains("verify ok"), "the reference run failed: {text}");
-        text.lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                (f.len() >= 4 && f[0] == "step").then(|| (f[1].parse::<u64>().unwrap(), f[3].to_string()))
-            })
-            .collect::<Vec<_>>()
-    };
+    let bin = ha.build_fixture("mpicc", "mpi_ring");
+    // The same trajectory, whichever hosts its ranks run on.
+    let reference = reference(&bin, "4");
     let port = 2222;
     let _sshd = [Sshd::start(&hosts.a, &hosts.a_addr, port, &ha), Sshd::start(&hosts.b, &hosts.b_addr, port, &hb)];
     let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mpi_rsh_agent.sh");

@@ -6,20 +6,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use common::{wait, Hiber};
-
-/// Compiles tests/fixtures/ipc.c into the scratch directory.
-fn ipc_program(h: &Hiber) -> PathBuf {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ipc.c");
-    let out = h.scratch.join("ipc");
-    let st = Command::new("cc").args(["-O2", "-Wall", "-o"]).arg(&out).arg(&src).status().expect("run cc (scripts/setup.sh installs it)");
-    assert!(st.success(), "cc ipc.c failed");
-    out
-}
 
 /// The tick numbers a job printed, each checked: every line `ok`, consecutive.
 fn ticks(h: &Hiber, job: &str) -> Vec<u64> {
@@ -53,7 +43,7 @@ fn assert_goes_on(h: &Hiber, copy: &str, at: u64) {
 #[test]
 fn sysv_ipc_is_checkpointed_with_the_job_s_own_namespace() {
     let h = Hiber::new("sysv");
-    let bin = ipc_program(&h);
+    let bin = h.build_fixture("cc", "ipc");
     h.ok(&["run", "--name", "sysv", "--", bin.to_str().unwrap(), "sysv", "x"]);
     wait_ticks(&h, "sysv", 10);
     let img = h.images_dir().join("sysv");
@@ -83,7 +73,7 @@ fn sysv_ipc_is_checkpointed_with_the_job_s_own_namespace() {
 #[test]
 fn sysv_ipc_in_the_host_namespace_is_refused_up_front() {
     let h = Hiber::new("sysv-host");
-    let bin = ipc_program(&h);
+    let bin = h.build_fixture("cc", "ipc");
     h.ok(&["run", "--name", "sysvh", "--host-ipc", "--", bin.to_str().unwrap(), "sysv", "x"]);
     wait_ticks(&h, "sysvh", 5);
     let f = h.fails(&["checkpoint", "sysvh"]);
@@ -98,7 +88,7 @@ fn sysv_ipc_in_the_host_namespace_is_refused_up_front() {
 #[test]
 fn posix_shared_memory_restores_without_a_file_on_the_host() {
     let h = Hiber::new("posix");
-    let bin = ipc_program(&h);
+    let bin = h.build_fixture("cc", "ipc");
     let name = format!("hiber-e2e-posix-{}", std::process::id());
     let on_host = Path::new("/dev/shm").join(&name);
     let _ = std::fs::remove_file(&on_host);

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use common::{wait, Hiber, HIBER};
+use common::{progress_in, wait, Hiber, HIBER};
 
 /// slurmctld and slurmd in the foreground, killed when dropped.
 struct Cluster {
@@ -71,16 +71,6 @@ impl Drop for Cluster {
     }
 }
 
-/// (step, checksum) of the progress lines in `text`.
-fn steps(text: &str) -> Vec<(u64, String)> {
-    text.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 4 && f[0] == "step" && f[2] == "checksum").then(|| (f[1].parse().ok(), f[3].to_string())).and_then(|(s, c)| s.map(|s| (s, c)))
-        })
-        .collect()
-}
-
 #[test]
 fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     let h = Hiber::new("slurm");
@@ -88,7 +78,7 @@ fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     let workload = ["workload", "cpu", "--steps", "500", "--mem-mib", "16", "--interval-ms", "100"];
     let reference = {
         let out = Command::new(HIBER).args(&workload[..6]).args(["--interval-ms", "0"]).output().unwrap();
-        steps(&String::from_utf8_lossy(&out.stdout))
+        progress_in(&String::from_utf8_lossy(&out.stdout))
     };
     assert_eq!(reference.len(), 500, "the reference run");
     let helper = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hiber-slurm");
@@ -138,6 +128,6 @@ fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     let job = cluster.run("scontrol", &["show", "job", &id]);
     assert!(job.contains(&format!("Restarts={}", starts.len() - 1)), "Slurm started the job as often as it said: {}", context());
     assert!(text.contains("verify ok"), "the program checked its memory at the end: {text}");
-    assert_eq!(steps(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
+    assert_eq!(progress_in(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
     assert!(!images.join(format!("job-{id}")).exists(), "the image goes once the program has ended");
 }

@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -16,15 +14,6 @@ use common::*;
 /// How long a job has to tick `MORE` more times (0.4 s of ticks, on a busy machine).
 const BOUND: Duration = Duration::from_secs(15);
 const MORE: u64 = 20;
-
-/// Compiles the fixture into the test's scratch directory.
-fn fixture(h: &Hiber) -> PathBuf {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/timers.c");
-    let out = h.scratch.join("timers");
-    let st = Command::new("cc").args(["-O2", "-Wall", "-o"]).arg(&out).arg(&src).status().expect("run cc (scripts/setup.sh installs it)");
-    assert!(st.success(), "cc timers.c failed");
-    out
-}
 
 /// (tick, expirations) of every `tick N expirations E` line of a job's log.
 fn ticks(h: &Hiber, job: &str) -> Vec<(u64, u64)> {
@@ -87,7 +76,7 @@ fn assert_goes_on(original: &str, h: &Hiber, copy: &str) {
 #[test]
 fn periodic_and_one_shot_timers_keep_firing_after_restore() {
     let h = Hiber::new("timers");
-    let bin = fixture(&h);
+    let bin = h.build_fixture("cc", "timers");
     h.ok(&["run", "--name", "timers", "--", bin.to_str().unwrap()]);
     wait_ticking(&h, "timers", 25, 0);
     let image = h.images_dir().join("timers");
@@ -108,7 +97,7 @@ fn periodic_and_one_shot_timers_keep_firing_after_restore() {
 #[test]
 fn leave_running_keeps_the_original_ticking_beside_two_restored_copies() {
     let h = Hiber::new("timers-leave");
-    let bin = fixture(&h);
+    let bin = h.build_fixture("cc", "timers");
     h.ok(&["run", "--name", "orig", "--", bin.to_str().unwrap()]);
     wait_ticking(&h, "orig", 25, 0);
     let image = h.images_dir().join("orig");

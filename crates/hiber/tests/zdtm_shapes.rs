@@ -9,22 +9,11 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 
 const BOUND: Duration = Duration::from_secs(20);
-
-/// Compiles `tests/fixtures/NAME.c` into the test's scratch directory.
-fn fixture(h: &Hiber, name: &str) -> PathBuf {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.c"));
-    let out = h.scratch.join(name);
-    let st = Command::new("cc").args(["-O2", "-Wall", "-o"]).arg(&out).arg(&src).status().expect("run cc (scripts/setup.sh installs it)");
-    assert!(st.success(), "cc {name}.c failed");
-    out
-}
 
 fn wait_log(h: &Hiber, job: &str, what: &str, mut cond: impl FnMut(&str) -> bool) {
     wait(&format!("{job} to print {what}"), BOUND, || cond(&h.log(job)));
@@ -49,7 +38,7 @@ fn rounds(h: &Hiber, job: &str) -> Vec<(u64, String)> {
 #[test]
 fn pty_pair_held_inside_the_job_is_checkpointed_with_its_controlling_terminal() {
     let h = Hiber::new("zdtm-pty");
-    let bin = fixture(&h, "pty_session");
+    let bin = h.build_fixture("cc", "pty_session");
     h.ok(&["run", "--name", "pty", "--", bin.to_str().unwrap()]);
     wait("10 rounds through the pty", BOUND, || rounds(&h, "pty").len() >= 10);
     let image = h.images_dir().join("pty");
@@ -71,7 +60,7 @@ fn pty_pair_held_inside_the_job_is_checkpointed_with_its_controlling_terminal() 
 #[test]
 fn controlling_terminal_from_outside_the_job_is_still_refused() {
     let h = Hiber::new("zdtm-pty-outside");
-    let bin = fixture(&h, "pty_session");
+    let bin = h.build_fixture("cc", "pty_session");
     // A pty whose master this test holds: to the job, a terminal from outside.
     // SAFETY: posix_openpt, grantpt and unlockpt take only a flag or the descriptor it returned.
     let master = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY) };
@@ -108,7 +97,7 @@ fn verify_ghost(h: &Hiber, job: &str) -> String {
 #[test]
 fn deleted_file_of_8_mib_held_open_is_restored_with_its_content() {
     let h = Hiber::new("zdtm-ghost");
-    let bin = fixture(&h, "ghost_file");
+    let bin = h.build_fixture("cc", "ghost_file");
     h.ok(&["run", "--name", "ghost", "--", bin.to_str().unwrap(), h.scratch.to_str().unwrap()]);
     wait_log(&h, "ghost", "ready", |l| l.contains("ready 8388608"));
     let image = h.images_dir().join("ghost");
@@ -121,7 +110,7 @@ fn deleted_file_of_8_mib_held_open_is_restored_with_its_content() {
 #[test]
 fn deleted_file_is_intact_in_the_original_and_a_copy_beside_it() {
     let h = Hiber::new("zdtm-ghost-leave");
-    let bin = fixture(&h, "ghost_file");
+    let bin = h.build_fixture("cc", "ghost_file");
     h.ok(&["run", "--name", "orig", "--", bin.to_str().unwrap(), h.scratch.to_str().unwrap()]);
     wait_log(&h, "orig", "ready", |l| l.contains("ready 8388608"));
     let image = h.images_dir().join("orig");
@@ -136,7 +125,7 @@ fn deleted_file_is_intact_in_the_original_and_a_copy_beside_it() {
 #[test]
 fn listening_socket_with_a_connection_not_yet_accepted() {
     let h = Hiber::new("zdtm-inflight");
-    let bin = fixture(&h, "listen_inflight");
+    let bin = h.build_fixture("cc", "listen_inflight");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     h.ok(&["run", "--name", "srv", "--", bin.to_str().unwrap(), &port]);
     wait_log(&h, "srv", "listening", |l| l.contains("listening"));

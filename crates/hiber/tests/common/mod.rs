@@ -117,7 +117,22 @@ impl Hiber {
     /// (step, checksum) of every progress line in a job's log, read with the workloads' own
     /// parser; the checksum as the workloads print it (16 hex digits).
     pub fn progress(&self, name: &str) -> Vec<(u64, String)> {
-        progress::progress_of(&self.log(name)).into_iter().map(|p| (p.step, format!("{:016x}", p.checksum))).collect()
+        progress_in(&self.log(name))
+    }
+
+    /// Compiles `tests/fixtures/NAME.c` with `compiler` (`cc`, `mpicc`) into the test's
+    /// scratch directory.
+    pub fn build_fixture(&self, compiler: &str, name: &str) -> PathBuf {
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.c"));
+        let out = self.scratch.join(name);
+        let st = Command::new(compiler)
+            .args(["-O2", "-Wall", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("run {compiler} ({e}; scripts/setup.sh installs it)"));
+        assert!(st.success(), "{compiler} {name}.c failed");
+        out
     }
 
     pub fn last_step(&self, name: &str) -> Option<u64> {
@@ -176,6 +191,12 @@ impl Drop for Hiber {
             let _ = std::fs::remove_dir_all(base);
         }
     }
+}
+
+/// (step, checksum) of every progress line of `text` (a program's output), read with the
+/// workloads' own parser; the checksum as the workloads print it (16 hex digits).
+pub fn progress_in(text: &str) -> Vec<(u64, String)> {
+    progress::progress_of(text).into_iter().map(|p| (p.step, format!("{:016x}", p.checksum))).collect()
 }
 
 pub fn wait(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
