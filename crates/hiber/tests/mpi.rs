@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::hosts::{hiber_in, net_of, Hosts};
+use common::hosts::{hiber_in, net_of, Coordinator, Hosts};
 use common::{assert_continues, progress_in, Hiber, HIBER};
 
 const RANKS: &str = "3";
@@ -154,35 +154,15 @@ impl Drop for Sshd {
 /// `hiber coordinate` in host A's namespace and one hiber per side (its state, its host's
 /// namespace, its arguments), all at once: every one must succeed.
 fn coordinated(hosts: &Hosts, sides: [(&Hiber, &str, Vec<String>); 2], port: u16) {
-    let addr = format!("{}:{port}", hosts.a_addr);
-    // Long enough for a session token (hiber refuses short ones).
-    let session = format!("mpi-test-session-{:016}-{port:08}-{:016}", std::process::id(), std::process::id());
-    let mut coord = hiber_in(&hosts.a, sides[0].0, &["coordinate", "--participants", "2", "--listen", &addr, "--timeout", "60"])
-        .env("HIBER_SESSION", &session)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // It says so once it listens.
-    let mut coord_out = std::io::BufReader::new(coord.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut coord_out, &mut line).unwrap();
-    assert!(line.starts_with("coordinating"), "the coordinator did not start: {line}");
-    let children: Vec<_> = sides
-        .iter()
-        .map(|(h, ns, args)| {
-            let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
-            a.extend(["--coordinator", &addr]);
-            hiber_in(ns, h, &a).env("HIBER_SESSION", &session).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
-        })
-        .collect();
+    let coord = Coordinator::start(hosts, sides[0].0, 2, port, 60);
+    let children: Vec<_> =
+        sides.iter().map(|(h, ns, args)| coord.participant(ns, h, &args.iter().map(String::as_str).collect::<Vec<_>>()).spawn().unwrap()).collect();
     for (c, (_, _, args)) in children.into_iter().zip(&sides) {
         let out = c.wait_with_output().unwrap();
         assert!(out.status.success(), "hiber {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let out = coord.wait_with_output().unwrap();
+    let out = coord.child.wait_with_output().unwrap();
     assert!(out.status.success(), "the coordinator failed: {}", String::from_utf8_lossy(&out.stderr));
-    drop(coord_out);
 }
 
 /// An Open MPI job across two hosts (network namespaces, ranks talking over TCP between

@@ -115,3 +115,45 @@ pub fn net_of(pid: i32) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(format!("/proc/{pid}/ns/net")).unwrap().ino()
 }
+
+/// `hiber coordinate` in host A's namespace on `port` of A's address, for `participants`
+/// with `timeout_s` a phase, listening once this returns; its stdout's first line said so.
+pub struct Coordinator {
+    pub child: Child,
+    pub addr: String,
+    /// The session token, for every participant's `HIBER_SESSION`.
+    pub session: String,
+}
+
+impl Coordinator {
+    pub fn start(hosts: &Hosts, h: &Hiber, participants: usize, port: u16, timeout_s: u64) -> Coordinator {
+        let addr = format!("{}:{port}", hosts.a_addr);
+        // Long enough for a session token (hiber refuses short ones).
+        let session = format!("test-session-{:016}-{port:08}-{:016}", std::process::id(), std::process::id());
+        let mut child =
+            hiber_in(&hosts.a, h, &["coordinate", "--participants", &participants.to_string(), "--listen", &addr, "--timeout", &timeout_s.to_string()])
+                .env("HIBER_SESSION", &session)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(line.starts_with("coordinating"), "the coordinator did not start: {line}");
+        // The rest of its stdout goes on into the pipe, read by nobody: it writes a line
+        // a phase, far less than a pipe holds.
+        child.stdout = Some(out.into_inner());
+        Coordinator { child, addr, session }
+    }
+
+    /// hiber in namespace `ns` with `args` and `--coordinator` this one, in the session,
+    /// its output piped.
+    pub fn participant(&self, ns: &str, h: &Hiber, args: &[&str]) -> Command {
+        let mut a = args.to_vec();
+        a.extend(["--coordinator", &self.addr]);
+        let mut c = hiber_in(ns, h, &a);
+        c.env("HIBER_SESSION", &self.session).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        c
+    }
+}
