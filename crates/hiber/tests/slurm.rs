@@ -1,10 +1,9 @@
 //! Slurm drives hiber (#38): a batch job run through `scripts/hiber-slurm`, the documented
-//! pattern, on a one-node Slurm cluster this test starts (Debian's slurmctld and slurmd,
-//! their own configuration, state and ports). At the time limit's warning signal
-//! (`--signal=B:USR1@45`) the program is checkpointed and the job requeued; Slurm starts it
-//! again, and it is restored and runs to its end. Its output in Slurm's file is the whole
-//! uninterrupted trajectory, each step once. (slurmctld looks at time limits every half
-//! minute or so: the program runs 50 s, longer than the signal can be late.)
+//! pattern, on a one-node Slurm cluster each test starts (Debian's slurmctld and slurmd,
+//! their own configuration, state and ports). When Slurm says the job must stop (its time
+//! limit's warning signal, or a preemption by a job of a higher partition) the program is
+//! checkpointed and the job requeued; Slurm starts it again, and it is restored and runs to
+//! its end. Its output in Slurm's file is the whole uninterrupted trajectory, each step once.
 
 mod common;
 
@@ -21,28 +20,33 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start(h: &Hiber) -> Cluster {
+    /// A cluster of this machine as one node of 2 CPUs, with `partitions` (lines of
+    /// slurm.conf naming `{node}`) and any other `settings`.
+    fn start(h: &Hiber, settings: &str, partitions: &str) -> Cluster {
         let dir = h.scratch.join("slurm");
         for d in ["state", "spool", "log"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
         let node = String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap().trim().to_string();
-        let port = 17000 + (std::process::id() % 1000) * 2;
+        // Two ports for each cluster of each test process.
+        static CLUSTERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let port = 17000 + (std::process::id() % 1000) * 4 + CLUSTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 2;
         let d = dir.display();
         let conf = dir.join("slurm.conf");
         std::fs::write(
             &conf,
             format!(
                 "ClusterName=hibertest\nSlurmctldHost={node}(127.0.0.1)\nAuthType=auth/none\nCredType=cred/none\n\
+                 AuthInfo=cred_expire=10\n\
                  SlurmUser=root\nSlurmdUser=root\nStateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
                  SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
                  SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
                  SlurmctldPort={port}\nSlurmdPort={}\nProctrackType=proctrack/pgid\nTaskPlugin=task/none\n\
                  SchedulerType=sched/backfill\nSelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
                  JobAcctGatherType=jobacct_gather/none\nMpiDefault=none\nReturnToService=2\n\
-                 NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n\
-                 PartitionName=batch Nodes={node} Default=YES MaxTime=INFINITE State=UP\n",
-                port + 1
+                 NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n{settings}\n{}\n",
+                port + 1,
+                partitions.replace("{node}", &node)
             ),
         )
         .unwrap();
@@ -71,52 +75,71 @@ impl Drop for Cluster {
     }
 }
 
-#[test]
-fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
-    let h = Hiber::new("slurm");
-    let cluster = Cluster::start(&h);
-    let workload = ["workload", "cpu", "--steps", "500", "--mem-mib", "16", "--interval-ms", "100"];
-    let reference = {
-        let out = Command::new(HIBER).args(&workload[..6]).args(["--interval-ms", "0"]).output().unwrap();
-        progress_in(&String::from_utf8_lossy(&out.stdout))
-    };
-    assert_eq!(reference.len(), 500, "the reference run");
-    let helper = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hiber-slurm");
-    let out = h.scratch.join("job.out");
-    let script = h.scratch.join("job.sh");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/bash\n#SBATCH --requeue --time=1 --signal=B:USR1@45 --open-mode=append -o {}\nexec {} -- {HIBER} {}\n",
-            out.display(),
-            helper.display(),
-            workload.join(" ")
-        ),
-    )
-    .unwrap();
-    let images = h.scratch.join("images");
+/// The workload every test runs under Slurm (`STEPS` steps 100 ms apart), and its
+/// uninterrupted trajectory.
+fn workload(steps: u32) -> (String, Vec<(u64, String)>) {
+    let steps = steps.to_string();
+    let args = ["workload", "cpu", "--steps", &steps, "--mem-mib", "16"];
+    let out = Command::new(HIBER).args(args).args(["--interval-ms", "0"]).output().unwrap();
+    let reference = progress_in(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(reference.len().to_string(), steps, "the reference run");
+    (format!("{HIBER} {} --interval-ms 100", args.join(" ")), reference)
+}
+
+fn helper() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hiber-slurm")
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+/// Submits `script` (written to the scratch directory) with hiber's state, the helper's
+/// image directory and `env` in its environment (sbatch passes its own on to the job);
+/// returns the job id.
+fn submit(h: &Hiber, cluster: &Cluster, name: &str, script: &str, env: &[(&str, &str)]) -> String {
+    let path = h.scratch.join(name);
+    std::fs::write(&path, script).unwrap();
     let submitted = Command::new("sbatch")
-        .arg(&script)
+        .arg(&path)
+        .envs(env.iter().copied())
         .env("SLURM_CONF", &cluster.conf)
         .env("HIBER", HIBER)
         .env("HIBER_STATE", &h.state)
-        .env("HIBER_SLURM_DIR", &images)
+        .env("HIBER_SLURM_DIR", h.scratch.join("images"))
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&submitted.stdout);
     let id = said.trim().rsplit(' ').next().unwrap().to_string();
     assert!(submitted.status.success() && id.parse::<u64>().is_ok(), "sbatch: {said} {}", String::from_utf8_lossy(&submitted.stderr));
-    // Slurm holds a requeued batch job about two minutes before it starts it again.
-    let log = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    wait("the job to end after its restarts", Duration::from_secs(600), || log(&out).contains("hiber-slurm: the program ended"));
-    let text = log(&out);
-    let said: Vec<&str> = text.lines().filter(|l| l.starts_with("hiber-slurm:")).collect();
-    let context = || format!("{said:#?}\n{}", cluster.run("scontrol", &["show", "job", &id]));
+    id
+}
+
+/// Waits (10 minutes at most) for the helper in job `id` to say that the program ended,
+/// then checks what it said at each start, against Slurm's restart count, and the
+/// program's trajectory against `reference`. Returns the helper's lines.
+fn check_cycles(h: &Hiber, cluster: &Cluster, id: &str, out: &Path, reference: &[(u64, String)]) -> Vec<String> {
+    let start = std::time::Instant::now();
+    while !read(out).contains("hiber-slurm: the program ended") {
+        // On a timeout, what the job and Slurm said, so that the cause is in the failure.
+        if start.elapsed() > Duration::from_secs(600) {
+            panic!(
+                "timed out waiting for job {id} to end after its restarts\njob output:\n{}\n{}\nslurmctld:\n{}",
+                read(out),
+                cluster.run("scontrol", &["show", "job", id]),
+                common::tail(&read(&h.scratch.join("slurm/log/slurmctld.log")))
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let text = read(out);
+    let said: Vec<String> = text.lines().filter(|l| l.starts_with("hiber-slurm:")).map(String::from).collect();
+    let context = || format!("{said:#?}\n{}", cluster.run("scontrol", &["show", "job", id]));
     // Each start says which it is; a start may get the warning again (the requeued job has
     // the same time limit), and a warning that comes as the program ends finds nothing to
     // checkpoint. What must hold: it started from scratch once, was checkpointed and
     // restored at least once, and the program ended well.
-    let starts: Vec<&&str> = said.iter().filter(|l| l.contains(": start ")).collect();
+    let starts: Vec<&String> = said.iter().filter(|l| l.contains(": start ")).collect();
     assert!(starts[0].contains("start 1: no complete image, starting from scratch"), "{}", context());
     for (n, l) in starts.iter().enumerate().skip(1) {
         assert!(l.contains(&format!("start {}: restoring from", n + 1)), "start {} restores: {}", n + 1, context());
@@ -124,10 +147,106 @@ fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     assert!(starts.len() >= 2, "the job was requeued and restored: {}", context());
     let checkpointed = said.iter().filter(|l| l.ends_with("checkpointed; Slurm starts the job again from there")).count();
     assert_eq!(checkpointed, starts.len() - 1, "one checkpoint before each restart: {}", context());
-    assert_eq!(said.last().copied(), Some("hiber-slurm: the program ended: exited(0)"), "{}", context());
-    let job = cluster.run("scontrol", &["show", "job", &id]);
+    assert_eq!(said.last().map(String::as_str), Some("hiber-slurm: the program ended: exited(0)"), "{}", context());
+    let job = cluster.run("scontrol", &["show", "job", id]);
     assert!(job.contains(&format!("Restarts={}", starts.len() - 1)), "Slurm started the job as often as it said: {}", context());
     assert!(text.contains("verify ok"), "the program checked its memory at the end: {text}");
     assert_eq!(progress_in(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
-    assert!(!images.join(format!("job-{id}")).exists(), "the image goes once the program has ended");
+    assert!(!h.scratch.join("images").join(format!("job-{id}")).exists(), "the image goes once the program has ended");
+    said
+}
+
+/// Slurm holds a requeued batch job until its credentials expire (`cred_expire`, 120 s unless
+/// set) before it starts it again: 10 s here.
+const QUICK_REQUEUE: &str = "AuthInfo=cred_expire=10";
+
+/// The time limit: the warning signal to the batch shell (`--signal=B:USR1@45`), the helper
+/// as the batch script. (slurmctld looks at time limits every half minute or so: the program
+/// runs 50 s, longer than the signal can be late.)
+#[test]
+fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
+    let h = Hiber::new("slurm");
+    let cluster = Cluster::start(&h, QUICK_REQUEUE, "PartitionName=batch Nodes={node} Default=YES MaxTime=INFINITE State=UP");
+    let (program, reference) = workload(500);
+    let out = h.scratch.join("job.out");
+    let script = format!(
+        "#!/bin/bash\n#SBATCH --requeue --time=1 --signal=B:USR1@45 --open-mode=append -o {}\nexec {} -- {program}\n",
+        out.display(),
+        helper().display()
+    );
+    let id = submit(&h, &cluster, "job.sh", &script, &[]);
+    check_cycles(&h, &cluster, &id, &out, &reference);
+}
+
+/// A one-node cluster whose `low` partition (the default; its jobs have `grace_s` seconds
+/// once preempted) is preempted by jobs of its `high` one, requeued.
+fn preempting_cluster(h: &Hiber, grace_s: u32) -> Cluster {
+    Cluster::start(
+        h,
+        &format!("{QUICK_REQUEUE}\nPreemptType=preempt/partition_prio\nPreemptMode=REQUEUE"),
+        &format!(
+            "PartitionName=low Nodes={{node}} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_s}\n\
+             PartitionName=high Nodes={{node}} MaxTime=INFINITE State=UP PriorityTier=2"
+        ),
+    )
+}
+
+/// Submits `program` as a `low` job on both CPUs, through the helper as a step; once it is
+/// past step 50, a `high` job that needs both CPUs and says so in `high.out`. Returns the
+/// low job's id and output file, and the high job's id.
+fn low_job_preempted(h: &Hiber, cluster: &Cluster, program: &str, env: &[(&str, &str)]) -> (String, PathBuf, String) {
+    let out = h.scratch.join("low.out");
+    let script = format!("#!/bin/bash\n#SBATCH -p low -c 2 --requeue --open-mode=append -o {}\nsrun {} -- {program}\n", out.display(), helper().display());
+    let id = submit(h, cluster, "low.sh", &script, env);
+    wait("the low job's program to reach step 50", Duration::from_secs(120), || progress_in(&read(&out)).len() >= 50);
+    let high_out = h.scratch.join("high.out");
+    let high = submit(h, cluster, "high.sh", &format!("#!/bin/bash\n#SBATCH -p high -c 2 -o {}\necho preemptor ran; sleep 3\n", high_out.display()), &[]);
+    (id, out, high)
+}
+
+/// Preemption: `PreemptMode=REQUEUE` with a grace time, and a job of a partition of a higher
+/// tier that needs the node. Slurm sends SIGTERM to the running job's steps at once (its
+/// batch shell only when the grace time is over), so the helper runs as a step (`srun`): it
+/// checkpoints within the grace time and requeues the job, the preempting job runs, and the
+/// preempted one is restored once the node is free again.
+#[test]
+fn a_preempted_job_is_checkpointed_in_its_grace_time_and_resumes_after_the_preemptor() {
+    let h = Hiber::new("slurm-preempt");
+    let cluster = preempting_cluster(&h, 60);
+    let (program, reference) = workload(300);
+    let (id, out, high) = low_job_preempted(&h, &cluster, &program, &[]);
+    let said = check_cycles(&h, &cluster, &id, &out, &reference);
+    assert!(said.iter().any(|l| l.starts_with("hiber-slurm: SIGTERM: checkpointing")), "checkpointed on the preemption's SIGTERM: {said:#?}");
+    assert_eq!(read(&h.scratch.join("high.out")).trim(), "preemptor ran");
+    let high_job = cluster.run("scontrol", &["show", "job", &high]);
+    assert!(high_job.contains("JobState=COMPLETED"), "{high_job}");
+}
+
+/// Slurm kills a preempted job before its checkpoint ends (the grace time runs out: here
+/// the checkpoint is held once CRIU has dumped, `HIBER_PAUSE_AT`). The next start finds no
+/// complete image, says so, and runs the program from scratch, to its end (whatever the
+/// killed checkpoint left of the first start's program is removed first).
+#[test]
+fn a_job_killed_in_its_checkpoint_starts_again_from_scratch_and_says_so() {
+    let h = Hiber::new("slurm-killed");
+    let cluster = preempting_cluster(&h, 5);
+    let (program, reference) = workload(300);
+    // Every checkpoint in the job is held.
+    let (id, out, _) = low_job_preempted(&h, &cluster, &program, &[("HIBER_PAUSE_AT", "dumped")]);
+    // (The first start, killed in its checkpoint, may say that its program ended too: as
+    // the step is killed, the held checkpoint fails and leaves the program stopped.)
+    wait("the second start's program to end", Duration::from_secs(300), || {
+        read(&out).split_once(": start 2:").is_some_and(|(_, after)| after.contains("hiber-slurm: the program ended"))
+    });
+    let text = read(&out);
+    let said: Vec<&str> = text.lines().filter(|l| l.starts_with("hiber-slurm:")).collect();
+    let context = || format!("{said:#?}\n{}", cluster.run("scontrol", &["show", "job", &id]));
+    let starts: Vec<&&str> = said.iter().filter(|l| l.contains(": start ")).collect();
+    assert_eq!(starts.len(), 2, "{}", context());
+    assert!(said.iter().any(|l| l.starts_with("hiber-slurm: SIGTERM: checkpointing")), "{}", context());
+    assert!(!said.iter().any(|l| l.contains("checkpointed;")), "no checkpoint completed: {}", context());
+    assert!(starts[1].contains("start 2: no complete image, starting from scratch"), "{}", context());
+    assert_eq!(said.last().copied(), Some("hiber-slurm: the program ended: exited(0)"), "{}", context());
+    let second = &text[text.find("start 2:").unwrap()..];
+    assert_eq!(progress_in(second), reference, "the second start ran the whole program");
 }
