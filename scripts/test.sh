@@ -20,14 +20,10 @@ echo "$out" | tail -n 3
 # The end-to-end tests run the hiber binary with the layers it preloads beside it
 # (libhiber_opencl.so, libhiber_agent.so): cargo test alone does not build those.
 cargo build --workspace --locked --quiet
-# Every test binary prints its own "test result" line; the last of them is often a crate's
-# empty doc-test run, so one closing line sums them all up.
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-set +e
-cargo test --workspace --locked "$@" 2>&1 | tee "$log"
-rc=${PIPESTATUS[0]}
-set -e
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
-exit "$rc"
+# The test binaries run two at a time, the slowest first (scripts/run_tests.py says why);
+# each prints its own "test result" line, and one closing line sums them all up.
+bins=$(mktemp)
+trap 'rm -f "$bins"' EXIT
+cargo test --workspace --locked --no-run --message-format=json --quiet >"$bins"
+cargo test --workspace --locked --doc --quiet
+python3 scripts/run_tests.py "$@" <"$bins"
