@@ -1244,6 +1244,21 @@ def _swap(m, agent):
         assert_verified(j + "-r")
 
 
+def gpu_indices(job):
+    """The GPUs (nvidia-smi's indices) on which processes of JOB's tree have contexts."""
+    index = {}
+    for line in sh("nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader").stdout.splitlines():
+        i, u = [x.strip() for x in line.split(",")]
+        index[u] = int(i)
+    tree = set(tree_of(job_pid(job)))
+    used = set()
+    for line in sh("nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader").stdout.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) == 2 and f[0].isdigit() and int(f[0]) in tree:
+            used.add(index.get(f[1], -1))
+    return sorted(used)
+
+
 def gpus_per_process(job):
     """For each process of JOB's tree with CUDA contexts, on how many GPUs (nvidia-smi)."""
     tree = set(tree_of(job_pid(job)))
@@ -1630,29 +1645,35 @@ def xhost_cmd(init, steps):
     return ("python3", str(DDP), "--mode", "ddp", "--init-file", init, "--steps", steps, "--mib", "1024", "--interval-ms", "10")
 
 
-def coordinated(m, key, commands, extra_env=()):
+def coordinated(m, key, commands, extra_env=(), hosts=None):
     """`hiber coordinate` and one hiber per command of COMMANDS (each with --coordinator and
     --json), all at once, each given the matching dict of EXTRA_ENV: the coordinator's exit
-    and output, and each participant's (returncode, JSON or None, stderr). Kept in M[KEY]."""
+    and output, and each participant's (returncode, JSON or None, stderr). Kept in M[KEY].
+    With HOSTS (a NetnsHosts), command i runs in host i's network namespace, and the
+    coordinator in host 0's, on its address."""
     import secrets
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    addr = f"127.0.0.1:{port}"
+    ip = hosts.addrs[0] if hosts else "127.0.0.1"
+    addr = f"{ip}:{port}"
     # The ranks' communicators go over NCCL's network transport, which hiber refuses unless
     # told to try (HIBER_NCCL_NET=1): these scenarios show why.
     env = dict(ENV, HIBER_SESSION=secrets.token_hex(16), HIBER_NCCL_NET="1")
-    coord = subprocess.Popen([HIBER, "coordinate", "--participants", str(len(commands)), "--listen", addr, "--timeout", "120"],
+    inside = (lambda i: hosts.enter(i)) if hosts else (lambda i: [])
+    coord = subprocess.Popen([*inside(0), HIBER, "coordinate", "--participants", str(len(commands)), "--listen", addr, "--timeout", "120"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def listening():
+        if hosts:
+            return "coordinating" in (coord.stdout.readline() if coord.poll() is None else "coordinating")
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
     wait("the coordinator to listen", 30, listening)
     extra = list(extra_env) + [{}] * (len(commands) - len(extra_env))
-    procs = [subprocess.Popen([HIBER, *map(str, c), "--coordinator", addr, "--json"], env=dict(env, HIBER_LOG="hiber_core=info", **x),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c, x in zip(commands, extra)]
+    procs = [subprocess.Popen([*inside(i), HIBER, *map(str, c), "--coordinator", addr, "--json"], env=dict(env, HIBER_LOG="hiber_core=info", **x),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i, (c, x) in enumerate(zip(commands, extra))]
     parts = []
     for p in procs:
         out, err = p.communicate(timeout=400)
@@ -1705,6 +1726,118 @@ def nccl_two_jobs_one_cut_coordinated(m):
         raise
     finally:
         Path(init).unlink(missing_ok=True)
+
+
+class NetnsHosts:
+    """Two "hosts": network namespaces joined by a veth pair, at 10.88.N.1 and 10.88.N.2,
+    each held by a process (`unshare --net sleep`), as the CI tests make them
+    (crates/hiber/tests/common/hosts.rs). Raises Skip where namespaces or veth cannot be
+    made (the reason goes into the report)."""
+
+    def __init__(self, n=0):
+        self.holders, self.addrs = [], [f"10.88.{n}.1", f"10.88.{n}.2"]
+        tag = f"{os.getpid() % 10000}{n}"
+        self.devs = [f"vhA{tag}", f"vhB{tag}"]
+        try:
+            for _ in range(2):
+                self.holders.append(subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"]))
+            for h in self.holders:
+                wait("a network namespace", 10, lambda: os.readlink(f"/proc/{h.pid}/ns/net") != os.readlink("/proc/self/ns/net"))
+            sh("ip", "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
+            for i, h in enumerate(self.holders):
+                sh("ip", "link", "set", self.devs[i], "netns", str(h.pid))
+                ns = self.enter(i)
+                sh(*ns, "ip", "addr", "add", self.addrs[i] + "/24", "dev", self.devs[i])
+                sh(*ns, "ip", "link", "set", self.devs[i], "up")
+                sh(*ns, "ip", "link", "set", "lo", "up")
+            sh(*self.enter(0), "ping", "-c", "1", "-W", "2", self.addrs[1], check=False)
+        except (subprocess.CalledProcessError, FileNotFoundError, AssertionError) as e:
+            self.close()
+            raise Skip(f"cannot make network namespace hosts here: {e}")
+
+    def enter(self, i):
+        """The command prefix that runs a program in host I's network namespace only."""
+        return ["nsenter", "-F", f"--net=/proc/{self.holders[i].pid}/ns/net"]
+
+    def close(self):
+        for h in self.holders:
+            h.kill()
+            h.wait()
+
+
+def netns_env(hosts, rank, gpu):
+    """Rank RANK on host RANK of HOSTS (its GPU: GPU), NCCL over its socket transport on the
+    host's veth. The hosts share this machine's name, so NCCL_HOSTID tells them apart."""
+    return dict(ENV, NCCL_SOCKET_IFNAME=hosts.devs[rank], NCCL_IB_DISABLE="1", WORLD_SIZE="2", LOCAL_RANK=str(gpu), RANK=str(rank),
+                NCCL_HOSTID=f"hiber-netns-host{rank}", NCCL_DEBUG="WARN")
+
+
+@scenario
+@exclusive
+def nccl_netns_hosts_coordinated_cut_restored_swapped(m):
+    """#38, NCCL across hosts: two ranks of one NCCL job, each on a host of its own (a
+    network namespace with its own address and veth, one GPU each), talking over NCCL's socket
+    transport, each a job of the hiber of its host. `hiber coordinate` on host A holds them
+    as one cut (`--leave-running`: they train on, on the uninterrupted trajectory); then the
+    originals go and both images are restored together with their GPUs swapped (host A's rank
+    onto GPU 1, host B's onto GPU 0), the communicator rebuilt through the coordinator's
+    exchange: they run to the end on the same trajectory and verify."""
+    hosts = NetnsHosts()
+    try:
+        steps = "500"
+        init = f"/tmp/hiber-suite-netns-{os.getpid()}"
+
+        def start(tag, env_of, name=None):
+            Path(init + tag).unlink(missing_ok=True)
+            cmd = ("python3", str(DDP), "--mode", "ddp", "--init-file", init + tag, "--steps", steps, "--mib", "1024", "--interval-ms", "10")
+            if name is None:
+                return [subprocess.Popen([*hosts.enter(r), *cmd], env=env_of(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+            for r in (0, 1):
+                sh(*hosts.enter(r), HIBER, "run", "--name", f"{name}{r}", "--", *cmd, env=env_of(r))
+        ref_procs = start("-ref", lambda r: netns_env(hosts, r, r))
+        out = [p.communicate(timeout=300) for p in ref_procs]
+        ref = [(p.step, p.checksum) for p in parse_progress(out[0][0])]
+        assert len(ref) == int(steps) and "verify ok" in out[0][0], f"reference run: {out[0][0][-300:]} {out[0][1][-1500:]}"
+        jobs = ("nn0", "nn1")
+        start("", lambda r: netns_env(hosts, r, r), "nn")
+        for j in jobs:
+            wait_step(j, 40, 180)
+        imgs = [image_of(j) for j in jobs]
+        rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)], hosts=hosts)
+        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated checkpoint: {m['cut']}"
+        m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
+        m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
+        at = max(progress(j)[-1][0] for j in jobs)
+        for j in jobs:
+            wait_step(j, at + 30, 120)
+            assert_on_reference(j, ref)
+        for j in jobs:
+            hiber("rm", "-f", j)
+        rc, parts = coordinated(m, "restore", [("restore", imgs[0], "--name", "nn0-r", "--gpu-map", "0=1"), ("restore", imgs[1], "--name", "nn1-r", "--gpu-map", "1=0")], hosts=hosts)
+        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore, GPUs swapped: {m['restore']}"
+        m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
+        for j in jobs:
+            wait(f"{j}-r to compute", 120, lambda: len(progress(j + "-r")) >= 3)
+        m["gpus_after"] = [gpu_indices(j + "-r") for j in jobs]
+        assert m["gpus_after"] == [[1], [0]], f"host A's rank on GPU 1, host B's on GPU 0: {m['gpus_after']}"
+        m["resumed_at"] = []
+        for j in jobs:
+            assert_verified(j + "-r")
+            got = assert_on_reference(j + "-r", ref)
+            assert got[-1][0] == int(steps) - 1, f"{j}-r ran to the end"
+            m["resumed_at"].append(got[0][0])
+    except AssertionError:
+        for j in ("nn0", "nn1", "nn0-r", "nn1-r"):
+            f = STATE / "jobs" / j / "stderr.log"
+            if f.exists():
+                m[f"{j}_said"] = [l[-240:] for l in f.read_text(errors="replace").splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+        raise
+    finally:
+        for j in ("nn0", "nn1", "nn0-r", "nn1-r"):
+            hiber("rm", "-f", j, check=False)
+        for t in ("", "-ref"):
+            Path(init + t).unlink(missing_ok=True)
+        hosts.close()
 
 
 def xhost_reference(steps, tag):

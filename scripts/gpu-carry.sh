@@ -17,7 +17,7 @@ mkdir -p "$carry/opencl"
 for p in stencil reduce image discover; do
     cc -O2 -Wall -o "$carry/opencl/$p" "$repo/crates/hiber/tests/opencl/$p.c" -lOpenCL
 done
-for p in launch roundtrip bandwidth; do
+for p in launch roundtrip bandwidth handoff; do
     cc -O2 -Wall -o "$carry/opencl/$p" "$repo/bench/opencl/$p.c" -lOpenCL
 done
 criu=$(ls "$repo"/.deps/criu-*/criu | head -n1)
