@@ -1728,6 +1728,11 @@ def nccl_two_jobs_one_cut_coordinated(m):
         Path(init).unlink(missing_ok=True)
 
 
+# iproute2's ip: this machine's, or the one scripts/gpu-carry.sh carries (with its libraries)
+# where there is none (the GPU machine).
+IP = ["ip"] if shutil.which("ip") else ["env", f"LD_LIBRARY_PATH={CARRY / 'lib'}", str(CARRY / "bin" / "ip")]
+
+
 class NetnsHosts:
     """Two "hosts": network namespaces joined by a veth pair, at 10.88.N.1 and 10.88.N.2,
     each held by a process (`unshare --net sleep`), as the CI tests make them
@@ -1743,14 +1748,14 @@ class NetnsHosts:
                 self.holders.append(subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"]))
             for h in self.holders:
                 wait("a network namespace", 10, lambda: os.readlink(f"/proc/{h.pid}/ns/net") != os.readlink("/proc/self/ns/net"))
-            sh("ip", "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
+            ip = IP
+            sh(*ip, "link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
             for i, h in enumerate(self.holders):
-                sh("ip", "link", "set", self.devs[i], "netns", str(h.pid))
+                sh(*ip, "link", "set", self.devs[i], "netns", str(h.pid))
                 ns = self.enter(i)
-                sh(*ns, "ip", "addr", "add", self.addrs[i] + "/24", "dev", self.devs[i])
-                sh(*ns, "ip", "link", "set", self.devs[i], "up")
-                sh(*ns, "ip", "link", "set", "lo", "up")
-            sh(*self.enter(0), "ping", "-c", "1", "-W", "2", self.addrs[1], check=False)
+                sh(*ns, *ip, "addr", "add", self.addrs[i] + "/24", "dev", self.devs[i])
+                sh(*ns, *ip, "link", "set", self.devs[i], "up")
+                sh(*ns, *ip, "link", "set", "lo", "up")
         except (subprocess.CalledProcessError, FileNotFoundError, AssertionError) as e:
             self.close()
             raise Skip(f"cannot make network namespace hosts here: {e}")
