@@ -413,6 +413,10 @@ struct Ring<'a> {
 }
 
 impl Ring<'_> {
+    fn used(&self, head: u64) -> usize {
+        head.wrapping_sub(self.hdr.tail.load(Ordering::Acquire)) as usize
+    }
+
     fn copy_in(&self, pos: u64, src: &[u8]) {
         let at = (pos % self.cap as u64) as usize;
         let first = src.len().min(self.cap - at);
@@ -435,33 +439,16 @@ impl Ring<'_> {
     }
 
     /// Writes one message (the caller holds the writers' lock), in frames as room allows.
-    /// `tail_seen` is the read counter as the writers last saw it (kept under their lock; 0
-    /// at first): the writer looks at the reader's counter again only when that leaves too
-    /// little room, so that the cache line the reader writes for every message does not
-    /// travel to this CPU for every message too (on NVIDIA's OpenCL the two counters'
-    /// lines crossing between the processes' CPUs for each post cost the proxy's post
-    /// thread more than the driver's own launch).
-    fn write(&self, msg: &[u8], check: &dyn Fn(bool) -> io::Result<()>, tail_seen: &mut u64) -> io::Result<()> {
+    fn write(&self, msg: &[u8], check: &dyn Fn(bool) -> io::Result<()>) -> io::Result<()> {
         let mut off = 0;
         loop {
             check(false)?;
             let rest = msg.len() - off;
             let head = self.hdr.head.load(Ordering::Relaxed);
             let want = FRAME + rest.min(MIN_FRAME_DATA);
-            let room = |tail: u64| self.cap.saturating_sub(head.wrapping_sub(tail) as usize);
-            if room(*tail_seen) < want {
-                let seen = std::cell::Cell::new(*tail_seen);
-                self.hdr.space_bell.wait(
-                    || {
-                        seen.set(self.hdr.tail.load(Ordering::Acquire));
-                        room(seen.get()) >= want
-                    },
-                    check,
-                )?;
-                *tail_seen = seen.get();
-            }
+            self.hdr.space_bell.wait(|| self.cap.saturating_sub(self.used(head)) >= want, check)?;
             // The reader's counter is the other process's to write: never trusted past the ring.
-            let used = head.wrapping_sub(*tail_seen) as usize;
+            let used = self.used(head);
             if used > self.cap - want {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "a channel ring's read counter is past its write counter"));
             }
@@ -481,34 +468,21 @@ impl Ring<'_> {
         }
     }
 
-    /// Reads one message into `out` (the ring's one reader). `head_seen` is the write
-    /// counter as this reader last saw it (0 at first): it looks at the writer's counter
-    /// again only once it has read that far (see [`Ring::write`]).
-    fn read(&self, out: &mut Vec<u8>, check: &dyn Fn(bool) -> io::Result<()>, head_seen: &mut u64) -> io::Result<()> {
+    /// Reads one message into `out` (the ring's one reader).
+    fn read(&self, out: &mut Vec<u8>, check: &dyn Fn(bool) -> io::Result<()>) -> io::Result<()> {
         out.clear();
         loop {
             check(false)?;
             let tail = self.hdr.tail.load(Ordering::Relaxed);
-            let avail = |head: u64| head.wrapping_sub(tail) as usize;
-            if avail(*head_seen) < FRAME || avail(*head_seen) > self.cap {
-                let seen = std::cell::Cell::new(*head_seen);
-                self.hdr.data_bell.wait(
-                    || {
-                        seen.set(self.hdr.head.load(Ordering::Acquire));
-                        avail(seen.get()) >= FRAME
-                    },
-                    check,
-                )?;
-                *head_seen = seen.get();
-            }
+            let avail = || self.hdr.head.load(Ordering::Acquire).wrapping_sub(tail) as usize;
+            self.hdr.data_bell.wait(|| avail() >= FRAME, check)?;
             let mut frame = [0u8; FRAME];
             self.copy_out(tail, &mut frame);
             let n = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
             let last = frame[4] != 0;
             // The writer's counter and frames are the other process's to write: never trusted
-            // past the ring (a frame longer than the ring would be copied past its end). A
-            // frame is published whole, so a counter that covers its header covers its data.
-            let written = avail(*head_seen);
+            // past the ring (a frame longer than the ring would be copied past its end).
+            let written = avail();
             if written > self.cap || n > written - FRAME {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "a channel ring frame runs past what was written"));
             }
@@ -675,9 +649,7 @@ struct Conn {
     state: AtomicU8,
     /// Posts issued (numbered under `post_lock`, in ring order).
     posts_issued: AtomicU64,
-    /// The writers' lock of the post ring, holding the ring's read counter as last seen
-    /// ([`Ring::write`]).
-    post_lock: Mutex<u64>,
+    post_lock: Mutex<()>,
 }
 
 impl Conn {
@@ -832,7 +804,7 @@ impl Client {
         let seg = Segment::map(&fd)?;
         drop(fd);
         seg.check_header()?;
-        let conn = Conn { seg, sock, state: AtomicU8::new(OPEN), posts_issued: AtomicU64::new(0), post_lock: Mutex::new(0) };
+        let conn = Conn { seg, sock, state: AtomicU8::new(OPEN), posts_issued: AtomicU64::new(0), post_lock: Mutex::new(()) };
         track_for_fork(conn.sock.as_raw_fd(), conn.seg.base as usize);
         Ok(Client {
             made_in: crate::fork::epoch(),
@@ -927,8 +899,8 @@ impl Client {
     /// the order posted, by one proxy thread. Blocks only when the post ring is full.
     pub fn post(&self, req: &[u8]) -> io::Result<()> {
         let conn = self.conn()?;
-        let mut tail_seen = conn.post_lock.lock().unwrap_or_else(|e| e.into_inner());
-        conn.seg.post_ring().write(req, &|t| conn.check(t), &mut tail_seen)?;
+        let _g = conn.post_lock.lock().unwrap_or_else(|e| e.into_inner());
+        conn.seg.post_ring().write(req, &|t| conn.check(t))?;
         conn.posts_issued.fetch_add(1, Ordering::Release);
         Ok(())
     }
@@ -1001,12 +973,11 @@ impl Drop for Client {
 
 fn notify_loop(conn: Weak<Conn>, f: Arc<RwLock<Option<NotifyFn>>>) {
     let mut msg = Vec::new();
-    let mut head_seen = 0;
     loop {
         {
             // Held only while reading, never while `f` runs, so that `close` never waits on `f`.
             let Some(conn) = conn.upgrade() else { return };
-            if conn.seg.notify_ring().read(&mut msg, &|t| conn.check(t), &mut head_seen).is_err() {
+            if conn.seg.notify_ring().read(&mut msg, &|t| conn.check(t)).is_err() {
                 return;
             }
         }
@@ -1033,8 +1004,7 @@ pub trait Handler: Send + Sync {
 struct ProxyConn {
     seg: Segment,
     shutdown: AtomicBool,
-    /// The writers' lock of the notification ring, holding its read counter as last seen.
-    notify_lock: Mutex<u64>,
+    notify_lock: Mutex<()>,
 }
 
 impl ProxyConn {
@@ -1060,7 +1030,7 @@ impl Notifier {
     pub fn notify(&self, msg: &[u8]) -> io::Result<()> {
         let c = &self.conn;
         c.check()?;
-        let mut tail_seen = c.notify_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = c.notify_lock.lock().unwrap_or_else(|e| e.into_inner());
         let hdr = c.seg.header();
         // With nobody reading, a full ring fails after one futex slice.
         let check = |timed_out: bool| {
@@ -1070,7 +1040,7 @@ impl Notifier {
             }
             Ok(())
         };
-        c.seg.notify_ring().write(msg, &check, &mut tail_seen)
+        c.seg.notify_ring().write(msg, &check)
     }
 }
 
@@ -1119,10 +1089,9 @@ impl Serving {
         let seg = &self.conn.seg;
         let check = |_: bool| self.conn.check();
         let (mut req, mut answer) = (Vec::new(), Vec::new());
-        let mut head_seen = 0;
         loop {
             let t0 = stats.is_some().then(Instant::now);
-            seg.post_ring().read(&mut req, &check, &mut head_seen)?;
+            seg.post_ring().read(&mut req, &check)?;
             let t1 = stats.is_some().then(Instant::now);
             self.handle(NSLOTS, &req, &mut answer)?;
             if let (Some(s), Some(t0), Some(t1)) = (stats.as_deref_mut(), t0, t1) {
@@ -1251,7 +1220,7 @@ pub fn serve(stream: UnixStream, handler: Arc<dyn Handler>) -> io::Result<()> {
     let (seg, fd) = Segment::create()?;
     send_fd(&stream, fd.as_raw_fd(), &hello())?;
     drop(fd);
-    let conn = Arc::new(ProxyConn { seg, shutdown: AtomicBool::new(false), notify_lock: Mutex::new(0) });
+    let conn = Arc::new(ProxyConn { seg, shutdown: AtomicBool::new(false), notify_lock: Mutex::new(()) });
     let serving = Arc::new(Serving {
         conn: conn.clone(),
         handler,
