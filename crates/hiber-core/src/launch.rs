@@ -544,6 +544,8 @@ unsafe fn start_in_namespace(cmd: &Command, start_time: &mut u64) -> Started {
             log: None,
         };
     }
+    // Other checkpoints' staging areas, mounted on the host right now, are not the job's.
+    crate::checkpoint::stage::detach_all_here();
     if cmd.private_shm {
         if let Err(e) = sys::private_dev_shm() {
             return Started::Failed {

@@ -53,3 +53,30 @@ fn bind_mounted_files_of_the_host_do_not_stop_a_restore() {
         std::panic::resume_unwind(e);
     }
 }
+
+/// A checkpoint's staging area (a tmpfs under some state directory's `stage/`, here another
+/// hiber's) mounted on the host while a job starts: the job's mount namespace, a copy of the
+/// host's, leaves it out. Before, the job kept it for good, with the other job's memory in
+/// it: CRIU dumped it with the job, and once it was unmounted and its directory gone, the
+/// restore failed ("mnt-v2: Can't stat mountpoint"; seen when two test binaries ran at once).
+#[test]
+fn another_checkpoint_s_staging_area_is_not_the_job_s() {
+    let h = Hiber::new("mounts-stage");
+    let other = h.scratch.join("other-state");
+    let stage = other.join("stage/4242-4242-0");
+    std::fs::create_dir_all(&stage).unwrap();
+    sh(&format!("mount -t tmpfs -o size=1m,mode=0700 tmpfs {}", stage.display()));
+    sh(&format!("echo pages > {}/pages-1.img", stage.display()));
+    let pid = h.start("staged", &["cpu", "--steps", "120", "--mem-mib", "8"]);
+    let seen = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    sh(&format!("umount {}", stage.display()));
+    std::fs::remove_dir_all(&other).unwrap();
+    assert!(!seen.contains("4242-4242-0"), "the job does not see the staging area:\n{seen}");
+    h.wait_step("staged", 5);
+    let image = h.images_dir().join("staged");
+    h.ok(&["checkpoint", "staged", "--out", image.to_str().unwrap()]);
+    let before = h.progress("staged");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "staged-r"]);
+    h.assert_verified("staged-r", Duration::from_secs(60));
+    assert_continues(&before, &h.progress("staged-r"), before.last().unwrap().0 + 1);
+}

@@ -120,6 +120,57 @@ impl Drop for Stage {
     }
 }
 
+/// Detaches, in the caller's mount namespace, every hiber staging area it sees (any state
+/// directory's: a tmpfs at `…/stage/<pid>-<start time>-<n>`). For a job's new mount
+/// namespace, which starts as a copy of the host's: a staging area of a checkpoint under
+/// way then (or of a killed hiber not yet swept) would stay in it for good, with another
+/// job's process memory in it. CRIU would dump that tmpfs whole into the job's images, and
+/// their restore would fail once the staging area is gone ("Can't stat mountpoint").
+/// Best effort: a mount that cannot be detached stays.
+pub fn detach_all_here() {
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else { return };
+    for target in staging_mounts(&info) {
+        let _ = sys::umount_detach(&target);
+    }
+}
+
+/// The mount points of the staging areas in a mountinfo text.
+fn staging_mounts(mountinfo: &str) -> Vec<PathBuf> {
+    let stage_name = |n: &str| {
+        let parts: Vec<&str> = n.split('-').collect();
+        parts.len() == 3 && parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    };
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (mount, fs) = l.split_once(" - ")?;
+            if fs.split_whitespace().next() != Some("tmpfs") {
+                return None;
+            }
+            let point = PathBuf::from(unescape(mount.split_whitespace().nth(4)?));
+            let name = point.file_name()?.to_str()?;
+            (point.parent()?.file_name()? == "stage" && stage_name(name)).then_some(point)
+        })
+        .collect()
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn stages(state: &StateDir) -> PathBuf {
     state.root().join("stage")
 }
@@ -232,6 +283,23 @@ mod tests {
         assert!(is_tmpfs_mount(live.dir()));
         drop(live);
         let _ = fs::remove_dir_all(&tmp);
+    }
+
+    #[test]
+    fn staging_areas_of_any_state_directory_are_found_in_mountinfo() {
+        let info = "\
+22 1 8:1 / / rw - ext4 /dev/vda rw
+90 22 0:50 / /var/lib/hiber/stage/123-456-0 rw - tmpfs tmpfs rw,mode=700
+91 22 0:51 / /tmp/my\\040state/stage/9-8-7 rw - tmpfs tmpfs rw
+92 22 0:52 / /tmp/x/stage/not-a-stage rw - tmpfs tmpfs rw
+93 22 0:53 / /tmp/y/stage/1-2-3 rw - ext4 /dev/vdb rw
+94 22 0:54 / /tmp/z/other/1-2-3 rw - tmpfs tmpfs rw
+95 22 0:55 / /dev/shm rw - tmpfs tmpfs rw";
+        assert_eq!(
+            staging_mounts(info),
+            [PathBuf::from("/var/lib/hiber/stage/123-456-0"), PathBuf::from("/tmp/my state/stage/9-8-7")],
+            "tmpfs mounts named as stages, under a directory `stage`, and nothing else"
+        );
     }
 
     /// Whether a tmpfs is mounted at `p` (by /proc/self/mountinfo).
