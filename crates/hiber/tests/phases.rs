@@ -151,7 +151,8 @@ fn two_jobs_checkpoint_as_one_cut_and_abort_together() {
     let (a, ia2) = ckpt2("ca", &[]);
     let (b, ib2) = ckpt2("cb", &[("HIBER_FAIL_AT", "committed")]);
     let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
-    assert!(!b.status.success() && String::from_utf8_lossy(&b.stderr).contains("injected failure"));
+    let eb = String::from_utf8_lossy(&b.stderr);
+    assert!(!b.status.success() && eb.contains("injected failure"), "cb's checkpoint fails at the injected failure: {eb}");
     let ea = String::from_utf8_lossy(&a.stderr);
     assert!(!a.status.success() && ea.contains("another participant failed"), "{ea}");
     assert!(!ia2.exists() && !ib2.exists(), "no image of an aborted cut is kept");
