@@ -60,7 +60,8 @@ fn a_checkpoint_failing_at_any_phase_leaves_the_job_running() {
 #[test]
 fn a_restore_failing_at_any_phase_leaves_no_job() {
     let h = Hiber::new("rphases");
-    h.start("rp", &["cpu", "--steps", "300", "--mem-mib", "16", "--interval-ms", "40"]);
+    // A step count of its own: the processes left running are found by it, host-wide.
+    h.start("rp", &["cpu", "--steps", "317", "--mem-mib", "16", "--interval-ms", "40"]);
     h.wait_step("rp", 5);
     let image = h.images_dir().join("rp");
     h.ok(&["checkpoint", "rp", "--out", image.to_str().unwrap()]);
@@ -73,7 +74,7 @@ fn a_restore_failing_at_any_phase_leaves_no_job() {
         let ours = std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
-            .filter(|e| std::fs::read_to_string(e.path().join("cmdline")).is_ok_and(|c| c.contains("workload") && c.contains("--steps\x00300")))
+            .filter(|e| std::fs::read_to_string(e.path().join("cmdline")).is_ok_and(|c| c.contains("workload") && c.contains("--steps\x00317")))
             .count();
         assert_eq!(ours, 0, "{phase}: no restored process is left running");
     }
