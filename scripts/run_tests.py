@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Runs the workspace's test binaries one at a time, as `cargo test` does, `mounts.rs` first,
-each binary's output printed whole once it ends, and one line summing every binary's counts.
+each binary's output as it comes, and one line summing every binary's counts.
 
 With HIBER_TEST_LANES=2, Slurm's binary (which mostly waits for its daemons) runs beside the
 others instead: about 2.5 minutes less on CI's 2-core machine. It is not the default: the
@@ -73,6 +73,9 @@ def main():
     queues = [[b for b in every if b not in apart and b not in alone], apart]
     lock = threading.Lock()
     totals = {"passed": 0, "failed": 0, "bad": []}
+    # Each binary's output is printed whole once it ends where two run at once, so that
+    # theirs never interleave; as it comes where one runs at a time.
+    live = not apart
 
     def lane(queue):
         while True:
@@ -81,16 +84,31 @@ def main():
                     return
                 name, exe, cwd = queue.pop(0)
             t0 = time.monotonic()
-            with tempfile.TemporaryFile(mode="w+") as log:
-                env = dict(os.environ, CARGO_MANIFEST_DIR=cwd)
-                rc = subprocess.call([exe, *args], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                log.seek(0)
-                text = log.read()
+            env = dict(os.environ, CARGO_MANIFEST_DIR=cwd)
+            if live:
+                # One lane: the output as it comes, as cargo shows it (a test that hangs says
+                # so while it runs).
+                print(f"     Running {name} ({exe})", flush=True)
+                p = subprocess.Popen([exe, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace")
+                lines = []
+                for line in p.stdout:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    lines.append(line)
+                rc, text = p.wait(), "".join(lines)
+            else:
+                with tempfile.TemporaryFile(mode="w+") as log:
+                    rc = subprocess.call([exe, *args], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                    log.seek(0)
+                    text = log.read()
             passed, failed = counts(text)
             with lock:
-                print(f"     Running {name} ({exe}): {time.monotonic() - t0:.1f} s", flush=True)
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                if live:
+                    print(f"     ({name}: {time.monotonic() - t0:.1f} s)", flush=True)
+                else:
+                    print(f"     Running {name} ({exe}): {time.monotonic() - t0:.1f} s", flush=True)
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
                 totals["passed"] += passed
                 totals["failed"] += failed
                 if rc != 0:
