@@ -1716,13 +1716,7 @@ def nccl_two_jobs_one_cut_coordinated(m):
     try:
         xhost_cut_and_restore(m, jobs, imgs, ref, steps)
     except AssertionError:
-        # What the ranks said (NCCL's warnings, PyTorch's error), for the report.
-        for j in jobs + tuple(j + "-r" for j in jobs):
-            f = STATE / "jobs" / j / "stderr.log"
-            if f.exists():
-                text = f.read_text(errors="replace")
-                (OUT / f"{j}-stderr.log").write_text(text[-200_000:])
-                m[f"{j}_said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+        keep_ranks_said(m, jobs + tuple(j + "-r" for j in jobs))
         raise
     finally:
         Path(init).unlink(missing_ok=True)
@@ -1788,75 +1782,45 @@ def nccl_netns_hosts_coordinated_cut_restored_swapped(m):
     onto GPU 1, host B's onto GPU 0), the communicator rebuilt through the coordinator's
     exchange: they run to the end on the same trajectory and verify."""
     hosts = NetnsHosts()
+    jobs = ("nn0", "nn1")
+    init = f"/tmp/hiber-suite-netns-{os.getpid()}"
     try:
         steps = "500"
-        init = f"/tmp/hiber-suite-netns-{os.getpid()}"
-
-        def start(tag, env_of, name=None):
-            Path(init + tag).unlink(missing_ok=True)
-            cmd = ("python3", str(DDP), "--mode", "ddp", "--init-file", init + tag, "--steps", steps, "--mib", "1024", "--interval-ms", "10")
-            if name is None:
-                return [subprocess.Popen([*hosts.enter(r), *cmd], env=env_of(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-            for r in (0, 1):
-                sh(*hosts.enter(r), HIBER, "run", "--name", f"{name}{r}", "--", *cmd, env=env_of(r))
-        ref_procs = start("-ref", lambda r: netns_env(hosts, r, r))
-        out = [p.communicate(timeout=300) for p in ref_procs]
-        ref = [(p.step, p.checksum) for p in parse_progress(out[0][0])]
-        assert len(ref) == int(steps) and "verify ok" in out[0][0], f"reference run: {out[0][0][-300:]} {out[0][1][-1500:]}"
-        jobs = ("nn0", "nn1")
-        start("", lambda r: netns_env(hosts, r, r), "nn")
+        env_of = lambda r: netns_env(hosts, r, r)  # noqa: E731 - rank r on host r and GPU r
+        ref = xhost_reference(steps, "netns", env_of, hosts.enter)
+        Path(init).unlink(missing_ok=True)
+        for r, j in enumerate(jobs):
+            sh(*hosts.enter(r), HIBER, "run", "--name", j, "--", *xhost_cmd(init, steps), env=env_of(r))
         for j in jobs:
             wait_step(j, 40, 180)
         imgs = [image_of(j) for j in jobs]
-        rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)], hosts=hosts)
-        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated checkpoint: {m['cut']}"
-        m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
-        m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
-        at = max(progress(j)[-1][0] for j in jobs)
-        for j in jobs:
-            wait_step(j, at + 30, 120)
-            assert_on_reference(j, ref)
-        for j in jobs:
-            hiber("rm", "-f", j)
+        xhost_cut(m, jobs, imgs, ref, hosts)
         # SUITE_NETNS_GPUS=same restores each rank onto the GPU it had (to tell a fault of
         # the swap from one of the rebuild).
         swap = os.environ.get("SUITE_NETNS_GPUS", "swap") == "swap"
-        maps = (("--gpu-map", "0=1"), ("--gpu-map", "1=0")) if swap else ((), ())
-        rc, parts = coordinated(m, "restore", [("restore", imgs[r], "--name", f"nn{r}-r", *maps[r]) for r in (0, 1)], hosts=hosts)
-        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
-        m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
+        xhost_restore_together(m, jobs, imgs, hosts, [("--gpu-map", "0=1"), ("--gpu-map", "1=0")] if swap else None)
         for j in jobs:
             wait(f"{j}-r to compute", 120, lambda: len(progress(j + "-r")) >= 3)
         m["gpus_after"] = [gpu_indices(j + "-r") for j in jobs]
         want = [[1], [0]] if swap else [[0], [1]]
         assert m["gpus_after"] == want, f"the ranks' GPUs after the restore: {m['gpus_after']}, expected {want}"
-        m["resumed_at"] = []
-        for j in jobs:
-            assert_verified(j + "-r")
-            got = assert_on_reference(j + "-r", ref)
-            assert got[-1][0] == int(steps) - 1, f"{j}-r ran to the end"
-            m["resumed_at"].append(got[0][0])
+        xhost_ran_to_the_end(m, jobs, ref, steps)
     except AssertionError:
-        for j in ("nn0", "nn1", "nn0-r", "nn1-r"):
-            f = STATE / "jobs" / j / "stderr.log"
-            if f.exists():
-                text = f.read_text(errors="replace")
-                (OUT / f"{j}-stderr.log").write_text(text[-100_000:])
-                m[f"{j}_said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+        keep_ranks_said(m, jobs + tuple(j + "-r" for j in jobs))
         raise
     finally:
-        for j in ("nn0", "nn1", "nn0-r", "nn1-r"):
+        for j in jobs + tuple(j + "-r" for j in jobs):
             hiber("rm", "-f", j, check=False)
-        for t in ("", "-ref"):
-            Path(init + t).unlink(missing_ok=True)
+        Path(init).unlink(missing_ok=True)
         hosts.close()
 
 
-def xhost_reference(steps, tag):
-    """The uninterrupted trajectory of the two socket-transport ranks, outside hiber."""
+def xhost_reference(steps, tag, env_of=xhost_env, enter=lambda r: []):
+    """The uninterrupted trajectory of the two socket-transport ranks, outside hiber (rank r
+    with ENV_OF(r), started by the command prefix ENTER(r))."""
     ref_init = f"/tmp/hiber-suite-xref-{tag}-{os.getpid()}"
     Path(ref_init).unlink(missing_ok=True)
-    procs = [subprocess.Popen(list(xhost_cmd(ref_init, steps)), env=xhost_env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [subprocess.Popen([*enter(r), *xhost_cmd(ref_init, steps)], env=env_of(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     out = [p.communicate(timeout=300) for p in procs]
     ref = [(p.step, p.checksum) for p in parse_progress(out[0][0])]
     assert len(ref) == int(steps) and "verify ok" in out[0][0], f"reference run: {out[0][0][-300:]} {out[0][1][-1500:]}"
@@ -2042,20 +2006,59 @@ def nccl_socket_ranks_failed_cut_trains_on(m):
         Path(init).unlink(missing_ok=True)
 
 
-def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
-    def train_on(n):
-        at = max(progress(j)[-1][0] for j in jobs)
-        for j in jobs:
-            wait_step(j, at + n, 120)
-            assert_on_reference(j, ref)
-        return at
+def xhost_trained_on(jobs, ref, n):
+    """Every job of JOBS goes N steps further, on the trajectory REF; the step they were at."""
+    at = max(progress(j)[-1][0] for j in jobs)
+    for j in jobs:
+        wait_step(j, at + n, 120)
+        assert_on_reference(j, ref)
+    return at
 
-    # 1. The cut.
-    rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)])
+
+def xhost_cut(m, jobs, imgs, ref, hosts=None):
+    """JOBS cut as one into IMGS with --leave-running (through `coordinated`, in HOSTS if
+    given): they train on 30 steps on REF. Returns the step they were at."""
+    rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)], hosts=hosts)
     assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated checkpoint: {m['cut']}"
     m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
     m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
-    at = train_on(30)
+    return xhost_trained_on(jobs, ref, 30)
+
+
+def xhost_restore_together(m, jobs, imgs, hosts=None, restore_args=None):
+    """The originals go; IMGS come back together as JOB-r (each with its RESTORE_ARGS)."""
+    for j in jobs:
+        hiber("rm", "-f", j)
+    extra = restore_args or [()] * len(jobs)
+    rc, parts = coordinated(m, "restore", [("restore", i, "--name", j + "-r", *x) for j, i, x in zip(jobs, imgs, extra)], hosts=hosts)
+    assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
+    m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
+
+
+def xhost_ran_to_the_end(m, jobs, ref, steps):
+    """Each restored JOB-r verifies, on REF, to its last step; where each resumed goes in M."""
+    m["resumed_at"] = []
+    for j in jobs:
+        assert_verified(j + "-r")
+        got = assert_on_reference(j + "-r", ref)
+        assert got[-1][0] == int(steps) - 1, f"{j}-r ran to the end"
+        m["resumed_at"].append(got[0][0])
+
+
+def keep_ranks_said(m, jobs):
+    """What the ranks of JOBS said (NCCL's warnings, PyTorch's error), for the report: the
+    tail of each one's stderr into OUT, its error lines into M."""
+    for j in jobs:
+        f = STATE / "jobs" / j / "stderr.log"
+        if f.exists():
+            text = f.read_text(errors="replace")
+            (OUT / f"{j}-stderr.log").write_text(text[-200_000:])
+            m[f"{j}_said"] = [l[-240:] for l in text.splitlines() if "NCCL WARN" in l or "rror" in l][-6:]
+
+
+def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
+    # 1. The cut.
+    at = xhost_cut(m, jobs, imgs, ref)
     m["step_gap_ms"] = [step_gap_ms(j, 2, at + 30) for j in jobs]
     m["agent_mib"] = [agent_bytes(agent_section(i)) >> 20 for i in imgs]
     # 2. One side fails after both tore their communicators down, before and after the
@@ -2065,19 +2068,10 @@ def xhost_cut_and_restore(m, jobs, imgs, ref, steps):
         rc, parts = coordinated(m, "failed_at_" + phase, [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, spare)], [{}, {"HIBER_FAIL_AT": phase}])
         assert rc != 0 and all(p[0] != 0 for p in parts), f"the failed cut fails everywhere: {m['failed_at_' + phase]}"
         assert not any(Path(i).exists() for i in spare), "no image of the failed cut"
-        train_on(20)
+        xhost_trained_on(jobs, ref, 20)
     # 3. Both originals go; the images of the cut come back together.
-    for j in jobs:
-        hiber("rm", "-f", j)
-    rc, parts = coordinated(m, "restore", [("restore", i, "--name", j + "-r") for j, i in zip(jobs, imgs)])
-    assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
-    m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
-    m["resumed_at"] = []
-    for j in jobs:
-        assert_verified(j + "-r")
-        got = assert_on_reference(j + "-r", ref)
-        assert got[-1][0] == int(steps) - 1, f"{j}-r ran to the end"
-        m["resumed_at"].append(got[0][0])
+    xhost_restore_together(m, jobs, imgs)
+    xhost_ran_to_the_end(m, jobs, ref, steps)
 
 
 # ---------------------------------------------------------------------------------------
