@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Runs the workspace's test binaries one at a time, as `cargo test` does, `mounts.rs` first,
-each binary's output as it comes, and one line summing every binary's counts.
+"""Runs the workspace's test binaries one at a time in cargo test's order, as `cargo test`
+does, each binary's output as it comes, and one line summing every binary's counts.
 
 With HIBER_TEST_LANES=2, Slurm's binary (which mostly waits for its daemons) runs beside the
 others instead: about 2.5 minutes less on CI's 2-core machine. It is not the default: the
@@ -23,7 +23,7 @@ import time
 # address, still taken, and a test counting its leftover processes host-wide counted
 # another's (fixed in the test).
 APART = ["slurm"]
-# The binaries that run alone, before the others: mounts.rs mounts things on the host that
+# With HIBER_TEST_LANES=2, the binaries that run alone first: mounts.rs mounts things on the host that
 # every job started meanwhile would keep in its mount namespace (and need at its restore).
 ALONE = ["mounts"]
 LANES = int(os.environ.get("HIBER_TEST_LANES", "1"))
@@ -43,9 +43,12 @@ def binaries(stream):
         if not exe:
             continue
         target = msg["target"]
-        name = target["name"] if "test" in target["kind"] else f"{target['name']} (unit tests)"
-        out.append((name, exe, os.path.dirname(msg["manifest_path"])))
-    return out
+        unit = "test" not in target["kind"]
+        name = f"{target['name']} (unit tests)" if unit else target["name"]
+        out.append(((msg["manifest_path"], not unit, target["name"]), name, exe, os.path.dirname(msg["manifest_path"])))
+    # cargo test's own order (package by package, unit tests first, then the test files by
+    # name), not the order the builds finished in: the runs that passed in CI before ran so.
+    return [b[1:] for b in sorted(out)]
 
 
 def counts(text):
@@ -68,7 +71,7 @@ def main():
     if not every:
         print("run_tests: cargo listed no test binaries", file=sys.stderr)
         return 1
-    alone = [b for b in every if b[0] in ALONE]
+    alone = [b for b in every if b[0] in ALONE] if LANES > 1 else []
     apart = [b for b in every if b[0] in APART] if LANES > 1 else []
     queues = [[b for b in every if b not in apart and b not in alone], apart]
     lock = threading.Lock()

@@ -20,7 +20,7 @@ echo "$out" | tail -n 3
 # The end-to-end tests run the hiber binary with the layers it preloads beside it
 # (libhiber_opencl.so, libhiber_agent.so): cargo test alone does not build those.
 cargo build --workspace --locked --quiet
-# The test binaries run one at a time, mounts.rs first (scripts/run_tests.py);
+# The test binaries run one at a time, in cargo test's order (scripts/run_tests.py);
 # each prints its own "test result" line, and one closing line sums them all up.
 bins=$(mktemp)
 trap 'rm -f "$bins"' EXIT
