@@ -26,6 +26,7 @@ pub mod migrate;
 pub mod proctree;
 pub mod restore;
 pub mod secure;
+pub mod sockdiag;
 pub mod state;
 pub mod sys;
 

@@ -4,6 +4,8 @@
 //! default ghost limit, 1 MiB: ghost_multi_hole00), and a server with a connection it has
 //! not accepted yet (socket-tcp-skip-in-flight). Each fixture (tests/fixtures/*.c) checks
 //! its own state after restore; a terminal from outside the job is still refused.
+//! One shape that CRIU alone fails too: a server whose closed connections hold its port in
+//! TIME_WAIT when it is restored in place.
 
 mod common;
 
@@ -151,4 +153,44 @@ fn listening_socket_with_a_connection_not_yet_accepted() {
     assert_eq!(reply, "pong ping\n", "the restored server listens and serves");
     wait_log(&h, "srv-r", "served", |l| l.contains("served"));
     assert!(h.log("srv-r").lines().any(|l| l == "served 1 ping"), "the first client served after restore is the new one:\n{}", h.log("srv-r"));
+}
+
+/// One client of a server on `port`: sends `line`, returns the answer, and waits for the
+/// server to close first (its side of the connection then waits in TIME_WAIT).
+fn ask(port: &str, line: &str) -> String {
+    let mut client = TcpStream::connect(format!("127.0.0.1:{port}")).unwrap();
+    client.set_read_timeout(Some(BOUND)).unwrap();
+    client.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut reply = String::new();
+    client.read_to_string(&mut reply).unwrap();
+    reply
+}
+
+/// The connections on `port` in TIME_WAIT, as `ss` lists them.
+fn time_wait_on(port: &str) -> usize {
+    let out = std::process::Command::new("ss").args(["-Htan", "state", "time-wait", "sport", "=", &format!(":{port}")]).output().expect("run ss");
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+/// A server that closed its connections first, and listens without SO_REUSEADDR, stopped
+/// by a checkpoint and restored in place at once: its closed connections still wait in
+/// TIME_WAIT on its port, which CRIU must bind again. The restore ends them (they are the
+/// job's past) and the server goes on counting its clients.
+#[test]
+fn a_server_that_closed_its_connections_is_restored_in_place_at_once() {
+    let h = Hiber::new("zdtm-timewait");
+    let bin = h.build_fixture("cc", "closing_server");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    h.ok(&["run", "--name", "srv", "--", bin.to_str().unwrap(), &port]);
+    wait_log(&h, "srv", "listening", |l| l.contains("listening"));
+    for (n, line) in ["one", "two", "three"].iter().enumerate() {
+        assert_eq!(ask(&port, line), format!("pong {} {line}\n", n + 1));
+    }
+    let image = h.images_dir().join("srv");
+    h.ok(&["checkpoint", "srv", "--out", image.to_str().unwrap()]);
+    assert_eq!(time_wait_on(&port), 3, "the server's closed connections hold its port");
+    h.ok(&["restore", image.to_str().unwrap(), "--name", "srv-r"]);
+    assert_eq!(time_wait_on(&port), 0, "the restore ended them");
+    assert_eq!(ask(&port, "after"), "pong 4 after\n", "the restored server counts on");
+    wait_log(&h, "srv-r", "served 4", |l| l.contains("served 4 after"));
 }

@@ -9,7 +9,8 @@ mod client;
 
 pub use client::{Criu, CriuError, CriuVersion, DumpOptions, RestoreOptions};
 
-/// Types generated from CRIU's `images/rpc.proto` (and the statistics of `stats.proto`).
+/// Types generated from CRIU's `images/rpc.proto`, and the parts of its image files hiber
+/// reads (`stats.proto`, `files.proto`).
 #[allow(clippy::all)]
 pub mod rpc {
     include!(concat!(env!("OUT_DIR"), "/_.rs"));
@@ -43,6 +44,42 @@ pub fn read_dump_stats(work_dir: &std::path::Path) -> Option<DumpStats> {
         memwrite: us(d.memwrite_time),
         bytes_written: d.pages_written.unwrap_or(0) * crate::sys::page_size() as u64,
     })
+}
+
+/// The local addresses of the TCP sockets of an image (`files.img` in CRIU's images
+/// directory): listening, connected or only bound, each of which a restore binds again.
+/// A file of CRIU's format is its header (two 32-bit magics), then entries, each a 32-bit
+/// length and a `file_entry` message.
+pub fn tcp_addresses(images_dir: &std::path::Path) -> std::io::Result<Vec<std::net::SocketAddr>> {
+    use prost::Message;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    const INETSK: u32 = 4;
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("files.img: {what}"));
+    let bytes = std::fs::read(images_dir.join("files.img"))?;
+    let mut at = 8;
+    let mut out = Vec::new();
+    while at < bytes.len() {
+        let len = bytes.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize).ok_or_else(|| bad("a torn entry"))?;
+        let body = bytes.get(at + 4..at + 4 + len).ok_or_else(|| bad("a torn entry"))?;
+        at += 4 + len;
+        let entry = rpc::FileEntry::decode(body).map_err(|e| bad(&e.to_string()))?;
+        let Some(sk) = entry.isk.filter(|_| entry.r#type == Some(INETSK)) else { continue };
+        let port = sk.src_port.unwrap_or(0);
+        if sk.proto != Some(libc::IPPROTO_TCP as u32) || port == 0 || port > u32::from(u16::MAX) {
+            continue;
+        }
+        // The kernel's bytes, in words as CRIU copied them from memory (little-endian here).
+        let raw: Vec<u8> = sk.src_addr.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let ip = match (sk.family.map(|f| f as i32), raw.len()) {
+            (Some(libc::AF_INET), 4) => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&raw[..]).unwrap())),
+            (Some(libc::AF_INET6), 16) => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&raw[..]).unwrap())),
+            (Some(libc::AF_INET), 0) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            (Some(libc::AF_INET6), 0) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            _ => continue,
+        };
+        out.push(SocketAddr::new(ip, port as u16));
+    }
+    Ok(out)
 }
 
 /// The oldest CRIU that works on current kernels (3.x fails on kernels after 6.12).

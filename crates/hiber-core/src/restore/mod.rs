@@ -298,6 +298,8 @@ fn restore_into_job(
     let criu_dir = image.criu_dir();
     let leave_stopped = job.leave_stopped;
     let criu_start = Instant::now();
+    // In this network namespace, the job's sockets get their addresses back.
+    let closed = if req.isolate_net { ClosedPorts::default() } else { free_ports_of(&criu_dir) };
     ctx.phase("restoring process state (CRIU)");
     let task = launch::RestoreTask {
         criu: ctx.criu.path().to_path_buf(),
@@ -314,7 +316,7 @@ fn restore_into_job(
         Started::Failed { message, hint, log } => {
             // The shim ran CRIU and reports its error as text; hints that need the image are made here.
             let e = crate::criu::CriuError::Reported { message, log: log.map(PathBuf::from) };
-            let hint = hint.or_else(|| restore_hint(image, &e));
+            let hint = hint.or_else(|| closed.hint(&e)).or_else(|| restore_hint(image, &e));
             return Err(RestoreError::Criu { message: e.to_string(), hint, log: e.log().map(|l| l.display().to_string()) });
         }
     };
@@ -351,6 +353,72 @@ fn restore_into_job(
             })
         }
     }
+}
+
+/// The closed connections on the addresses of an image's TCP sockets that a restore could
+/// not end (see [`free_ports_of`]).
+#[derive(Default)]
+struct ClosedPorts {
+    left: Vec<std::net::SocketAddr>,
+    why: String,
+}
+
+impl ClosedPorts {
+    /// Where CRIU could not bind an address and such a connection holds one, the hint says so.
+    fn hint(&self, e: &crate::criu::CriuError) -> Option<String> {
+        let taken = e.errno() == Some(libc::EADDRINUSE) || e.to_string().contains("Address already in use");
+        let first = self.left.first().filter(|_| taken)?;
+        Some(format!(
+            "{first} is held by a connection the job closed, which the kernel keeps for up to a minute (TIME_WAIT) and hiber could not end ({}): restore again in a minute, or restore with --isolate-net",
+            self.why
+        ))
+    }
+}
+
+/// A program that closed a connection first left it in TIME_WAIT on its own address, where
+/// it stays for a minute (in FIN_WAIT, CLOSING or LAST_ACK while its closing handshake
+/// goes on: a failed restore that killed its copy leaves those). A restore in place within
+/// that minute binds the address again, and where the connection was made without
+/// `SO_REUSEADDR` (Open MPI's TCP transport, a server that does not ask for it), it holds
+/// the port and CRIU fails with "Address already in use". Connections on the image's TCP
+/// addresses that no program holds any more are the job's own past (or another program's,
+/// on a port the job had first): they are ended, as `ss -K` would. Nothing else is touched,
+/// and nothing here fails the restore: what is left is reported, and named in the hint if
+/// CRIU then fails on it.
+fn free_ports_of(criu_dir: &Path) -> ClosedPorts {
+    let addrs = match crate::criu::tcp_addresses(criu_dir) {
+        Ok(a) if a.is_empty() => return ClosedPorts::default(),
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!("cannot read the image's sockets to free their ports: {e}");
+            return ClosedPorts::default();
+        }
+    };
+    let held = crate::sockdiag::SockDiag::open().and_then(|mut d| {
+        let held: Vec<_> = d.closed()?.into_iter().filter(|c| addrs.iter().any(|a| crate::sockdiag::contend(*a, c.local))).collect();
+        Ok((d, held))
+    });
+    let (mut diag, held) = match held {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!("cannot list this host's closed connections (sock_diag): {e}");
+            return ClosedPorts::default();
+        }
+    };
+    let mut left = ClosedPorts::default();
+    for c in &held {
+        match diag.destroy(c) {
+            Ok(()) => tracing::info!("ended a closed connection ({}) on {} to {}, which held an address of the image", c.state, c.local, c.remote),
+            Err(e) => {
+                left.why = if e.raw_os_error() == Some(libc::EOPNOTSUPP) { "this kernel has no CONFIG_INET_DIAG_DESTROY".into() } else { e.to_string() };
+                left.left.push(c.local);
+            }
+        }
+    }
+    if let Some(first) = left.left.first() {
+        tracing::warn!("{} closed connection(s) hold addresses of the image ({first} first) and could not be ended: {}", left.left.len(), left.why);
+    }
+    left
 }
 
 /// After CRIU restored the tree: each engine restores its device state, in reverse order
