@@ -42,7 +42,8 @@ impl Cluster {
                  SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
                  SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
                  SlurmctldPort={port}\nSlurmdPort={}\nProctrackType=proctrack/pgid\nTaskPlugin=task/none\n\
-                 SchedulerType=sched/backfill\nSelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
+                 SchedulerType=sched/backfill\nSchedulerParameters=bf_interval=1\n\
+                 SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
                  JobAcctGatherType=jobacct_gather/none\nMpiDefault=none\nReturnToService=2\n\
                  NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n{settings}\n{}\n",
                 port + 1,
@@ -161,13 +162,15 @@ fn check_cycles(h: &Hiber, cluster: &Cluster, id: &str, out: &Path, reference: &
 const QUICK_REQUEUE: &str = "AuthInfo=cred_expire=10";
 
 /// The time limit: the warning signal to the batch shell (`--signal=B:USR1@45`), the helper
-/// as the batch script. (slurmctld looks at time limits every half minute or so: the program
-/// runs 50 s, longer than the signal can be late.)
+/// as the batch script. slurmctld looks at time limits every 30 s, and sends the warning at
+/// the first look once the time left is under the warning time plus those 30 s: with a
+/// 1-minute limit, at the first look after each start. So each start runs up to 30 s, and
+/// the program runs 40 s: its first start is always warned.
 #[test]
 fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
     let h = Hiber::new("slurm");
     let cluster = Cluster::start(&h, QUICK_REQUEUE, "PartitionName=batch Nodes={node} Default=YES MaxTime=INFINITE State=UP");
-    let (program, reference) = workload(500);
+    let (program, reference) = workload(400);
     let out = h.scratch.join("job.out");
     let script = format!(
         "#!/bin/bash\n#SBATCH --requeue --time=1 --signal=B:USR1@45 --open-mode=append -o {}\nexec {} -- {program}\n",
