@@ -384,6 +384,9 @@ pub struct Command {
     /// Give the job an IPC namespace of its own (see [`Command::host_ipc`]).
     #[serde(default = "yes")]
     private_ipc: bool,
+    /// Give the job a `/dev/pts` of its own ([`sys::private_dev_pts`]).
+    #[serde(default = "yes")]
+    private_pts: bool,
     /// See [`Command::hold`].
     #[serde(default)]
     hold: Option<RawFd>,
@@ -459,6 +462,15 @@ impl Command {
         self
     }
 
+    /// Leaves the job the host's `/dev/pts` (`host`), or gives it one of its own: the
+    /// terminals it opens are then numbered there, and a restore, which gives each its old
+    /// number, finds it free whatever the host opened since. With its own, the job cannot
+    /// open the host's terminals by their path.
+    pub fn host_pts(mut self, host: bool) -> Command {
+        self.private_pts = !host;
+        self
+    }
+
     /// Keeps the job out of PID namespaces with these numbers: those the CUDA sockets of
     /// images here are named after, which their restores bind again.
     pub fn avoid_pid_namespaces(mut self, numbers: Vec<u64>) -> Command {
@@ -487,6 +499,7 @@ impl Command {
             avoid_namespaces: Vec::new(),
             private_shm: true,
             private_ipc: true,
+            private_pts: true,
             hold: None,
         };
         cmd.prepare().map_err(LaunchError::Start)?;
@@ -551,6 +564,15 @@ unsafe fn start_in_namespace(cmd: &Command, start_time: &mut u64) -> Started {
             return Started::Failed {
                 message: format!("cannot give the job a /dev/shm of its own: {e}"),
                 hint: Some("`hiber run --host-shm` leaves it the host's (its images then cannot hold named semaphores)".into()),
+                log: None,
+            };
+        }
+    }
+    if cmd.private_pts {
+        if let Err(e) = sys::private_dev_pts() {
+            return Started::Failed {
+                message: format!("cannot give the job a /dev/pts of its own: {e}"),
+                hint: Some("`hiber run --host-pts` leaves it the host's (its terminals then restore only where their numbers are free)".into()),
                 log: None,
             };
         }

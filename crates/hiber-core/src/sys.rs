@@ -155,6 +155,34 @@ pub fn private_dev_shm() -> io::Result<()> {
     Ok(())
 }
 
+/// Gives the caller's (private) mount namespace a `/dev/pts` of its own: a new devpts
+/// instance in place of the host's. The pseudo-terminals a job opens (mpirun gives one to
+/// each rank) are then numbered in it from 0, and a restore, which must give each its old
+/// number, finds those numbers free, whatever the host opened since and whatever another
+/// copy of the job holds. Opening `/dev/ptmx` reaches the instance at `/dev/pts` of the
+/// opener's mount namespace (Linux 4.7 and newer). Without a devpts at `/dev/pts` on the
+/// host there is nothing to replace.
+pub fn private_dev_pts() -> io::Result<()> {
+    // SAFETY: statfs is plain data; all-zero is a valid value, and the call fills it.
+    let mut host: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated literal path and a valid out-pointer.
+    if unsafe { libc::statfs(c"/dev/pts".as_ptr(), &mut host) } != 0 || host.f_type != libc::DEVPTS_SUPER_MAGIC {
+        return Ok(());
+    }
+    // As for /dev/shm: the host's mounts there leave this namespace only.
+    for _ in 0..8 {
+        // SAFETY: a NUL-terminated literal path.
+        if unsafe { libc::umount2(c"/dev/pts".as_ptr(), libc::MNT_DETACH) } != 0 {
+            break;
+        }
+    }
+    // A terminal's group is tty (5) and its mode 0620, as on the host; anyone may open ptmx.
+    let data = c"newinstance,ptmxmode=0666,mode=0620,gid=5";
+    // SAFETY: NUL-terminated strings; `data` is the option string devpts reads.
+    cvt(unsafe { libc::mount(c"devpts".as_ptr(), c"/dev/pts".as_ptr(), c"devpts".as_ptr(), libc::MS_NOSUID | libc::MS_NOEXEC, data.as_ptr().cast()) })?;
+    Ok(())
+}
+
 /// Mounts a new tmpfs at `target` with `options` (tmpfs's option string: size, mode,
 /// huge, ...), with no devices, set-id files or programs on it.
 pub fn mount_tmpfs(target: &Path, options: &str) -> io::Result<()> {

@@ -74,7 +74,9 @@ fn controlling_terminal_from_outside_the_job_is_still_refused() {
     assert_eq!(unsafe { libc::ptsname_r(master, name.as_mut_ptr(), name.len()) }, 0, "ptsname_r");
     // SAFETY: ptsname_r wrote a NUL-terminated string into `name`.
     let slave = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_str().unwrap().to_string();
-    h.ok(&["run", "--name", "outside", "--", bin.to_str().unwrap(), "--slave", &slave]);
+    // The job opens it by its path, which names the host's terminal only in the host's
+    // /dev/pts (a job has its own unless `--host-pts`).
+    h.ok(&["run", "--host-pts", "--name", "outside", "--", bin.to_str().unwrap(), "--slave", &slave]);
     wait_log(&h, "outside", "ctty ok", |l| l.contains("ctty ok"));
     let f = h.fails(&["checkpoint", "outside", "--out", h.images_dir().join("outside").to_str().unwrap()]);
     assert!(f.stderr.contains(&format!("controlling terminal from outside the tree ({slave})")) && f.stderr.contains("hint: "), "{}", f.stderr);

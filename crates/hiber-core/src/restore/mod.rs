@@ -518,7 +518,7 @@ fn restore_hint(image: &Image, e: &crate::criu::CriuError) -> Option<String> {
     }
     if text.contains("Unable to open dev/ptmx with specified index") {
         return Some(
-            "a pseudo-terminal of the image has its number taken on this host: by the original, if it still runs (mpirun gives its ranks terminals), and CRIU restores a terminal under its old number; restore once the original is stopped"
+            "a pseudo-terminal of the image has its number taken on this host: by the original, if it still runs (mpirun gives its ranks terminals), or by any program since; CRIU restores a terminal under its old number, and this job used the host's /dev/pts (run with --host-pts, or started by an older hiber); restore once the number is free"
                 .into(),
         );
     }

@@ -68,7 +68,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
         &registry,
         Some(registry.free_name("demo")),
         command,
-        JobOptions { agent: true, opencl: Some(hiber_core::engine::opencl::default_mode()), allow_io_uring: false, host_shm: false, host_ipc: false },
+        JobOptions {
+            agent: true,
+            opencl: Some(hiber_core::engine::opencl::default_mode()),
+            allow_io_uring: false,
+            host_shm: false,
+            host_ipc: false,
+            host_pts: false,
+        },
     )?;
     println!("  started job {} (pid {})", job.name, job.pid);
     let at = steps / 3;

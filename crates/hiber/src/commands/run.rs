@@ -46,6 +46,13 @@ pub struct Args {
     /// message queues only there, and restored copies each get their own.
     #[arg(long)]
     host_ipc: bool,
+    /// Leave the job the host's /dev/pts. hiber otherwise gives each job one of its own, as
+    /// containers have: CRIU restores a terminal under its old number (mpirun gives one to
+    /// each rank), which on the host another program may have taken since; and copies
+    /// restored side by side each get their own. With it, the job cannot open the host's
+    /// terminals by path.
+    #[arg(long)]
+    host_pts: bool,
     /// The command and its arguments.
     // No `allow_hyphen_values`: a mistyped option of hiber's before the command is refused
     // as unknown rather than run as the command; the command's own options after its name
@@ -66,6 +73,7 @@ pub struct JobOptions {
     pub allow_io_uring: bool,
     pub host_shm: bool,
     pub host_ipc: bool,
+    pub host_pts: bool,
 }
 
 /// Open MPI 4's setting for where mpirun makes its session directory (else `$TMPDIR`, or
@@ -93,6 +101,7 @@ pub fn start_job(registry: &Registry, name: Option<String>, command: Vec<String>
             .allow_io_uring(opts.allow_io_uring)
             .host_shm(opts.host_shm)
             .host_ipc(opts.host_ipc)
+            .host_pts(opts.host_pts)
             .avoid_pid_namespaces(hiber_core::image::recorded_cuda_namespaces())
             .hold(start_lock.as_raw_fd());
         // What the device engines prepare for a job: the agent's preload, say.
@@ -174,7 +183,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
         &registry,
         args.name,
         args.command,
-        JobOptions { agent: !args.no_agent, opencl, allow_io_uring: args.allow_io_uring, host_shm: args.host_shm, host_ipc: args.host_ipc },
+        JobOptions {
+            agent: !args.no_agent,
+            opencl,
+            allow_io_uring: args.allow_io_uring,
+            host_shm: args.host_shm,
+            host_ipc: args.host_ipc,
+            host_pts: args.host_pts,
+        },
     )?;
     if args.quiet {
         println!("{}", job.name);
