@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
-"""Runs the workspace's test binaries one at a time in cargo test's order, as `cargo test`
-does, each binary's output as it comes, and one line summing every binary's counts.
+"""Runs the workspace's test binaries, each binary's output whole once it ends, and one line
+summing every binary's counts.
 
-With HIBER_TEST_LANES=2, Slurm's binary (which mostly waits for its daemons) runs beside the
-others instead: about 2.5 minutes less on CI's 2-core machine. It is not the default: the
-two-host MPI test failed once beside it (a restore found its address still taken, under
-load), and running other binaries at once found more that they share of the host (see
-APART). Each binary still runs all its tests, with cargo's own harness and threads.
+Two binaries run at once (HIBER_TEST_LANES, 2 unless set), the slowest first: most of the
+time of the slow ones is waiting (Slurm's daemons, timeouts, namespace hosts), and one after
+another they made a fresh clone's run 11 to 14 minutes on CI's 2-core machine, against
+#41's 8. Each binary still runs all its tests, with cargo's own harness and threads.
+HIBER_TEST_LANES=1 runs them one at a time in cargo test's order, each binary's output as it
+comes, as `cargo test` does.
+
+Running binaries at once found what they share of the host, each fixed where it was:
+- a job kept another checkpoint's staging area in its mount namespace (fixed in hiber:
+  a job's mount namespace drops them);
+- a test counted leftover workloads host-wide (fixed in the test);
+- an MPI job restored in place found its terminal numbers taken by another binary's jobs
+  (fixed in hiber: each job has its own /dev/pts);
+- and its address held by a connection it had closed itself (fixed in hiber: a restore
+  ends such connections). That one failed one run in five alone too.
 """
 
 import json
@@ -17,16 +27,13 @@ import tempfile
 import threading
 import time
 
-# The binaries that run beside the others with HIBER_TEST_LANES=2, in a second lane. With
-# any two binaries at once, a job of one kept another's CRIU staging area in its mount
-# namespace (fixed in hiber), an MPI restore found its pseudo-terminal number, or its
-# address, still taken, and a test counting its leftover processes host-wide counted
-# another's (fixed in the test).
-APART = ["slurm"]
-# With HIBER_TEST_LANES=2, the binaries that run alone first: mounts.rs mounts things on the host that
-# every job started meanwhile would keep in its mount namespace (and need at its restore).
+# The binaries that run alone, first: mounts.rs mounts things on the host that every job
+# started meanwhile would keep in its mount namespace (and need at its restore).
 ALONE = ["mounts"]
-LANES = int(os.environ.get("HIBER_TEST_LANES", "1"))
+# The slowest binaries (seconds on CI's machine, one at a time), started first so that the
+# two lanes end together; the others follow in cargo's order.
+SLOWEST = ["slurm", "opencl", "interrupted", "checkpoint_restore", "dead_host", "migrate", "mpi", "phases"]
+LANES = int(os.environ.get("HIBER_TEST_LANES", "2"))
 
 
 def binaries(stream):
@@ -72,13 +79,15 @@ def main():
         print("run_tests: cargo listed no test binaries", file=sys.stderr)
         return 1
     alone = [b for b in every if b[0] in ALONE] if LANES > 1 else []
-    apart = [b for b in every if b[0] in APART] if LANES > 1 else []
-    queues = [[b for b in every if b not in apart and b not in alone], apart]
+    rest = [b for b in every if b not in alone]
+    if LANES > 1:
+        rest.sort(key=lambda b: SLOWEST.index(b[0]) if b[0] in SLOWEST else len(SLOWEST))
+    queues = [rest] * max(LANES, 1)
     lock = threading.Lock()
     totals = {"passed": 0, "failed": 0, "bad": []}
     # Each binary's output is printed whole once it ends where two run at once, so that
     # theirs never interleave; as it comes where one runs at a time.
-    live = not apart
+    live = LANES <= 1
 
     def lane(queue):
         while True:
