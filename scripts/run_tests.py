@@ -2,10 +2,10 @@
 """Runs the workspace's test binaries, each binary's output whole once it ends, and one line
 summing every binary's counts.
 
-Two binaries run at once (HIBER_TEST_LANES, 2 unless set), the slowest first: most of the
-time of the slow ones is waiting (Slurm's daemons, timeouts, namespace hosts), and one after
-another they made a fresh clone's run 11 to 14 minutes on CI's 2-core machine, against
-#41's 8. Each binary still runs all its tests, with cargo's own harness and threads.
+Three binaries run at once (HIBER_TEST_LANES, 3 unless set), the slowest first: Slurm's
+mostly waits for its daemons, and takes one lane for almost all the run; the others share
+the machine's two cores. One after another they made a fresh clone's run 11 to 14 minutes
+on CI's 2-core machine, against #41's 8; two at a time, 8 m 01 s. Each binary still runs all its tests, with cargo's own harness and threads.
 HIBER_TEST_LANES=1 runs them one at a time in cargo test's order, each binary's output as it
 comes, as `cargo test` does.
 
@@ -33,7 +33,7 @@ ALONE = ["mounts"]
 # The slowest binaries (seconds on CI's machine, one at a time), started first so that the
 # two lanes end together; the others follow in cargo's order.
 SLOWEST = ["slurm", "opencl", "interrupted", "checkpoint_restore", "dead_host", "migrate", "mpi", "phases"]
-LANES = int(os.environ.get("HIBER_TEST_LANES", "2"))
+LANES = int(os.environ.get("HIBER_TEST_LANES", "3"))
 
 
 def binaries(stream):

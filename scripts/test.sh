@@ -20,7 +20,7 @@ echo "$out" | tail -n 3
 # The end-to-end tests run the hiber binary with the layers it preloads beside it
 # (libhiber_opencl.so, libhiber_agent.so): cargo test alone does not build those.
 cargo build --workspace --locked --quiet
-# The test binaries run two at a time, the slowest first (scripts/run_tests.py; one at a
+# The test binaries run three at a time, the slowest first (scripts/run_tests.py; one at a
 # time with HIBER_TEST_LANES=1); each prints its own "test result" line, and one closing
 # line sums them all up.
 bins=$(mktemp)
