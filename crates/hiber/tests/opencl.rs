@@ -399,7 +399,9 @@ fn a_process_that_ends_during_the_checkpoint_fails_it(mode: &str) {
 fn checkpoints_in_a_tight_enqueue_loop(mode: &str) {
     let h = Hiber::new(&format!("ocl-tight-{mode}"));
     let bin = program(&h, "stencil");
-    start(&h, mode, "tl", &bin, &["4000", "4096", "0", "0"]);
+    // Long enough (about 6 s alone) to still run at the third checkpoint on a loaded
+    // machine: with 4000 steps it once ended before (three test binaries at once).
+    start(&h, mode, "tl", &bin, &["20000", "4096", "0", "0"]);
     h.wait_step("tl", 100);
     for i in 0..3 {
         let image = h.images_dir().join(format!("tl{i}")).display().to_string();
