@@ -92,14 +92,26 @@ pub struct RestoreTask {
     /// so stays held while hiber or the shim runs.
     #[serde(default)]
     pub hold: Option<RawFd>,
+    /// A socket of hiber's: at CRIU's post-restore notification (every process and socket
+    /// made, the network still locked, nothing resumed) the shim sends one byte on it and
+    /// waits for hiber's answer, which hiber gives once the restore's
+    /// [`Phase::SocketsRestored`](crate::coordinator::Phase::SocketsRestored) barrier passed:
+    /// `g` goes on; anything else, or hiber gone, makes CRIU undo the restore.
+    #[serde(default)]
+    pub post_restore: Option<RawFd>,
 }
+
+/// The shim's byte at CRIU's post-restore, and hiber's answers.
+pub const POST_RESTORE_REACHED: u8 = b'r';
+pub const POST_RESTORE_GO: u8 = b'g';
+pub const POST_RESTORE_UNDO: u8 = b'n';
 
 impl ShimTask {
     /// The descriptors the shim must inherit.
     fn fds(&self) -> Vec<RawFd> {
         match self {
             ShimTask::Run(c) => c.hold.into_iter().collect(),
-            ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).chain(r.hold).collect(),
+            ShimTask::Restore(r) => r.inherit.iter().map(|(_, fd)| *fd).chain(r.hold).chain(r.post_restore).collect(),
         }
     }
 }
@@ -354,10 +366,29 @@ fn restore(task: RestoreTask) -> Started {
         external_mounts: task.external_mounts,
         leave_stopped: task.leave_stopped,
     };
-    match Criu::at(task.criu).restore(&opts, &mut |_| Ok(())) {
+    let mut on_notify = |script: &str| match (script, task.post_restore) {
+        ("post-restore", Some(fd)) => hold_at_post_restore(fd),
+        _ => Ok(()),
+    };
+    match Criu::at(task.criu).restore(&opts, &mut on_notify) {
         Ok(pid) => Started::Running { pid },
         // Hints that need the image are made by the caller, from the message and the log.
         Err(e) => Started::Failed { message: e.to_string(), hint: None, log: e.log().map(|l| l.display().to_string()) },
+    }
+}
+
+/// Inside the shim, at CRIU's post-restore: tells hiber on `fd` and waits for its word.
+fn hold_at_post_restore(fd: RawFd) -> Result<(), String> {
+    // SAFETY: `fd` is the task's post-restore socket, which the shim inherited and keeps
+    // open for as long as it runs; the copy made here is closed when this returns.
+    let mut sock = File::from(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }.try_clone_to_owned().map_err(|e| format!("post-restore socket: {e}"))?);
+    sock.write_all(&[POST_RESTORE_REACHED]).map_err(|e| format!("cannot tell hiber that the processes are made: {e}"))?;
+    let mut word = [0u8; 1];
+    match sock.read(&mut word) {
+        Ok(1) if word[0] == POST_RESTORE_GO => Ok(()),
+        Ok(1) => Err("the restore's other participants did not all make their processes".into()),
+        Ok(_) => Err("hiber went away while CRIU held the restored processes".into()),
+        Err(e) => Err(format!("waiting for hiber at post-restore: {e}")),
     }
 }
 
@@ -775,9 +806,10 @@ mod tests {
             isolate_net: false,
             leave_stopped: false,
             hold: Some(9),
+            post_restore: Some(10),
         });
         let back: ShimTask = serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
-        assert_eq!(back.fds(), vec![7, 9], "the restore's lock is inherited too");
+        assert_eq!(back.fds(), vec![7, 9, 10], "the restore's lock and its post-restore socket are inherited too");
     }
 
     #[test]
@@ -799,6 +831,7 @@ mod tests {
             isolate_net: false,
             leave_stopped: false,
             hold: None,
+            post_restore: None,
         });
         assert!(matches!(spawn_shim(Path::new("/nonexistent"), &task), Err(LaunchError::Start(_))));
     }

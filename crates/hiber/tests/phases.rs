@@ -66,7 +66,7 @@ fn a_restore_failing_at_any_phase_leaves_no_job() {
     let image = h.images_dir().join("rp");
     h.ok(&["checkpoint", "rp", "--out", image.to_str().unwrap()]);
     let before = h.progress("rp");
-    for phase in ["restore_prepared", "processes_restored", "devices_restored"] {
+    for phase in ["restore_prepared", "sockets_restored", "processes_restored", "devices_restored"] {
         let out = h.command(&["restore", image.to_str().unwrap(), "--name", "rp-r"]).env("HIBER_FAIL_AT", phase).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains("injected failure at"), "{phase}: {stderr}");

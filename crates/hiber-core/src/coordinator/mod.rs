@@ -27,6 +27,11 @@ pub enum Phase {
     Committed,
     /// Restore: image verified, this machine checked, engines' sessions opened.
     RestorePrepared,
+    /// Restore: CRIU has made every process and socket, and holds them before it unlocks
+    /// the network and resumes anything. No participant goes on before all are here: a
+    /// connection between participants then has both its ends again before either end
+    /// sends (a packet to a host whose end is not made yet is answered with a reset).
+    SocketsRestored,
     /// Restore: the process tree is back (CRIU), devices not yet.
     ProcessesRestored,
     /// Restore: device state is back; the application runs.

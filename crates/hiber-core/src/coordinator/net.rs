@@ -73,7 +73,7 @@ use serde::{Deserialize, Serialize};
 use super::{BarrierError, Coordinator, Local, Phase};
 use crate::secure::{Channel, Duplex, SecureError, Token};
 
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The most one participant sends in one exchange, as JSON.
 pub const MAX_DATA: usize = 256 << 10;
 /// The longest line the coordinator reads: a participant's message with its data.
@@ -788,7 +788,7 @@ mod tests {
         assert!(!heard.contains("welcome"), "{heard}");
         // The session still waits for its participant, who then finishes alone.
         let r = Remote::join(&addr, "secret", "ok", Duration::from_secs(5), Local::default()).unwrap();
-        for p in [Phase::RestorePrepared, Phase::ProcessesRestored, Phase::DevicesRestored] {
+        for p in [Phase::RestorePrepared, Phase::SocketsRestored, Phase::ProcessesRestored, Phase::DevicesRestored] {
             r.barrier(p).unwrap();
         }
         assert_eq!(server.join().unwrap(), Outcome::Done(Phase::DevicesRestored));

@@ -301,6 +301,9 @@ fn restore_into_job(
     // In this network namespace, the job's sockets get their addresses back.
     let closed = if req.isolate_net { ClosedPorts::default() } else { free_ports_of(&criu_dir) };
     ctx.phase("restoring process state (CRIU)");
+    // CRIU holds the made processes at its post-restore notification until the
+    // SocketsRestored barrier passes (see `hold_post_restore`).
+    let (ours, theirs) = sys::seqpacket_pair()?;
     let task = launch::RestoreTask {
         criu: ctx.criu.path().to_path_buf(),
         images_dir: criu_dir,
@@ -310,8 +313,24 @@ fn restore_into_job(
         isolate_net: req.isolate_net,
         leave_stopped,
         hold: Some(job.restore_lock.as_raw_fd()),
+        post_restore: Some(theirs.as_raw_fd()),
     };
-    let root = match launch::spawn_shim(job.dir, &launch::ShimTask::Restore(task))? {
+    let task = launch::ShimTask::Restore(task);
+    let (started, held) = std::thread::scope(|s| {
+        let shim = s.spawn(|| launch::spawn_shim(job.dir, &task));
+        let held = hold_post_restore(ours, || shim.is_finished(), coord);
+        (shim.join(), held)
+    });
+    drop(theirs);
+    let started = started.map_err(|_| RestoreError::Io(std::io::Error::other("the thread that started the restore's shim panicked")))?;
+    // The barrier's failure is the cause of CRIU's ("post-restore script failed").
+    if let Err(e) = held {
+        if let Ok(Started::Running { pid }) = started {
+            stop_tree(pid, src.pid_namespace);
+        }
+        return Err(e);
+    }
+    let root = match started? {
         Started::Running { pid } => pid,
         Started::Failed { message, hint, log } => {
             // The shim ran CRIU and reports its error as text; hints that need the image are made here.
@@ -353,6 +372,39 @@ fn restore_into_job(
             })
         }
     }
+}
+
+/// While the shim runs CRIU: once CRIU has made every process and socket and holds them
+/// (its post-restore notification; the shim says so on `sock`), passes the restore's
+/// [`Phase::SocketsRestored`] barrier and tells the shim to go on, or to have CRIU undo the
+/// restore. With other participants, none unlocks its network or resumes its processes
+/// before every one has made its ends of the connections between them: a window probe (sent
+/// as CRIU takes a socket out of repair mode) or a write to a host whose end is not made yet
+/// is answered with a reset, which broke Open MPI jobs restored across two hosts. Returns
+/// at once where the shim ended (`done`) without reaching that point.
+fn hold_post_restore(sock: std::os::fd::OwnedFd, done: impl Fn() -> bool, coord: &dyn Coordinator) -> Result<(), RestoreError> {
+    use std::io::{Read, Write};
+    let mut sock = std::os::unix::net::UnixStream::from(sock);
+    sock.set_read_timeout(Some(Duration::from_millis(50)))?;
+    let mut byte = [0u8; 1];
+    loop {
+        match sock.read(&mut byte) {
+            Ok(1) if byte[0] == launch::POST_RESTORE_REACHED => break,
+            Ok(_) => return Ok(()),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {
+                if done() {
+                    return Ok(());
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let passed = coord.barrier(Phase::SocketsRestored);
+    let word = if passed.is_ok() { launch::POST_RESTORE_GO } else { launch::POST_RESTORE_UNDO };
+    // A shim that cannot hear it has CRIU undo the restore (it reads EOF once hiber's
+    // end closes), and reports that.
+    let _ = sock.write_all(&[word]);
+    passed.map_err(RestoreError::from)
 }
 
 /// The closed connections on the addresses of an image's TCP sockets that a restore could
