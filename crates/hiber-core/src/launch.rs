@@ -370,7 +370,13 @@ fn restore(task: RestoreTask) -> Started {
         ("post-restore", Some(fd)) => hold_at_post_restore(fd),
         _ => Ok(()),
     };
-    match Criu::at(task.criu).restore(&opts, &mut on_notify) {
+    let restored = Criu::at(task.criu).restore(&opts, &mut on_notify);
+    if let Some(fd) = task.post_restore {
+        // SAFETY: the post-restore socket was inherited for this restore alone, and nothing
+        // else of the shim owns it: closed here, the shim keeps only what its job needs.
+        drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    }
+    match restored {
         Ok(pid) => Started::Running { pid },
         // Hints that need the image are made by the caller, from the message and the log.
         Err(e) => Started::Failed { message: e.to_string(), hint: None, log: e.log().map(|l| l.display().to_string()) },

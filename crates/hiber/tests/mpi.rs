@@ -13,6 +13,17 @@ use std::time::Duration;
 use common::hosts::{hiber_in, net_of, Coordinator, Hosts};
 use common::{assert_continues, progress_in, Hiber, HIBER};
 
+/// Held by the tests whose jobs run in this host's network namespace. Open MPI's TCP
+/// transport listens on the first free port from 1024 up: a job started while another's
+/// original had ended would take its ports, which that one's in-place restore needs
+/// (refused, "Address already in use", as two users' jobs on one host would fight over
+/// them). The two-host test runs in namespaces of its own.
+static HOST_PORTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn host_ports() -> std::sync::MutexGuard<'static, ()> {
+    HOST_PORTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const RANKS: &str = "3";
 const STEPS: &str = "150";
 
@@ -50,6 +61,7 @@ fn processes(h: &Hiber, image: &str) -> u64 {
 /// goes on from the step after its checkpoint and the whole run is the uninterrupted one.
 #[test]
 fn an_open_mpi_job_is_preempted_twice_and_finishes_on_its_trajectory() {
+    let _ports = host_ports();
     let h = Hiber::new("mpi");
     let bin = h.build_fixture("mpicc", "mpi_ring");
     let reference = reference(&bin, RANKS);
@@ -81,6 +93,7 @@ fn an_open_mpi_job_is_preempted_twice_and_finishes_on_its_trajectory() {
 /// trajectory, to its end, and so does a copy restored beside it.
 #[test]
 fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
+    let _ports = host_ports();
     let h = Hiber::new("mpil");
     let bin = h.build_fixture("mpicc", "mpi_ring");
     let reference = reference(&bin, RANKS);
@@ -116,6 +129,7 @@ fn an_open_mpi_job_runs_on_after_a_leave_running_checkpoint() {
 /// and Open MPI names its session directory after that PID. Both must start, run and end.
 #[test]
 fn two_open_mpi_jobs_start_side_by_side() {
+    let _ports = host_ports();
     let h = Hiber::new("mpi2");
     let bin = h.build_fixture("mpicc", "mpi_ring");
     let reference = reference(&bin, RANKS);

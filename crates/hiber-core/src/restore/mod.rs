@@ -301,9 +301,12 @@ fn restore_into_job(
     // In this network namespace, the job's sockets get their addresses back.
     let closed = if req.isolate_net { ClosedPorts::default() } else { free_ports_of(&criu_dir) };
     ctx.phase("restoring process state (CRIU)");
-    // CRIU holds the made processes at its post-restore notification until the
-    // SocketsRestored barrier passes (see `hold_post_restore`).
+    // With other participants, CRIU holds the made processes at its post-restore
+    // notification until the SocketsRestored barrier passes (see `hold_post_restore`).
+    // Alone, the barrier comes once CRIU is done: a hiber killed meanwhile then leaves a
+    // tree that `hiber recover` adopts, which a hold would have undone.
     let (ours, theirs) = sys::seqpacket_pair()?;
+    let shared = coord.is_shared();
     let task = launch::RestoreTask {
         criu: ctx.criu.path().to_path_buf(),
         images_dir: criu_dir,
@@ -313,12 +316,12 @@ fn restore_into_job(
         isolate_net: req.isolate_net,
         leave_stopped,
         hold: Some(job.restore_lock.as_raw_fd()),
-        post_restore: Some(theirs.as_raw_fd()),
+        post_restore: shared.then(|| theirs.as_raw_fd()),
     };
     let task = launch::ShimTask::Restore(task);
     let (started, held) = std::thread::scope(|s| {
         let shim = s.spawn(|| launch::spawn_shim(job.dir, &task));
-        let held = hold_post_restore(ours, || shim.is_finished(), coord);
+        let held = if shared { hold_post_restore(ours, || shim.is_finished(), coord) } else { Ok(()) };
         (shim.join(), held)
     });
     drop(theirs);
@@ -342,8 +345,9 @@ fn restore_into_job(
     let criu = criu_start.elapsed();
     let _ = std::fs::remove_dir_all(&work);
     let devices_start = Instant::now();
-    let finished = coord
-        .barrier(Phase::ProcessesRestored)
+    let alone = if shared { Ok(()) } else { coord.barrier(Phase::SocketsRestored) };
+    let finished = alone
+        .and_then(|()| coord.barrier(Phase::ProcessesRestored))
         .map_err(RestoreError::from)
         .and_then(|()| restore_devices(ctx, sessions, root, leave_stopped, coord))
         // Where the other participants' ranks build NCCL communicators again, this one
