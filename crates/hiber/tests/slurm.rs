@@ -69,6 +69,12 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.run("scancel", &["-u", "root"]);
+        // Until the jobs are gone: a job's slurmstepd whose slurmd is killed first waits for
+        // it for good, and every run left one or two behind.
+        let start = std::time::Instant::now();
+        while !self.run("squeue", &["-h"]).trim().is_empty() && start.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(250));
+        }
         for d in &mut self.daemons {
             let _ = d.kill();
             let _ = d.wait();
