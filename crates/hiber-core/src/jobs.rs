@@ -68,6 +68,27 @@ pub struct Job {
     pub last_image: Option<String>,
 }
 
+impl Job {
+    /// Notes a checkpoint of this job to `image`: its latest image, which its next
+    /// checkpoint shares unchanged data with, and where it went when the checkpoint stopped
+    /// it (`left_running` false). [`Registry::save`] puts it on record.
+    pub fn checkpointed(&mut self, image: &Path, left_running: bool) {
+        if !left_running {
+            self.checkpointed_to = Some(image.display().to_string());
+        }
+        self.last_image = Some(image.display().to_string());
+    }
+
+    /// The image its next checkpoint shares unchanged data with: its latest, while that is
+    /// still there and readable (else none: a full image).
+    pub fn default_parent(&self) -> Option<PathBuf> {
+        self.last_image
+            .as_ref()
+            .map(PathBuf::from)
+            .filter(|p| crate::image::Image::open(p).inspect_err(|e| tracing::debug!(error = %e, "the job's latest image cannot be a parent")).is_ok())
+    }
+}
+
 /// What `hiber restore` records in a new job's directory before the job's shim starts, and
 /// removes once the restore is complete: enough for `hiber ls` to show the job and for
 /// `hiber recover` to settle it should that hiber be killed.
@@ -387,6 +408,11 @@ impl Registry {
         jobs.sort_by(|a, b| a.name.cmp(&b.name));
         unreadable.sort();
         (jobs, unreadable)
+    }
+
+    /// The running job whose root is `pid`: a tree named by its root's PID is that job.
+    pub fn running_job_at(&self, pid: i32) -> Option<Job> {
+        self.list().into_iter().find(|j| j.pid == pid && self.state(j) == JobState::Running)
     }
 
     pub fn state(&self, job: &Job) -> JobState {

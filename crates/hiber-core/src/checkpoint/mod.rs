@@ -243,6 +243,14 @@ fn lock_target(ctx: &Context, req: &CheckpointRequest) -> Result<OpLock, Checkpo
 
 /// Checkpoints with every phase run back to back (`HIBER_FAIL_AT` may name a phase whose
 /// barrier fails, for fault-injection tests).
+/// Where a checkpoint of `job` (or of the tree at `pid`, no job's) goes unless told: the
+/// state directory's `images/NAME-TIME`.
+pub fn default_image_path(state: &crate::state::StateDir, job: Option<&crate::jobs::Job>, pid: i32) -> PathBuf {
+    let base = job.map(|j| j.name.clone()).unwrap_or_else(|| format!("pid{pid}"));
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace(':', "");
+    state.images().join(format!("{base}-{}", stamp.trim_end_matches('Z')))
+}
+
 pub fn checkpoint(ctx: &Context, req: &CheckpointRequest) -> Result<CheckpointReport, CheckpointError> {
     checkpoint_with(ctx, req, &coordinator::from_env())
 }

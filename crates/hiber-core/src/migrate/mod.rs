@@ -177,8 +177,7 @@ pub fn migrate(ctx: &Context, req: &MigrateRequest) -> Result<MigrateReport, Mig
         return Err(MigrateError::Io(std::io::Error::other("the source's tree did not stop as it should; the target was told to drop its copy")));
     }
     let mut job = job;
-    job.checkpointed_to = Some(dest.display().to_string());
-    job.last_image = Some(dest.display().to_string());
+    job.checkpointed(&dest, false);
     if let Err(e) = registry.save(&job) {
         let _ = wire::send(&mut channel, &Msg::Abort { reason: format!("the source cannot record its image: {e}") });
         return Err(MigrateError::InDoubt { reason: format!("cannot record the image in the job ({e}); the target was told to drop its copy"), image: dest });

@@ -47,29 +47,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
     let registry = Registry::new(&ctx.state);
     let (pid, job) = match resolve_target(&registry, &args.target)? {
         Target::Job(job) => (running_pid(&registry, &job)?, Some(job)),
-        Target::Pid(pid) => {
-            // A PID that is a job's root is checkpointed as that job.
-            let job = registry.list().into_iter().find(|j| j.pid == pid && registry.state(j) == hiber_core::jobs::JobState::Running);
-            (pid, job)
-        }
+        Target::Pid(pid) => (pid, registry.running_job_at(pid)),
     };
-    let dest = match args.out {
-        Some(p) => p,
-        None => {
-            let base = job.as_ref().map(|j| j.name.clone()).unwrap_or_else(|| format!("pid{pid}"));
-            let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace(':', "");
-            ctx.state.images().join(format!("{base}-{}", stamp.trim_end_matches('Z')))
-        }
+    let dest = args.out.unwrap_or_else(|| hiber_core::checkpoint::default_image_path(&ctx.state, job.as_ref(), pid));
+    let parent = match (&args.parent, args.no_parent) {
+        (Some(p), _) => Some(image_path(&ctx.state, p)),
+        (None, true) => None,
+        (None, false) => job.as_ref().and_then(|j| j.default_parent()),
     };
-    let parent =
-        match (&args.parent, args.no_parent) {
-            (Some(p), _) => Some(image_path(&ctx.state, p)),
-            (None, true) => None,
-            // The job's latest image, when it is still there and readable; otherwise a full one.
-            (None, false) => job.as_ref().and_then(|j| j.last_image.as_ref()).map(PathBuf::from).filter(|p| {
-                hiber_core::image::Image::open(p).inspect_err(|e| tracing::debug!(error = %e, "the job's latest image cannot be a parent")).is_ok()
-            }),
-        };
     let req =
         CheckpointRequest { pid, job: job.clone(), dest, leave_running: args.leave_running, parent: parent.clone(), compress: args.compress, transient: false };
     let coord = super::coordinator(args.coordinator.as_deref(), job.as_ref().map_or(&args.target, |j| &j.name))?;
@@ -79,10 +64,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
     let report = report?;
     if let Some(mut job) = job {
-        if !args.leave_running {
-            job.checkpointed_to = Some(report.image.display().to_string());
-        }
-        job.last_image = Some(report.image.display().to_string());
+        job.checkpointed(&report.image, args.leave_running);
         // The checkpoint itself succeeded: its image is in place, whatever happens to this
         // bookkeeping.
         if let Err(e) = registry.save(&job) {

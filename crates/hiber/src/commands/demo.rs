@@ -104,7 +104,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
 fn run_demo(ctx: &hiber_core::Context, registry: &Registry, job: &Job, req: &CheckpointRequest, steps: u64) -> Result<(), CliError> {
     let report = checkpoint(ctx, req)?;
     let mut job = job.clone();
-    job.checkpointed_to = Some(report.image.display().to_string());
+    job.checkpointed(&report.image, false);
     registry.save(&job)?;
     let before = progress_of(&read_log(registry, &job.name));
     let last_before = before.last().map(|p| p.step).unwrap_or(0);
