@@ -5,7 +5,8 @@ summing every binary's counts.
 Three binaries run at once (HIBER_TEST_LANES, 3 unless set), the slowest first: Slurm's
 mostly waits for its daemons, and takes one lane for almost all the run; the others share
 the machine's two cores. One after another they made a fresh clone's run 11 to 14 minutes
-on CI's 2-core machine, against #41's 8; two at a time, 8 m 01 s. Each binary still runs all its tests, with cargo's own harness and threads.
+on CI's 2-core machine, against #41's 8; two at a time, 8 m 01 s. Each binary still runs
+all its tests, with cargo's own harness and threads.
 HIBER_TEST_LANES=1 runs them one at a time in cargo test's order, each binary's output as it
 comes, as `cargo test` does.
 
@@ -30,8 +31,8 @@ import time
 # The binaries that run alone, first: mounts.rs mounts things on the host that every job
 # started meanwhile would keep in its mount namespace (and need at its restore).
 ALONE = ["mounts"]
-# The slowest binaries (seconds on CI's machine, one at a time), started first so that the
-# two lanes end together; the others follow in cargo's order.
+# The slowest binaries, slowest first (as timed one at a time on CI's machine), started
+# first so that the lanes end close together; the others follow in cargo's order.
 SLOWEST = ["slurm", "opencl", "interrupted", "checkpoint_restore", "dead_host", "migrate", "mpi", "phases"]
 LANES = int(os.environ.get("HIBER_TEST_LANES", "3"))
 
@@ -82,10 +83,9 @@ def main():
     rest = [b for b in every if b not in alone]
     if LANES > 1:
         rest.sort(key=lambda b: SLOWEST.index(b[0]) if b[0] in SLOWEST else len(SLOWEST))
-    queues = [rest] * max(LANES, 1)
     lock = threading.Lock()
     totals = {"passed": 0, "failed": 0, "bad": []}
-    # Each binary's output is printed whole once it ends where two run at once, so that
+    # Each binary's output is printed whole once it ends where several run at once, so that
     # theirs never interleave; as it comes where one runs at a time.
     live = LANES <= 1
 
@@ -127,7 +127,8 @@ def main():
                     totals["bad"].append(f"{name} (exit status {rc})")
 
     lane(alone)
-    threads = [threading.Thread(target=lane, args=(q,)) for q in queues]
+    # Every lane takes the next binary from the one queue.
+    threads = [threading.Thread(target=lane, args=(rest,)) for _ in range(max(LANES, 1))]
     for t in threads:
         t.start()
     for t in threads:

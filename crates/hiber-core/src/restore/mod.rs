@@ -305,8 +305,8 @@ fn restore_into_job(
     // notification until the SocketsRestored barrier passes (see `hold_post_restore`).
     // Alone, the barrier comes once CRIU is done: a hiber killed meanwhile then leaves a
     // tree that `hiber recover` adopts, which a hold would have undone.
-    let (ours, theirs) = sys::seqpacket_pair()?;
     let shared = coord.is_shared();
+    let (ours, theirs) = if shared { sys::seqpacket_pair().map(|(a, b)| (Some(a), Some(b)))? } else { (None, None) };
     let task = launch::RestoreTask {
         criu: ctx.criu.path().to_path_buf(),
         images_dir: criu_dir,
@@ -316,12 +316,15 @@ fn restore_into_job(
         isolate_net: req.isolate_net,
         leave_stopped,
         hold: Some(job.restore_lock.as_raw_fd()),
-        post_restore: shared.then(|| theirs.as_raw_fd()),
+        post_restore: theirs.as_ref().map(|t| t.as_raw_fd()),
     };
     let task = launch::ShimTask::Restore(task);
     let (started, held) = std::thread::scope(|s| {
         let shim = s.spawn(|| launch::spawn_shim(job.dir, &task));
-        let held = if shared { hold_post_restore(ours, || shim.is_finished(), coord) } else { Ok(()) };
+        let held = match ours {
+            Some(sock) => hold_post_restore(sock, || shim.is_finished(), coord),
+            None => Ok(()),
+        };
         (shim.join(), held)
     });
     drop(theirs);
