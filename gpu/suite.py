@@ -16,6 +16,7 @@ section and `hiber inspect`, what the agent moved itself and what it left to the
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -2026,7 +2027,18 @@ def xhost_cut(m, jobs, imgs, ref, hosts=None):
 
 
 def xhost_restore_together(m, jobs, imgs, hosts=None, restore_args=None):
-    """The originals go; IMGS come back together as JOB-r (each with its RESTORE_ARGS)."""
+    """The originals go; IMGS come back together as JOB-r (each with its RESTORE_ARGS).
+
+    The originals are stopped together before they are removed. Removed one after the
+    other, the rank left running saw its peer gone and wrote PyTorch's "dump" signal into
+    the job's store, the rendezvous file that the copies share: the copies read it at once,
+    and stalled (seventh session, 15:37:28)."""
+    pids = [p for j in jobs for p in job_pids(j)]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
     for j in jobs:
         hiber("rm", "-f", j)
     extra = restore_args or [()] * len(jobs)

@@ -475,7 +475,14 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
         }
         let dev = e.dev;
         if reported != dev {
-            crate::log(&format!("allocation {id}: the driver reports device {reported} for the imported memory, recorded on {dev}"));
+            // Which GPUs the two ordinals name now: tells a process whose ordinals the
+            // driver's restore renumbered from memory that came back on another GPU.
+            let uuid = |o: c_int| d.device_uuid(o).unwrap_or_else(|r| format!("(CUDA error {r})"));
+            crate::log(&format!(
+                "allocation {id}: the driver reports device {reported} ({}) for the imported memory, recorded on {dev} ({})",
+                uuid(reported),
+                uuid(dev)
+            ));
         }
         // Peers enabled while the memory was away reach it too.
         let reach: Vec<c_int> = if e.served.is_some() { peers.iter().filter(|(owner, _)| *owner == dev).map(|&(_, by)| by).collect() } else { Vec::new() };
