@@ -1816,6 +1816,115 @@ def nccl_netns_hosts_coordinated_cut_restored_swapped(m):
         hosts.close()
 
 
+MPI_RSH_AGENT = REPO / "crates/hiber/tests/fixtures/mpi_rsh_agent.sh"
+SSHD_STANDIN = REPO / "crates/hiber/tests/fixtures/sshd_standin.py"
+
+
+def mpi_cuda_program():
+    """gpu/programs/mpi_cuda_ring.cu built with nvcc and Open MPI's flags (mpicc's, or the
+    usual places of Debian's and Ubuntu's openmpi). Skip where this machine has no Open MPI."""
+    if not shutil.which("mpirun"):
+        raise Skip("no mpirun here")
+    flags = []
+    if shutil.which("mpicc"):
+        for what in ("compile", "link"):
+            got = sh("mpicc", f"--showme:{what}", check=False)
+            flags += got.stdout.split() if got.returncode == 0 else []
+    if not any(f.startswith("-I") for f in flags):
+        inc = [d for d in ("/usr/lib/x86_64-linux-gnu/openmpi/include", "/usr/include/openmpi", "/usr/include/x86_64-linux-gnu/openmpi") if Path(d, "mpi.h").exists()]
+        if not inc:
+            raise Skip("Open MPI's mpi.h is not here (no libopenmpi-dev)")
+        flags = [f"-I{inc[0]}", "-L/usr/lib/x86_64-linux-gnu/openmpi/lib", "-lmpi"]
+    # nvcc takes the host linker's flags through -Xlinker, and -pthread as a compiler flag.
+    args = []
+    for f in flags:
+        if f.startswith("-Wl,"):
+            args += ["-Xlinker", f[4:]]
+        elif f == "-pthread":
+            args += ["-Xcompiler", "-pthread"]
+        else:
+            args.append(f)
+    out = BUILD / "mpi_cuda_ring"
+    b = sh("nvcc", "-O2", "-o", out, REPO / "gpu/programs/mpi_cuda_ring.cu", *args, check=False, timeout=300)
+    if b.returncode != 0:
+        raise Skip(f"nvcc could not build mpi_cuda_ring.cu: {b.stderr[-400:]}")
+    return out
+
+
+@scenario
+@exclusive
+def mpi_cuda_ranks_on_two_netns_hosts_cut_and_restored(m):
+    """#38, MPI with CUDA across hosts: an Open MPI job of two ranks, each on a host of its own
+    (a network namespace with its own address, veth between them) and on a GPU of its own
+    (rank 0 on GPU 0 on host A, rank 1 on GPU 1 on host B), each rank's memory on its GPU
+    through the agent, the ranks talking over Open MPI's TCP transport between the hosts.
+    mpirun is a job of host A's hiber; it starts its daemon on host B over the rsh agent as a
+    job of B's hiber (`orte_launch_agent`), as users start multi-host jobs. `hiber coordinate`
+    cuts both hosts as one: with --leave-running (the job runs on, on the uninterrupted
+    trajectory), then stopping; the two images are restored in place together and the job
+    ends on the uninterrupted trajectory, every rank's device memory intact."""
+    need_two_gpus()
+    prog = mpi_cuda_program()
+    steps, pause, mib = "1000", "30", "512"
+    mpi = ["--allow-run-as-root", "--oversubscribe"]
+    ref = sh("mpirun", *mpi, "-np", "2", prog, steps, "0", mib, timeout=300)
+    ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
+    assert len(ref_traj) == int(steps) and "verify ok" in ref.stdout, f"reference run: {ref.stdout[-400:]} {ref.stderr[-800:]}"
+    hosts = NetnsHosts(1)
+    port = "2222"
+    sshd = []
+    jobs = ("mpig", "orted", "mpig-r", "orted-r")
+    try:
+        for i in range(2):
+            p = subprocess.Popen([*hosts.enter(i), "python3", SSHD_STANDIN, hosts.addrs[i], port], env=ENV, stdout=subprocess.PIPE, text=True)
+            sshd.append(p)
+            assert p.stdout.readline().strip() == "listening", "the sshd stand-in listens"
+        net = hosts.addrs[0].rsplit(".", 1)[0] + ".0/24"
+        cmd = ["mpirun", *mpi, "--host", f"{hosts.addrs[0]}:1,{hosts.addrs[1]}:1", "-np", "2",
+               "--mca", "plm_rsh_agent", MPI_RSH_AGENT, "--mca", "orte_launch_agent", f"{HIBER} run --name orted -- orted",
+               "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net,
+               prog, steps, pause, mib]
+        sh(*hosts.enter(0), HIBER, "run", "--name", "mpig", "--", *cmd, env=dict(ENV, HIBER_MPI_SSHD_PORT=port))
+        wait_step("mpig", 20, 120)
+        said = log("mpig") + log("orted")
+        m["ranks"] = [l for l in said.splitlines() if l.startswith("start rank")]
+        assert state_of("orted") == "running", "the daemon on host B is a job of the hiber there"
+        for j in ("mpig", "orted"):
+            assert any("libhiber_agent" in Path(f"/proc/{p}/maps").read_text() for p in job_pids(j) if Path(f"/proc/{p}/maps").exists()), f"the agent is in {j}'s ranks"
+        used = {j: gpus_per_process(j) for j in ("mpig", "orted")}
+        m["gpus_per_process"] = used
+        imgs = [image_of("mpig-1"), image_of("orted-1")]
+        rc, parts = coordinated(m, "cut", [("checkpoint", "mpig", "--leave-running", "--out", imgs[0]), ("checkpoint", "orted", "--leave-running", "--out", imgs[1])], hosts=hosts)
+        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated --leave-running cut: {m['cut']}"
+        m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
+        at = progress("mpig")[-1][0]
+        wait_step("mpig", at + 20, 120)
+        assert_on_reference("mpig", ref_traj)
+        stops = [image_of("mpig-2"), image_of("orted-2")]
+        rc, parts = coordinated(m, "stop", [("checkpoint", "mpig", "--out", stops[0]), ("checkpoint", "orted", "--out", stops[1])], hosts=hosts)
+        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated stopping cut: {m['stop']}"
+        m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
+        cut_at = progress("mpig")[-1][0]
+        rc, parts = coordinated(m, "restore", [("restore", stops[0], "--name", "mpig-r"), ("restore", stops[1], "--name", "orted-r")], hosts=hosts)
+        assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
+        m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
+        assert_verified("mpig-r", 240)
+        got = assert_on_reference("mpig-r", ref_traj)
+        assert got[0][0] == cut_at + 1 and got[-1][0] == int(steps), f"mpig-r resumes after {cut_at} and runs to the end: {got[0]}..{got[-1]}"
+        assert "device memory intact" in log("mpig-r"), log("mpig-r")[-300:]
+        m["resumed_at"] = got[0][0]
+    except AssertionError:
+        keep_ranks_said(m, jobs)
+        raise
+    finally:
+        for j in jobs:
+            hiber("rm", "-f", j, check=False)
+        for p in sshd:
+            p.kill()
+            p.wait()
+        hosts.close()
+
+
 def xhost_reference(steps, tag, env_of=xhost_env, enter=lambda r: []):
     """The uninterrupted trajectory of the two socket-transport ranks, outside hiber (rank r
     with ENV_OF(r), started by the command prefix ENTER(r))."""
