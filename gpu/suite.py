@@ -84,6 +84,13 @@ def sh(*args, check=True, env=None, timeout=600):
 
 
 def hiber(*args, check=True, env=None):
+    if args and args[0] == "rm" and os.environ.get("SUITE_KEEP_AGENT_LOGS") == "1":
+        # The agent's log of each job, kept before the job and its directory go.
+        for name in (a for a in args[1:] if not a.startswith("-")):
+            f = STATE / "jobs" / name / "agent.log"
+            if f.exists():
+                (OUT / "agent").mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, OUT / "agent" / f"{name}.log")
     return sh(HIBER, *args, check=check, env=env)
 
 
@@ -1915,6 +1922,10 @@ def mpi_cuda_ranks_on_two_netns_hosts_cut_and_restored(m):
         m["resumed_at"] = got[0][0]
     except AssertionError:
         keep_ranks_said(m, jobs)
+        for j in jobs:
+            f = STATE / "jobs" / j / "stdout.log"
+            if f.exists():
+                (OUT / f"{j}-stdout.log").write_text(f.read_text(errors="replace")[-100_000:])
         raise
     finally:
         for j in jobs:
