@@ -1873,6 +1873,8 @@ def mpi_cuda_ranks_on_two_netns_hosts_cut_and_restored(m):
     need_two_gpus()
     prog = mpi_cuda_program()
     steps, pause, mib = "1000", "30", "512"
+    # `--mca plm rsh` below: the GPU machine's environment sets OMPI_MCA_plm=isolated (every
+    # rank on the local host), as containers made for one node often do; a cluster's has ssh.
     mpi = ["--allow-run-as-root", "--oversubscribe"]
     ref = sh("mpirun", *mpi, "-np", "2", prog, steps, "0", mib, timeout=300)
     ref_traj = [(p.step, p.checksum) for p in parse_progress(ref.stdout)]
@@ -1888,7 +1890,7 @@ def mpi_cuda_ranks_on_two_netns_hosts_cut_and_restored(m):
             assert p.stdout.readline().strip() == "listening", "the sshd stand-in listens"
         net = hosts.addrs[0].rsplit(".", 1)[0] + ".0/24"
         cmd = ["mpirun", *mpi, "--host", f"{hosts.addrs[0]}:1,{hosts.addrs[1]}:1", "-np", "2",
-               "--mca", "plm_rsh_agent", MPI_RSH_AGENT, "--mca", "orte_launch_agent", f"{HIBER} run --name orted -- orted",
+               "--mca", "plm", "rsh", "--mca", "plm_rsh_agent", MPI_RSH_AGENT, "--mca", "orte_launch_agent", f"{HIBER} run --name orted -- orted",
                "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net,
                prog, steps, pause, mib]
         sh(*hosts.enter(0), HIBER, "run", "--name", "mpig", "--", *cmd, env=dict(ENV, HIBER_MPI_SSHD_PORT=port))

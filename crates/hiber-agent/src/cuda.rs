@@ -366,6 +366,17 @@ impl Driver {
             .collect()
     }
 
+    /// Which GPU each device ordinal names in this process, as `0=GPU-…,1=GPU-…` (for the
+    /// log: a restore that renumbered them shows here).
+    pub fn ordinals(&self) -> String {
+        let mut n: c_int = 0;
+        // SAFETY: valid out-pointer.
+        if check(unsafe { (self.device_count)(&mut n) }).is_err() {
+            return "?".into();
+        }
+        (0..n).map(|o| format!("{o}={}", self.device_uuid(o).unwrap_or_else(|r| format!("(CUDA error {r})")))).collect::<Vec<_>>().join(",")
+    }
+
     /// The stack limit of the context current on this thread.
     pub fn stack_limit(&self) -> Result<usize, CuResult> {
         let mut v = 0usize;

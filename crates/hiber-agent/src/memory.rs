@@ -382,6 +382,9 @@ pub fn export_fd(d: &Driver, e: &Entry) -> Result<c_int, CuResult> {
 /// before it stay evacuated, and hiber hands them back.
 pub fn evacuate(d: &Driver) -> Result<(), (u64, CuResult)> {
     with(|t| {
+        if t.entries.values().map(|e| e.dev).collect::<std::collections::BTreeSet<_>>().len() > 1 {
+            crate::log(&format!("device ordinals at the release: {}", d.ordinals()));
+        }
         for e in t.entries.values_mut().filter(|e| !e.evacuated) {
             let mut unmapped: Vec<&Mapping> = Vec::new();
             for m in &e.maps {
@@ -479,9 +482,10 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
             // driver's restore renumbered from memory that came back on another GPU.
             let uuid = |o: c_int| d.device_uuid(o).unwrap_or_else(|r| format!("(CUDA error {r})"));
             crate::log(&format!(
-                "allocation {id}: the driver reports device {reported} ({}) for the imported memory, recorded on {dev} ({})",
+                "allocation {id}: the driver reports device {reported} ({}) for the imported memory, recorded on {dev} ({}); ordinals now {}",
                 uuid(reported),
-                uuid(dev)
+                uuid(dev),
+                d.ordinals()
             ));
         }
         // Peers enabled while the memory was away reach it too.
