@@ -478,13 +478,13 @@ pub fn bring_back(d: &Driver, id: u64, fd: OwnedFd) -> Result<(), CuResult> {
         }
         let dev = e.dev;
         if reported != dev {
-            // Which GPUs the two ordinals name now: tells a process whose ordinals the
-            // driver's restore renumbered from memory that came back on another GPU.
-            let uuid = |o: c_int| d.device_uuid(o).unwrap_or_else(|r| format!("(CUDA error {r})"));
+            // Seen on 2×H200 after a restore with the GPUs swapped (and, for JAX, after an
+            // in-place hand-back): the driver reports the location in the numbering the
+            // process had before its restore, while cuDeviceGetUuid says its ordinals moved
+            // with it. The mapping keeps the recorded ordinal; the ordinals' GPUs go with
+            // the line, to tell that from memory on the wrong GPU.
             crate::log(&format!(
-                "allocation {id}: the driver reports device {reported} ({}) for the imported memory, recorded on {dev} ({}); ordinals now {}",
-                uuid(reported),
-                uuid(dev),
+                "allocation {id}: the driver reports location {reported} for the imported memory, recorded on device {dev}; device ordinals now {}",
                 d.ordinals()
             ));
         }
