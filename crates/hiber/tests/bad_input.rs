@@ -12,15 +12,6 @@ use common::*;
 const NOT_FOUND: i32 = 3;
 const INVALID_IMAGE: i32 = 4;
 
-/// The full-disk test mounts a tmpfs. CRIU records the host's mounts at dump time and
-/// needs them again at restore, so no other test of this file may checkpoint or restore
-/// while that mount comes and goes: it takes this lock for writing, the others for reading.
-static MOUNTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    MOUNTS.read().unwrap_or_else(|e| e.into_inner())
-}
-
 fn still_progressing(h: &Hiber, job: &str) {
     let now = h.last_step(job).unwrap_or(0);
     h.wait_step(job, now + 3);
@@ -38,7 +29,6 @@ fn image(h: &Hiber, name: &str) -> std::path::PathBuf {
 
 #[test]
 fn unknown_job_and_pid() {
-    let _mounts = shared();
     let h = Hiber::new("unknown");
     let f = h.fails(&["checkpoint", "no-such-job"]);
     assert_eq!(f.code, NOT_FOUND, "{}", f.stderr);
@@ -56,7 +46,6 @@ fn unknown_job_and_pid() {
 
 #[test]
 fn processes_hiber_may_not_trace() {
-    let _mounts = shared();
     let h = Hiber::new("untraceable");
     // kthreadd: a kernel thread.
     let f = h.fails(&["checkpoint", "2"]);
@@ -83,7 +72,6 @@ fn processes_hiber_may_not_trace() {
 
 #[test]
 fn corrupt_truncated_newer_and_foreign_images() {
-    let _mounts = shared();
     let h = Hiber::new("badimg");
     let img = image(&h, "badimg");
     let pages = std::fs::read_dir(img.join("criu"))
@@ -147,7 +135,6 @@ fn corrupt_truncated_newer_and_foreign_images() {
 
 #[test]
 fn restore_whose_open_files_are_missing() {
-    let _mounts = shared();
     let h = Hiber::new("missingfile");
     let data = h.scratch.join("data.txt");
     h.start("mf", &["files", "--path", data.to_str().unwrap(), "--steps", "100"]);
@@ -168,7 +155,6 @@ fn restore_whose_open_files_are_missing() {
 
 #[test]
 fn output_directory_that_exists() {
-    let _mounts = shared();
     let h = Hiber::new("exists");
     h.start("ex", &["cpu", "--steps", "400", "--mem-mib", "8"]);
     h.wait_step("ex", 3);
@@ -183,7 +169,6 @@ fn output_directory_that_exists() {
 
 #[test]
 fn a_parent_that_is_no_image_is_refused_before_anything_stops() {
-    let _mounts = shared();
     let h = Hiber::new("badparent");
     h.start("bp", &["cpu", "--steps", "400", "--mem-mib", "8"]);
     h.wait_step("bp", 3);
@@ -203,42 +188,50 @@ fn a_parent_that_is_no_image_is_refused_before_anything_stops() {
     still_progressing(&h, "bp");
 }
 
-struct Tmpfs(std::path::PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(dir).unwrap();
-        let st = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", dir.to_str().unwrap()]).status().unwrap();
-        assert!(st.success(), "mount a small tmpfs (needs root)");
-        Tmpfs(dir.to_path_buf())
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
+/// `hiber ARGS` with a tmpfs of `size` at `small`, mounted in a mount namespace of its own.
+/// Returns its output and how many entries it left in the tmpfs. A job sees the host's
+/// mounts as they were when it started, and CRIU needs them again at restore: a mount that
+/// came and went on the host would break the restore of every job another test started
+/// meanwhile (seen in CI: "Can't stat mountpoint .../scratch/small").
+fn on_small_fs(h: &Hiber, small: &Path, size: &str, args: &[&str], env: &[(&str, &str)]) -> (std::process::Output, usize) {
+    std::fs::create_dir_all(small).unwrap();
+    let script = format!("mount -t tmpfs -o size={size} tmpfs \"$0\" || exit 99; \"$@\"; rc=$?; echo \"left-in-tmpfs $(ls -A \"$0\" | wc -l)\" >&2; exit $rc");
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .arg(small)
+        .arg(HIBER)
+        .args(args)
+        .env("HIBER_STATE", &h.state)
+        .env_remove("HIBER_LOG")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(99), "mount a small tmpfs (needs root): {stderr}");
+    let left = stderr.lines().rev().find_map(|l| l.strip_prefix("left-in-tmpfs ")).and_then(|n| n.trim().parse().ok()).expect("the tmpfs was listed");
+    (out, left)
 }
 
 #[test]
 fn full_disk_during_checkpoint() {
-    let _mounts = MOUNTS.write().unwrap_or_else(|e| e.into_inner());
     let h = Hiber::new("full");
-    let small = Tmpfs::mount(&h.scratch.join("small"), "48m");
+    let small = h.scratch.join("small");
     h.start("full", &["cpu", "--steps", "600", "--mem-mib", "96"]);
     h.wait_step("full", 3);
-    let out = small.0.join("img");
+    let out = small.join("img");
+    let args = ["checkpoint", "full", "--out", out.to_str().unwrap()];
     // Refused up front when the image clearly cannot fit...
-    let f = h.fails(&["checkpoint", "full", "--out", out.to_str().unwrap()]);
-    assert!(f.stderr.contains("not enough space"), "{}", f.stderr);
+    let (f, _) = on_small_fs(&h, &small, "48m", &args, &[]);
+    let stderr = String::from_utf8_lossy(&f.stderr);
+    assert!(!f.status.success() && stderr.contains("not enough space"), "{stderr}");
     still_progressing(&h, "full");
     // ...and when the disk fills during the dump itself, CRIU fails, the tree resumes and
     // the partial image is removed.
-    let out2 = h.command(&["checkpoint", "full", "--out", out.to_str().unwrap()]).env("HIBER_NO_SPACE_CHECK", "1").output().unwrap();
+    let (out2, left) = on_small_fs(&h, &small, "48m", &args, &[("HIBER_NO_SPACE_CHECK", "1")]);
     let stderr = String::from_utf8_lossy(&out2.stderr);
     assert!(!out2.status.success());
     assert!(stderr.contains("checkpoint failed") && stderr.contains("keeps running") && !stderr.contains("panicked"), "{stderr}");
-    assert_eq!(std::fs::read_dir(&small.0).unwrap().count(), 0, "no partial image left");
+    assert_eq!(left, 0, "no partial image left");
     still_progressing(&h, "full");
     // With room, the same job checkpoints fine and its image verifies.
     let img = h.images_dir().join("full");
@@ -248,7 +241,6 @@ fn full_disk_during_checkpoint() {
 
 #[test]
 fn usage_errors_and_names() {
-    let _mounts = shared();
     let h = Hiber::new("usage");
     let out = h.output(&["checkpoint"]);
     assert_eq!(out.status.code(), Some(2));
@@ -280,7 +272,6 @@ fn usage_errors_and_names() {
 /// private copy instead, verified where nobody else can change it.
 #[test]
 fn images_others_could_write_are_refused_unless_trusted() {
-    let _mounts = shared();
     let h = Hiber::new("trust");
     let img = image(&h, "trust");
     let before = h.progress("trust");
@@ -322,7 +313,6 @@ fn images_others_could_write_are_refused_unless_trusted() {
 /// invalid image, named as such, not "a missing file".
 #[test]
 fn a_manifest_naming_a_path_outside_the_image_is_invalid() {
-    let _mounts = shared();
     let h = Hiber::new("escape");
     let img = image(&h, "escape");
     let mpath = img.join("manifest.json");
@@ -343,7 +333,6 @@ fn a_manifest_naming_a_path_outside_the_image_is_invalid() {
 /// stopped, with the process and the descriptor named; the job runs on untouched.
 #[test]
 fn io_uring_is_refused_before_anything_is_stopped() {
-    let _mounts = shared();
     let h = Hiber::new("uring");
     let script = [
         "import ctypes, os, time",
@@ -381,7 +370,6 @@ fn io_uring_is_refused_before_anything_is_stopped() {
 /// (CRIU carries the seccomp filter), and the job checkpoints as any other.
 #[test]
 fn jobs_are_kept_off_io_uring_through_checkpoint_and_restore() {
-    let _mounts = shared();
     let h = Hiber::new("noring");
     let script = [
         "import ctypes, os, subprocess, sys, time",
@@ -427,7 +415,6 @@ fn jobs_are_kept_off_io_uring_through_checkpoint_and_restore() {
 /// namespace: without it, the checkpoint is refused before anything is stopped.
 #[test]
 fn isolated_copy_without_iproute2_is_refused_up_front() {
-    let _mounts = shared();
     let h = Hiber::new("noip");
     let img = image(&h, "noip");
     h.ok(&["restore", img.to_str().unwrap(), "--name", "noip-iso", "--isolate-net"]);
@@ -458,7 +445,6 @@ fn refused_without_tools(h: &Hiber, job: &str, tool: &str) -> String {
 /// checkpoint is refused before anything is stopped.
 #[test]
 fn job_without_tar_is_refused_up_front() {
-    let _mounts = shared();
     let h = Hiber::new("notar");
     h.start("notar", &["cpu", "--steps", "400", "--mem-mib", "8"]);
     h.wait_step("notar", 3);
@@ -470,7 +456,6 @@ fn job_without_tar_is_refused_up_front() {
 /// where hiber once said "no job named X" or "not a hiber image".
 #[test]
 fn a_user_who_is_not_root_is_told_permission_was_denied() {
-    let _mounts = shared();
     let h = Hiber::new("nonroot");
     let img = image(&h, "mine");
     // A copy of the binary that user may run, and an image whose manifest only root reads.
@@ -510,7 +495,6 @@ fn a_user_who_is_not_root_is_told_permission_was_denied() {
 /// listed as before.
 #[test]
 fn corrupt_job_records_and_journal_entries_are_named() {
-    let _mounts = shared();
     let h = Hiber::new("corrupt-records");
     h.start("fine", &["cpu", "--steps", "400", "--mem-mib", "1"]);
     let broken = h.start("broken", &["cpu", "--steps", "400", "--mem-mib", "1"]);
@@ -542,7 +526,6 @@ fn corrupt_job_records_and_journal_entries_are_named() {
 #[test]
 fn a_closed_pipe_ends_printing_verbs_quietly() {
     use std::os::unix::process::ExitStatusExt;
-    let _shared = shared();
     let h = Hiber::new("epipe");
     h.ok(&["run", "--name", "p", "--", "sleep", "600"]);
     for verb in [&["ls"][..], &["logs", "p"][..], &["ls", "--json"][..]] {
