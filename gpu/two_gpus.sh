@@ -24,6 +24,8 @@ a=$a,nccl_allreduce_leave_running_and_restored_twice,nccl_ddp_stop_and_restore
 a=$a,nccl_rank_killed_during_checkpoint_fails_the_other,nccl_rank_and_hiber_killed_recover_fails_the_other
 # The socket-transport ranks one per GPU, the shape of two hosts.
 a=$a,nccl_socket_ranks_failed_cut_trains_on,nccl_socket_ranks_in_one_job_leave_running
+# #38: NCCL and Open MPI with CUDA across two network-namespace hosts, a GPU each.
+a=$a,nccl_netns_hosts_coordinated_cut_restored_swapped,mpi_cuda_ranks_on_two_netns_hosts_cut_and_restored
 b=gpu_one_process_on_both_gpus_agent,gpu_one_process_on_both_gpus_no_agent,gpu_one_process_on_both_gpus_in_place_agent
 b=$b,gpu_one_process_on_both_gpus_in_place_no_agent,gpu_two_gpus_without_peer_access_in_place_no_agent
 b=$b,gpu_cuda_visible_devices_1_agent,gpu_cuda_visible_devices_1_no_agent

@@ -11,57 +11,105 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use common::hosts::Hosts;
 use common::{progress_in, wait, Hiber, HIBER};
 
 /// slurmctld and slurmd in the foreground, killed when dropped.
 struct Cluster {
     daemons: Vec<Child>,
     conf: PathBuf,
+    /// The network namespace of the controller's host, where Slurm's commands run (none:
+    /// this host's).
+    ns: Option<String>,
 }
 
 impl Cluster {
     /// A cluster of this machine as one node of 2 CPUs, with `partitions` (lines of
     /// slurm.conf naming `{node}`) and any other `settings`.
     fn start(h: &Hiber, settings: &str, partitions: &str) -> Cluster {
+        let node = String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap().trim().to_string();
+        let nodes = format!("NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n{settings}\n{}", partitions.replace("{node}", &node));
+        let conf = Cluster::configure(h, &format!("{node}(127.0.0.1)"), &nodes);
+        let spawn = |prog: &str, args: &[&str]| {
+            Command::new(prog).args(args).env("SLURM_CONF", &conf).spawn().unwrap_or_else(|e| panic!("{prog}: {e} (scripts/setup.sh installs Slurm)"))
+        };
+        let daemons = vec![spawn("slurmctld", &["-D", "-c"]), spawn("slurmd", &["-D"])];
+        let c = Cluster { daemons, conf, ns: None };
+        wait("the Slurm node to be idle", Duration::from_secs(60), || c.run("sinfo", &["-h", "-o", "%T"]).trim() == "idle");
+        c
+    }
+
+    /// A cluster of two nodes of one CPU each, `nodea` and `nodeb`: the two `hosts`, each
+    /// with its own slurmd (its own network namespace, and a UTS namespace with the node's
+    /// name), the controller on `nodea`. One partition, `batch`, of both, and `settings`.
+    fn two_nodes(h: &Hiber, hosts: &Hosts, settings: &str) -> Cluster {
+        let nodes = format!(
+            "NodeName=nodea NodeAddr={} CPUs=1 State=UNKNOWN\nNodeName=nodeb NodeAddr={} CPUs=1 State=UNKNOWN\n{settings}\n\
+             PartitionName=batch Nodes=nodea,nodeb Default=YES MaxTime=INFINITE State=UP",
+            hosts.a_addr, hosts.b_addr
+        );
+        let conf = Cluster::configure(h, &format!("nodea({})", hosts.a_addr), &nodes);
+        let spawn = |ns: &str, node: &str, daemon: &str| {
+            Command::new("nsenter")
+                .args([&format!("--net={ns}"), "unshare", "--uts", "sh", "-c", &format!("hostname {node} && exec {daemon} -D")])
+                .env("SLURM_CONF", &conf)
+                .spawn()
+                .unwrap_or_else(|e| panic!("{daemon}: {e} (scripts/setup.sh installs Slurm)"))
+        };
+        let daemons = vec![spawn(&hosts.a, "nodea", "slurmctld -c"), spawn(&hosts.a, "nodea", "slurmd"), spawn(&hosts.b, "nodeb", "slurmd")];
+        let c = Cluster { daemons, conf, ns: Some(hosts.a.clone()) };
+        wait("both Slurm nodes to be idle", Duration::from_secs(60), || c.run("sinfo", &["-h", "-N", "-o", "%T"]).split_whitespace().eq(["idle", "idle"]));
+        c
+    }
+
+    /// Writes the cluster's slurm.conf (its controller `ctld`, its `nodes` lines) in the
+    /// scratch directory of `h`, with directories and ports of its own.
+    fn configure(h: &Hiber, ctld: &str, nodes: &str) -> PathBuf {
         let dir = h.scratch.join("slurm");
-        for d in ["state", "spool", "log"] {
+        for d in ["state", "log"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
-        let node = String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap().trim().to_string();
         // Two ports for each cluster of each test process.
         static CLUSTERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let port = 17000 + (std::process::id() % 1000) * 4 + CLUSTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 2;
         let d = dir.display();
         let conf = dir.join("slurm.conf");
+        // Every slurmd's files are its node's own (`%n`).
         std::fs::write(
             &conf,
             format!(
-                "ClusterName=hibertest\nSlurmctldHost={node}(127.0.0.1)\nAuthType=auth/none\nCredType=cred/none\n\
+                "ClusterName=hibertest\nSlurmctldHost={ctld}\nAuthType=auth/none\nCredType=cred/none\n\
                  AuthInfo=cred_expire=10\n\
-                 SlurmUser=root\nSlurmdUser=root\nStateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
-                 SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd.pid\n\
-                 SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd.log\n\
+                 SlurmUser=root\nSlurmdUser=root\nStateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool-%n\n\
+                 SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd-%n.pid\n\
+                 SlurmctldLogFile={d}/log/slurmctld.log\nSlurmdLogFile={d}/log/slurmd-%n.log\n\
                  SlurmctldPort={port}\nSlurmdPort={}\nProctrackType=proctrack/pgid\nTaskPlugin=task/none\n\
                  SchedulerType=sched/backfill\nSchedulerParameters=bf_interval=1\n\
                  SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
-                 JobAcctGatherType=jobacct_gather/none\nMpiDefault=none\nReturnToService=2\n\
-                 NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n{settings}\n{}\n",
+                 JobAcctGatherType=jobacct_gather/none\nMpiDefault=none\nReturnToService=2\n{nodes}\n",
                 port + 1,
-                partitions.replace("{node}", &node)
             ),
         )
         .unwrap();
-        let spawn = |prog: &str, args: &[&str]| {
-            Command::new(prog).args(args).env("SLURM_CONF", &conf).spawn().unwrap_or_else(|e| panic!("{prog}: {e} (scripts/setup.sh installs Slurm)"))
+        conf
+    }
+
+    /// One of Slurm's commands, talking to this cluster (from the controller's host).
+    fn command(&self, prog: &str) -> Command {
+        let mut c = match &self.ns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={ns}")).arg(prog);
+                c
+            }
+            None => Command::new(prog),
         };
-        let daemons = vec![spawn("slurmctld", &["-D", "-c"]), spawn("slurmd", &["-D"])];
-        let c = Cluster { daemons, conf };
-        wait("the Slurm node to be idle", Duration::from_secs(60), || c.run("sinfo", &["-h", "-o", "%T"]).trim() == "idle");
+        c.env("SLURM_CONF", &self.conf);
         c
     }
 
     fn run(&self, prog: &str, args: &[&str]) -> String {
-        let out = Command::new(prog).args(args).env("SLURM_CONF", &self.conf).output().unwrap();
+        let out = self.command(prog).args(args).output().unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
@@ -107,10 +155,10 @@ fn read(p: &Path) -> String {
 fn submit(h: &Hiber, cluster: &Cluster, name: &str, script: &str, env: &[(&str, &str)]) -> String {
     let path = h.scratch.join(name);
     std::fs::write(&path, script).unwrap();
-    let submitted = Command::new("sbatch")
+    let submitted = cluster
+        .command("sbatch")
         .arg(&path)
         .envs(env.iter().copied())
-        .env("SLURM_CONF", &cluster.conf)
         .env("HIBER", HIBER)
         .env("HIBER_STATE", &h.state)
         .env("HIBER_SLURM_DIR", h.scratch.join("images"))
@@ -258,4 +306,83 @@ fn a_job_killed_in_its_checkpoint_starts_again_from_scratch_and_says_so() {
     assert_eq!(said.last().copied(), Some("hiber-slurm: the program ended: exited(0)"), "{}", context());
     let second = &text[text.find("start 2:").unwrap()..];
     assert_eq!(progress_in(second), reference, "the second start ran the whole program");
+}
+
+/// A job of two nodes (#38): `srun hiber-slurm -- PROGRAM` runs one task on each of two
+/// Slurm nodes, each node a host of its own (a network namespace with its address, veth
+/// between them, and its own slurmd), and each task's program a job of its node's hiber.
+/// The two programs talk over TCP between the nodes every step (`fixtures/slurm_pair.py`).
+/// At the time limit's warning (`--signal=USR1@45`, to both tasks) the two are checkpointed
+/// as one cut through `hiber coordinate`, which task 0 runs on its node; task 0 requeues the
+/// job once both images are complete; Slurm starts it again and both are restored together,
+/// their connection with them. The program's output is the uninterrupted trajectory, each
+/// step once, and both tasks end agreeing.
+#[test]
+fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_both() {
+    let h = Hiber::new("slurm-nodes");
+    let hosts = Hosts::new();
+    let cluster = Cluster::two_nodes(&h, &hosts, QUICK_REQUEUE);
+    let pair = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/slurm_pair.py");
+    let steps = "400";
+    let port = (30000 + std::process::id() % 1000).to_string();
+    // The uninterrupted trajectory: the two tasks on this host, over loopback.
+    let tasks: Vec<_> = (0..2)
+        .map(|t| {
+            Command::new("python3")
+                .args([pair.to_str().unwrap(), steps, "0", &port])
+                .env("SLURM_PROCID", t.to_string())
+                .env("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = tasks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let reference = progress_in(&String::from_utf8_lossy(&outs[0].stdout));
+    assert!(outs.iter().all(|o| o.status.success()) && reference.len().to_string() == steps, "the reference run");
+
+    let out = h.scratch.join("nodes.out");
+    let script = format!(
+        "#!/bin/bash\n#SBATCH -N 2 --requeue --time=1 --signal=USR1@45 --open-mode=append -o {}\nsrun {} -- python3 {} {steps} 100 {port}\n",
+        out.display(),
+        helper().display(),
+        pair.display()
+    );
+    let id = submit(&h, &cluster, "nodes.sh", &script, &[]);
+    let start = std::time::Instant::now();
+    while !(0..2).all(|t| read(&out).contains(&format!("hiber-slurm[{t}]: the program ended"))) {
+        if start.elapsed() > Duration::from_secs(600) {
+            panic!("timed out waiting for job {id} to end\njob output:\n{}\n{}", read(&out), cluster.run("scontrol", &["show", "job", &id]));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let text = read(&out);
+    let context = || format!("{text}\n{}", cluster.run("scontrol", &["show", "job", &id]));
+    assert!(text.contains("task 0 of 2 on nodea") && text.contains("task 1 of 2 on nodeb"), "a task on each node: {}", context());
+    let mut restarts = None;
+    for t in 0..2 {
+        let tag = format!("hiber-slurm[{t}]:");
+        let said: Vec<&str> = text.lines().filter(|l| l.starts_with(&tag)).collect();
+        let starts: Vec<&&str> = said.iter().filter(|l| l.contains(": start ")).collect();
+        assert!(starts.len() >= 2, "task {t} was requeued and restored: {}", context());
+        assert!(starts[0].ends_with("start 1: no complete image, starting from scratch"), "{}", context());
+        for (n, l) in starts.iter().enumerate().skip(1) {
+            // Start n + 1 restores the cut the start before it took (gen-(n-1)).
+            assert!(
+                l.ends_with(&format!("start {}: restoring from {}/job-{id}/gen-{}/task-{t}", n + 1, h.scratch.join("images").display(), n - 1)),
+                "{}",
+                context()
+            );
+        }
+        let done = if t == 0 { "checkpointed; Slurm starts the job again from there" } else { "checkpointed; task 0 requeues the job" };
+        assert_eq!(said.iter().filter(|l| l.ends_with(done)).count(), starts.len() - 1, "task {t}: one checkpoint before each restart: {}", context());
+        assert_eq!(said.last().copied(), Some(format!("{tag} the program ended: exited(0)").as_str()), "{}", context());
+        assert!(restarts.is_none_or(|r| r == starts.len() - 1), "both tasks started as often: {}", context());
+        restarts = Some(starts.len() - 1);
+    }
+    let job = cluster.run("scontrol", &["show", "job", &id]);
+    assert!(job.contains(&format!("Restarts={}", restarts.unwrap())), "Slurm started the job as often as the tasks said: {}", context());
+    assert!(text.contains("verify ok both tasks"), "both tasks replayed the run and agree: {}", context());
+    assert_eq!(progress_in(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
+    wait("the job's images to go", Duration::from_secs(10), || !h.scratch.join("images").join(format!("job-{id}")).exists());
 }
