@@ -1653,7 +1653,7 @@ def xhost_cmd(init, steps):
     return ("python3", str(DDP), "--mode", "ddp", "--init-file", init, "--steps", steps, "--mib", "1024", "--interval-ms", "10")
 
 
-def coordinated(m, key, commands, extra_env=(), hosts=None):
+def coordinated(m, key, commands, extra_env=(), hosts=None, net_opt_in=True):
     """`hiber coordinate` and one hiber per command of COMMANDS (each with --coordinator and
     --json), all at once, each given the matching dict of EXTRA_ENV: the coordinator's exit
     and output, and each participant's (returncode, JSON or None, stderr). Kept in M[KEY].
@@ -1666,9 +1666,12 @@ def coordinated(m, key, commands, extra_env=(), hosts=None):
         port = s.getsockname()[1]
     ip = hosts.addrs[0] if hosts else "127.0.0.1"
     addr = f"{ip}:{port}"
-    # The ranks' communicators go over NCCL's network transport, which hiber refuses unless
-    # told to try (HIBER_NCCL_NET=1): these scenarios show why.
-    env = dict(ENV, HIBER_SESSION=secrets.token_hex(16), HIBER_NCCL_NET="1")
+    # The ranks' communicators go over NCCL's network transport, which hiber refuses where
+    # two ranks share a GPU unless told to try (HIBER_NCCL_NET=1): these scenarios show why.
+    # NET_OPT_IN False: hiber's default, as a job across hosts with a GPU per rank gets it.
+    env = dict(ENV, HIBER_SESSION=secrets.token_hex(16))
+    if net_opt_in:
+        env["HIBER_NCCL_NET"] = "1"
     inside = (lambda i: hosts.enter(i)) if hosts else (lambda i: [])
     coord = subprocess.Popen([*inside(0), HIBER, "coordinate", "--participants", str(len(commands)), "--listen", addr, "--timeout", "120"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -1784,7 +1787,8 @@ def netns_env(hosts, rank, gpu):
 def nccl_netns_hosts_coordinated_cut_restored_swapped(m):
     """#38, NCCL across hosts: two ranks of one NCCL job, each on a host of its own (a
     network namespace with its own address and veth, one GPU each), talking over NCCL's socket
-    transport, each a job of the hiber of its host. `hiber coordinate` on host A holds them
+    transport, each a job of the hiber of its host, with hiber's defaults (no
+    HIBER_NCCL_NET: a rank per GPU is cut). `hiber coordinate` on host A holds them
     as one cut (`--leave-running`: they train on, on the uninterrupted trajectory); then the
     originals go and both images are restored together with their GPUs swapped (host A's rank
     onto GPU 1, host B's onto GPU 0), the communicator rebuilt through the coordinator's
@@ -1802,11 +1806,11 @@ def nccl_netns_hosts_coordinated_cut_restored_swapped(m):
         for j in jobs:
             wait_step(j, 40, 180)
         imgs = [image_of(j) for j in jobs]
-        xhost_cut(m, jobs, imgs, ref, hosts)
+        xhost_cut(m, jobs, imgs, ref, hosts, net_opt_in=False)
         # SUITE_NETNS_GPUS=same restores each rank onto the GPU it had (to tell a fault of
         # the swap from one of the rebuild).
         swap = os.environ.get("SUITE_NETNS_GPUS", "swap") == "swap"
-        xhost_restore_together(m, jobs, imgs, hosts, [("--gpu-map", "0=1"), ("--gpu-map", "1=0")] if swap else None)
+        xhost_restore_together(m, jobs, imgs, hosts, [("--gpu-map", "0=1"), ("--gpu-map", "1=0")] if swap else None, net_opt_in=False)
         for j in jobs:
             wait(f"{j}-r to compute", 120, lambda: len(progress(j + "-r")) >= 3)
         m["gpus_after"] = [gpu_indices(j + "-r") for j in jobs]
@@ -1991,9 +1995,10 @@ def xhost_trains_on(m, job, ref, n):
 @scenario
 @exclusive
 def nccl_network_transport_refused_before_anything_stops(m):
-    """Two ranks of one job over NCCL's socket transport (each a host of its own to NCCL):
-    `hiber checkpoint` refuses them, naming the reason and HIBER_NCCL_NET, before anything is
-    held, and the job trains on, on the uninterrupted trajectory."""
+    """Two ranks of one job over NCCL's socket transport (each a host of its own to NCCL),
+    both on GPU 0: `hiber checkpoint` refuses them, naming the reason, the shared GPU and
+    HIBER_NCCL_NET, before anything drains, and the job trains on, on the uninterrupted
+    trajectory."""
     steps = "400"
     ref = xhost_reference(steps, "refused")
     job = "nxrefused"
@@ -2001,7 +2006,7 @@ def nccl_network_transport_refused_before_anything_stops(m):
     try:
         p = hiber("checkpoint", job, "--leave-running", "--out", image_of(job), check=False)
         m["refusal"] = p.stderr.strip().splitlines()[:2]
-        assert p.returncode != 0 and "network transport" in p.stderr and "HIBER_NCCL_NET" in p.stderr, f"{p.returncode}: {p.stderr[-600:]}"
+        assert p.returncode != 0 and "network transport" in p.stderr and "two of its ranks on GPU-" in p.stderr and "HIBER_NCCL_NET" in p.stderr, f"{p.returncode}: {p.stderr[-600:]}"
         assert not Path(image_of(job)).exists()
         xhost_trains_on(m, job, ref, 40)
     finally:
@@ -2138,17 +2143,17 @@ def xhost_trained_on(jobs, ref, n):
     return at
 
 
-def xhost_cut(m, jobs, imgs, ref, hosts=None):
+def xhost_cut(m, jobs, imgs, ref, hosts=None, net_opt_in=True):
     """JOBS cut as one into IMGS with --leave-running (through `coordinated`, in HOSTS if
     given): they train on 30 steps on REF. Returns the step they were at."""
-    rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)], hosts=hosts)
+    rc, parts = coordinated(m, "cut", [("checkpoint", j, "--leave-running", "--out", i) for j, i in zip(jobs, imgs)], hosts=hosts, net_opt_in=net_opt_in)
     assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated checkpoint: {m['cut']}"
     m["checkpoint_s"] = [round(p[1]["total_seconds"], 2) for p in parts]
     m["paused_s"] = [round(p[1]["paused_seconds"] or 0, 2) for p in parts]
     return xhost_trained_on(jobs, ref, 30)
 
 
-def xhost_restore_together(m, jobs, imgs, hosts=None, restore_args=None):
+def xhost_restore_together(m, jobs, imgs, hosts=None, restore_args=None, net_opt_in=True):
     """The originals go; IMGS come back together as JOB-r (each with its RESTORE_ARGS).
 
     The originals are stopped together before they are removed. Removed one after the
@@ -2164,7 +2169,7 @@ def xhost_restore_together(m, jobs, imgs, hosts=None, restore_args=None):
     for j in jobs:
         hiber("rm", "-f", j)
     extra = restore_args or [()] * len(jobs)
-    rc, parts = coordinated(m, "restore", [("restore", i, "--name", j + "-r", *x) for j, i, x in zip(jobs, imgs, extra)], hosts=hosts)
+    rc, parts = coordinated(m, "restore", [("restore", i, "--name", j + "-r", *x) for j, i, x in zip(jobs, imgs, extra)], hosts=hosts, net_opt_in=net_opt_in)
     assert rc == 0 and all(p[0] == 0 for p in parts), f"coordinated restore: {m['restore']}"
     m["restore_s"] = [round(p[1]["total_seconds"], 2) for p in parts if p[1]]
 

@@ -207,7 +207,7 @@ fn done(r: Result<(), String>) -> Reply {
 /// One `nccl-comm` per communicator, its lanes after it, then `done`.
 fn send_reports(conn: &OwnedFd, comms: &[nccl::Report]) -> std::io::Result<()> {
     for c in comms {
-        reply(conn, Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local })?;
+        reply(conn, Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local, gpu: c.gpu.clone() })?;
         for &(lane, count) in &c.lanes {
             reply(conn, Reply::NcclLane { key: c.key, lane, count })?;
         }

@@ -149,12 +149,37 @@ impl std::str::FromStr for Lane {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Status(Status),
-    Alloc { id: u64, size: u64, device: i32 },
-    Evacuated { id: u64, size: u64, gpu: String },
-    Done { count: u64 },
-    NcclComm { key: u64, rank: i32, nranks: i32, local: bool },
-    NcclLane { key: u64, lane: Lane, count: u64 },
-    NcclId { key: u64, id: String },
+    Alloc {
+        id: u64,
+        size: u64,
+        device: i32,
+    },
+    Evacuated {
+        id: u64,
+        size: u64,
+        gpu: String,
+    },
+    Done {
+        count: u64,
+    },
+    /// One communicator of the rank: `gpu` is the UUID of its device, empty where the agent
+    /// cannot tell (sent as `-`; an older agent sends nothing).
+    NcclComm {
+        key: u64,
+        rank: i32,
+        nranks: i32,
+        local: bool,
+        gpu: String,
+    },
+    NcclLane {
+        key: u64,
+        lane: Lane,
+        count: u64,
+    },
+    NcclId {
+        key: u64,
+        id: String,
+    },
     Ok,
     Err(String),
 }
@@ -299,7 +324,9 @@ impl Reply {
             Reply::Alloc { id, size, device } => format!("alloc {id} {size} {device}"),
             Reply::Evacuated { id, size, gpu } => format!("evacuated {id} {size} {gpu}"),
             Reply::Done { count } => format!("done {count}"),
-            Reply::NcclComm { key, rank, nranks, local } => format!("nccl-comm {key:016x} {rank} {nranks} {}", *local as u8),
+            Reply::NcclComm { key, rank, nranks, local, gpu } => {
+                format!("nccl-comm {key:016x} {rank} {nranks} {} {}", *local as u8, if gpu.is_empty() { "-" } else { gpu })
+            }
             Reply::NcclLane { key, lane, count } => format!("nccl-lane {key:016x} {lane} {count}"),
             Reply::NcclId { key, id } => format!("nccl-id {key:016x} {id}"),
             Reply::Ok => "ok".into(),
@@ -344,9 +371,13 @@ impl Reply {
                 Reply::Evacuated { id: num(w.next(), line)?, size: num(w.next(), line)?, gpu: w.next().ok_or_else(|| ParseError(line.into()))?.to_string() }
             }
             "done" => Reply::Done { count: num(w.next(), line)? },
-            "nccl-comm" => {
-                Reply::NcclComm { key: key(w.next(), line)?, rank: num(w.next(), line)?, nranks: num(w.next(), line)?, local: num::<u8>(w.next(), line)? != 0 }
-            }
+            "nccl-comm" => Reply::NcclComm {
+                key: key(w.next(), line)?,
+                rank: num(w.next(), line)?,
+                nranks: num(w.next(), line)?,
+                local: num::<u8>(w.next(), line)? != 0,
+                gpu: w.next().filter(|g| *g != "-").unwrap_or("").to_string(),
+            },
             "nccl-lane" => Reply::NcclLane { key: key(w.next(), line)?, lane: num(w.next(), line)?, count: num(w.next(), line)? },
             "nccl-id" => Reply::NcclId { key: key(w.next(), line)?, id: unique_id(w.next(), line)? },
             "ok" => Reply::Ok,
@@ -414,7 +445,8 @@ mod tests {
             Reply::Alloc { id: 1, size: 2 << 20, device: 0 },
             Reply::Evacuated { id: 2, size: 4 << 20, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() },
             Reply::Done { count: 4 },
-            Reply::NcclComm { key: 0xfeed, rank: 1, nranks: 2, local: false },
+            Reply::NcclComm { key: 0xfeed, rank: 1, nranks: 2, local: false, gpu: "GPU-9e84469c-e099-5433-f3cd-0b11f8729f86".into() },
+            Reply::NcclComm { key: 0xfeed, rank: 1, nranks: 2, local: true, gpu: String::new() },
             Reply::NcclLane { key: 0xfeed, lane: Lane::Send(0), count: 12 },
             Reply::NcclId { key: 3, id: "ff".repeat(128) },
             Reply::Ok,
@@ -423,6 +455,11 @@ mod tests {
             assert_eq!(Reply::parse(&r.encode()).unwrap(), r);
         }
         assert_eq!(Reply::parse("status tracked=1 future_field=5").unwrap(), Reply::Status(Status { tracked: 1, ..Status::default() }));
+        // An agent from before the GPU was sent.
+        assert_eq!(
+            Reply::parse("nccl-comm 00000000000000ff 0 2 0").unwrap(),
+            Reply::NcclComm { key: 0xff, rank: 0, nranks: 2, local: false, gpu: String::new() }
+        );
         assert!(Reply::parse("alloc 1 two 0").is_err());
     }
 

@@ -11,6 +11,8 @@ pub struct Report {
     pub nranks: c_int,
     /// All its ranks are in this process (`ncclCommInitAll`): rebuilt without hiber's help.
     pub local: bool,
+    /// The UUID of its device; empty where it is not known.
+    pub gpu: String,
     pub lanes: Vec<(Lane, u64)>,
 }
 
@@ -33,6 +35,7 @@ pub(super) fn reports(s: &State) -> Vec<Report> {
             rank: e.rank,
             nranks: e.nranks,
             local: matches!(e.origin(), Origin::All { .. }),
+            gpu: (e.dev >= 0).then(|| crate::cuda::driver().and_then(|d| d.device_uuid(e.dev).ok())).flatten().unwrap_or_default(),
             lanes: e.lanes.iter().map(|(l, n)| (*l, *n)).collect(),
         })
         .collect()

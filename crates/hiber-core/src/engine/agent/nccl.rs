@@ -31,8 +31,10 @@
 //! hiber the phases are plain barriers (where faults may be injected).
 //!
 //! Communicators over NCCL's network transport (ranks in several hibers' jobs, or ranks that
-//! are hosts of their own to NCCL) are refused unless [`NET_OPT_IN`]: after a rebuild their
-//! ranks fault a few steps later (gpu/RESULTS.md, 2026-11-25).
+//! are hosts of their own to NCCL) whose ranks share a GPU, or whose GPUs their agents could
+//! not name, are refused unless [`NET_OPT_IN`]: after a rebuild two such ranks on one GPU
+//! faulted a few steps later (gpu/RESULTS.md, 2026-11-25 to 28). With a GPU per rank, as
+//! across hosts, they are cut and rebuilt (two namespace hosts on 2×H200, 2026-11-28).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -56,6 +58,8 @@ pub struct CommReport {
     pub nranks: i32,
     /// Every rank in the one process (`ncclCommInitAll`): its agent rebuilds it alone.
     pub local: bool,
+    /// The UUID of the rank's GPU; empty where its agent could not tell.
+    pub gpu: String,
     pub lanes: BTreeMap<Lane, u64>,
 }
 
@@ -69,7 +73,7 @@ fn read_reports(conn: &Conn) -> Result<Vec<CommReport>, EngineError> {
     let mut out: Vec<CommReport> = Vec::new();
     loop {
         match conn.recv::<Reply>()?.0 {
-            Reply::NcclComm { key, rank, nranks, local } => out.push(CommReport { key, rank, nranks, local, lanes: BTreeMap::new() }),
+            Reply::NcclComm { key, rank, nranks, local, gpu } => out.push(CommReport { key, rank, nranks, local, gpu, lanes: BTreeMap::new() }),
             Reply::NcclLane { key, lane, count } => match out.last_mut() {
                 Some(c) if c.key == key => {
                     c.lanes.insert(lane, count);
@@ -95,7 +99,7 @@ fn key_of(hex: &str) -> Option<u64> {
 impl CommReport {
     fn to_json(&self) -> serde_json::Value {
         let lanes: serde_json::Map<String, serde_json::Value> = self.lanes.iter().map(|(l, n)| (l.to_string(), (*n).into())).collect();
-        serde_json::json!({"key": key_hex(self.key), "rank": self.rank, "nranks": self.nranks, "local": self.local, "lanes": lanes})
+        serde_json::json!({"key": key_hex(self.key), "rank": self.rank, "nranks": self.nranks, "local": self.local, "gpu": self.gpu, "lanes": lanes})
     }
 
     fn from_json(v: &serde_json::Value) -> Option<CommReport> {
@@ -105,6 +109,7 @@ impl CommReport {
             rank: i32::try_from(v.get("rank")?.as_i64()?).ok()?,
             nranks: i32::try_from(v.get("nranks")?.as_i64()?).ok()?,
             local: v.get("local")?.as_bool()?,
+            gpu: v.get("gpu").and_then(|g| g.as_str()).unwrap_or_default().to_string(),
             lanes,
         })
     }
@@ -142,11 +147,12 @@ fn gathered_ranks(all: &[serde_json::Value], me: usize, field: &str) -> Result<G
 }
 
 /// Set to 1, `HIBER_NCCL_NET` lets hiber cut communicators that go over NCCL's network
-/// transport (see `network_transport`), to try them.
+/// transport with ranks sharing a GPU (see [`shared_gpu_over_network`]), to try them.
 pub const NET_OPT_IN: &str = "HIBER_NCCL_NET";
 
-const NET_REASON: &str = "after hiber builds such a communicator again, its ranks fault a few steps later (CUDA \
-     'unspecified launch failure'; H100, NCCL 2.28.9, socket transport, 2026-11-25), so it is not cut yet";
+const NET_REASON: &str = "after hiber builds such a communicator again, two of its ranks on one GPU fault a few \
+     steps later (CUDA 'unspecified launch failure', Xid 109; NCCL 2.28.9, socket transport, H100 and H200), \
+     so it is not cut";
 
 /// Why the communicators of `ranks` (one job's) would go over NCCL's network transport, if
 /// they would: their ranks are hosts of their own to NCCL (`NCCL_HOSTID`), or have its
@@ -163,7 +169,34 @@ fn network_transport(ranks: &[Rank]) -> Option<String> {
         } else {
             return None;
         };
-        Some(format!("NCCL rank process {} {why}, so its communicators go over NCCL's network transport: {NET_REASON}", r.pid))
+        Some(format!("NCCL rank process {} {why}", r.pid))
+    })
+}
+
+/// Why a communicator among `everyone`'s (the ranks of every participant, `owners[i]` the
+/// participant of process i, `net[p]` why participant p's ranks go over NCCL's network
+/// transport, if they do) would be cut over the network transport with two ranks on one
+/// GPU, or with a rank whose GPU is unknown: the one shape that faults after a rebuild. A
+/// communicator goes over the network transport when its ranks are in several
+/// participants' jobs, or its participant's ranks are hosts of their own to NCCL.
+fn shared_gpu_over_network(everyone: &[Vec<CommReport>], owners: &[usize], net: &[Option<String>]) -> Option<String> {
+    members(everyone).into_iter().find_map(|(key, m)| {
+        let mut parts: Vec<usize> = m.iter().map(|(i, _)| owners[*i]).collect();
+        parts.sort_unstable();
+        parts.dedup();
+        let over = if parts.len() > 1 {
+            "has ranks in the jobs of several hibers, so it goes over NCCL's network transport".to_string()
+        } else {
+            let why = net.get(parts[0]).cloned().flatten()?;
+            format!("goes over NCCL's network transport ({why})")
+        };
+        let mut gpus: Vec<&str> = m.iter().map(|(_, c)| c.gpu.as_str()).collect();
+        if gpus.contains(&"") {
+            return Some(format!("NCCL communicator {key:016x} {over}, and the GPU of one of its ranks is not known: {NET_REASON}"));
+        }
+        gpus.sort_unstable();
+        let shared = gpus.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])?;
+        Some(format!("NCCL communicator {key:016x} {over}, with two of its ranks on {shared}: {NET_REASON}"))
     })
 }
 
@@ -273,18 +306,16 @@ pub struct Rank {
 /// `false` when the job runs on untouched.
 ///
 /// Communicators over NCCL's network transport (ranks of several participants, or of one
-/// job as hosts of their own) are refused before anything is held unless `network` (see
-/// [`NET_OPT_IN`]).
+/// job as hosts of their own) with two ranks on one GPU are refused once held, before
+/// anything drains, unless `network` (see [`NET_OPT_IN`]).
 pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bool) -> Result<(), (EngineError, bool)> {
     let untouched = |e| (e, false);
     let started = std::time::Instant::now();
-    let net_hint = Some("HIBER_NCCL_NET=1 tries it anyway, at the risk of that fault");
+    let net_hint = Some("give each rank a GPU of its own; HIBER_NCCL_NET=1 tries it anyway, at the risk of that fault");
+    let net = network_transport(ranks);
     // Holding: a failure here or on another participant leaves every rank as it was (the
     // connections end, and with them the holds).
     let held = (|| {
-        if let Some(why) = network_transport(ranks).filter(|_| !network) {
-            return Err(fail(why, net_hint));
-        }
         let conns: Vec<Conn> = ranks.iter().map(|r| connect(r.pid, &r.name)).collect::<Result<_, _>>()?;
         // Each reply is bounded: a hold or drain waits inside the agent for at most the timeout.
         for c in &conns {
@@ -299,7 +330,7 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bo
     })();
     let (conns, reports, mine) = match held {
         Ok((conns, reports)) => {
-            let mine = serde_json::json!({ "ranks": reports_json(&reports), "network": network });
+            let mine = serde_json::json!({ "ranks": reports_json(&reports), "network": network, "net": net });
             (conns, reports, Ok(mine))
         }
         Err(e) => (Vec::new(), Vec::new(), Err(e)),
@@ -312,11 +343,9 @@ pub fn cut(ranks: &[Rank], timeout_ms: u64, peers: &dyn Coordinator, network: bo
     let network = network && all.iter().all(|v| v.get("network").and_then(|n| n.as_bool()) != Some(false));
     if !network {
         // Every participant finds the same, and all stop here, untouched.
-        if let Some(key) = members(&everyone).iter().find(|(_, m)| m.iter().any(|(i, _)| owners[*i] != owners[m[0].0])).map(|(k, _)| *k) {
-            return Err(untouched(fail(
-                format!("NCCL communicator {key:016x} has ranks in the jobs of several hibers, so it goes over NCCL's network transport: {NET_REASON}"),
-                net_hint,
-            )));
+        let nets: Vec<Option<String>> = all.iter().map(|v| v.get("net").and_then(|n| n.as_str()).map(String::from)).collect();
+        if let Some(why) = shared_gpu_over_network(&everyone, &owners, &nets) {
+            return Err(untouched(fail(why, net_hint)));
         }
     }
     let limits = limits(&everyone).map_err(|m| {
@@ -567,7 +596,7 @@ mod tests {
     }
 
     fn comm(key: u64, rank: i32, nranks: i32, lanes: &[(Lane, u64)]) -> CommReport {
-        CommReport { key, rank, nranks, local: false, lanes: lanes.iter().copied().collect() }
+        CommReport { key, rank, nranks, local: false, gpu: String::new(), lanes: lanes.iter().copied().collect() }
     }
 
     #[test]
@@ -636,7 +665,7 @@ mod tests {
                     _ if msg.split(' ').next() == Some(fail) => send(Reply::Err("scripted failure".into())),
                     Request::NcclHold { .. } | Request::NcclList => {
                         for c in &comms {
-                            send(Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local });
+                            send(Reply::NcclComm { key: c.key, rank: c.rank, nranks: c.nranks, local: c.local, gpu: c.gpu.clone() });
                             for (&lane, &count) in &c.lanes {
                                 send(Reply::NcclLane { key: c.key, lane, count });
                             }
@@ -941,7 +970,7 @@ mod tests {
 
     #[test]
     fn reports_travel_as_json_unchanged() {
-        let c = comm(0xfedc_ba98_7654_3210, 3, 8, &[(Lane::Coll, 5), (Lane::Send(2), 7), (Lane::Recv(4), 1)]);
+        let c = on_gpu(comm(0xfedc_ba98_7654_3210, 3, 8, &[(Lane::Coll, 5), (Lane::Send(2), 7), (Lane::Recv(4), 1)]), "GPU-9e84469c");
         assert_eq!(CommReport::from_json(&c.to_json()), Some(c.clone()));
         let all = vec![
             serde_json::json!({"ranks": reports_json(&[vec![c.clone()]])}),
@@ -954,9 +983,15 @@ mod tests {
         assert!(gathered_ranks(&[serde_json::json!({"ranks": [[{"key": 1}]]})], 0, "ranks").is_err());
     }
 
+    fn on_gpu(mut c: CommReport, gpu: &str) -> CommReport {
+        c.gpu = gpu.into();
+        c
+    }
+
     #[test]
-    fn communicators_over_the_network_transport_are_refused_before_anything_is_held() {
-        // Ranks of two hibers: both find it in the gathered counts, and neither drains.
+    fn communicators_over_the_network_transport_with_ranks_on_one_gpu_are_refused_before_anything_drains() {
+        // Ranks of two hibers whose GPUs the agents could not name: both find it in the
+        // gathered counts, and neither drains.
         let a = scripted("net-a", vec![comm(7, 0, 2, &[(Lane::Coll, 3)])], "");
         let b = scripted("net-b", vec![comm(7, 1, 2, &[(Lane::Coll, 3)])], "");
         let (addr, server) = session(2);
@@ -965,35 +1000,62 @@ mod tests {
             std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b"), false).unwrap_err())
         };
         let (e, down) = cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a"), false).unwrap_err();
-        assert!(!down && e.to_string().contains("jobs of several hibers") && e.hint().unwrap().contains("HIBER_NCCL_NET=1"), "{e}");
+        assert!(!down && e.to_string().contains("jobs of several hibers") && e.to_string().contains("not known"), "{e}");
+        assert!(e.hint().unwrap().contains("HIBER_NCCL_NET=1"), "{e}");
         assert!(!tb.join().unwrap().1);
         assert_eq!(a.verbs(), ["nccl-hold"]);
         assert_eq!(b.verbs(), ["nccl-hold"]);
         drop(server);
-        // One hiber told to try it and the other not: both refuse, neither drains.
-        let c = scripted("net-c", vec![comm(8, 0, 2, &[(Lane::Coll, 3)])], "");
-        let d = scripted("net-d", vec![comm(8, 1, 2, &[(Lane::Coll, 3)])], "");
+        // Two hibers' ranks on one GPU; one hiber told to try it and the other not: both
+        // refuse, neither drains.
+        let c = scripted("net-c", vec![on_gpu(comm(8, 0, 2, &[(Lane::Coll, 3)]), "GPU-same")], "");
+        let d = scripted("net-d", vec![on_gpu(comm(8, 1, 2, &[(Lane::Coll, 3)]), "GPU-same")], "");
         let (addr, server) = session(2);
         let td = {
             let (addr, rank) = (addr.clone(), d.rank.clone());
             std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "d"), false).unwrap_err())
         };
         let (e, down) = cut(std::slice::from_ref(&c.rank), 1000, &join(&addr, "c"), true).unwrap_err();
-        assert!(!down && e.to_string().contains("jobs of several hibers"), "{e}");
+        assert!(!down && e.to_string().contains("jobs of several hibers") && e.to_string().contains("two of its ranks on GPU-same"), "{e}");
         assert!(!td.join().unwrap().1);
         assert_eq!((c.verbs(), d.verbs()), (vec!["nccl-hold".to_string()], vec!["nccl-hold".to_string()]));
         drop(server);
-        // One job whose ranks are hosts of their own to NCCL: refused before any connection.
+        // One job whose two ranks are hosts of their own to NCCL, on one GPU: refused once
+        // held; on a GPU each, cut.
         let mut child = std::process::Command::new("sleep").arg("30").env("NCCL_HOSTID", "elsewhere").spawn().unwrap();
-        let rank = Rank { pid: child.id() as i32, name: "hiber-test-nccl-no-agent".into() };
         // Its environment reads empty until its exec is through.
-        while crate::proctree::env_var(rank.pid, "NCCL_HOSTID").is_none() {
+        while crate::proctree::env_var(child.id() as i32, "NCCL_HOSTID").is_none() {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let (e, down) = cut(std::slice::from_ref(&rank), 1000, &alone(), false).unwrap_err();
+        let as_hosts = |a: &ScriptedAgent| Rank { pid: child.id() as i32, name: a.rank.name.clone() };
+        let e = scripted("host-e", vec![on_gpu(comm(9, 0, 2, &[(Lane::Coll, 3)]), "GPU-one")], "");
+        let f = scripted("host-f", vec![on_gpu(comm(9, 1, 2, &[(Lane::Coll, 3)]), "GPU-one")], "");
+        let (err, down) = cut(&[as_hosts(&e), as_hosts(&f)], 1000, &alone(), false).unwrap_err();
+        assert!(!down && err.to_string().contains("NCCL_HOSTID=elsewhere") && err.to_string().contains("two of its ranks on GPU-one"), "{err}");
+        assert_eq!((e.verbs(), f.verbs()), (vec!["nccl-hold".to_string()], vec!["nccl-hold".to_string()]));
+        let g = scripted("host-g", vec![on_gpu(comm(10, 0, 2, &[(Lane::Coll, 3)]), "GPU-one")], "");
+        let h = scripted("host-h", vec![on_gpu(comm(10, 1, 2, &[(Lane::Coll, 3)]), "GPU-two")], "");
+        cut(&[as_hosts(&g), as_hosts(&h)], 1000, &alone(), false).unwrap();
+        assert_eq!(g.verbs(), ["nccl-hold", "nccl-drain", "nccl-down"]);
         let _ = child.kill();
         let _ = child.wait();
-        assert!(!down && e.to_string().contains("NCCL_HOSTID=elsewhere"), "{e}");
+    }
+
+    #[test]
+    fn ranks_of_several_hibers_on_a_gpu_each_are_cut_without_being_told_to_try() {
+        // The shape of a job across hosts: each hiber's rank on a GPU of its own.
+        let a = scripted("gpus-a", vec![on_gpu(comm(11, 0, 2, &[(Lane::Coll, 5)]), "GPU-a")], "");
+        let b = scripted("gpus-b", vec![on_gpu(comm(11, 1, 2, &[(Lane::Coll, 4)]), "GPU-b")], "");
+        let (addr, server) = session(2);
+        let tb = {
+            let (addr, rank) = (addr.clone(), b.rank.clone());
+            std::thread::spawn(move || cut(&[rank], 1000, &join(&addr, "b"), false))
+        };
+        cut(std::slice::from_ref(&a.rank), 1000, &join(&addr, "a"), false).unwrap();
+        tb.join().unwrap().unwrap();
+        assert_eq!(a.verbs(), ["nccl-hold", "nccl-drain", "nccl-down"]);
+        assert_eq!(b.verbs(), ["nccl-hold", "nccl-limit", "nccl-drain", "nccl-down"]);
+        drop(server);
     }
 
     #[test]
