@@ -6,10 +6,22 @@ temperature through those handles, printing `sample N gpus K used_mib U ok` (or 
 N FAILED ...` when a call fails). It never initializes CUDA: it holds NVIDIA's device files
 (nvidiactl, nvidia-uvm, one per GPU) without a CUDA context. A restored monitor must go on
 reading its GPUs through the handles it had, with its sample count going on.
+
+Each line goes out in one write(2): the monitor shares its log with the training process
+beside it, and print() writes a line and its newline apart, so the other process's line
+could land between them and leave a sample line that does not end in `ok` (shown on this
+repository's CPU machine: two processes printing 20,000 lines each to one file tore most
+of them; one write each tore none).
 """
 import argparse
 import ctypes
+import os
 import time
+
+
+def say(line):
+    os.write(1, (line + "\n").encode())
+
 
 p = argparse.ArgumentParser()
 p.add_argument("--interval-ms", type=int, default=100)
@@ -34,7 +46,7 @@ for i in range(count.value):
     h = ctypes.c_void_p()
     assert nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) == 0
     handles.append(h)
-print(f"monitor start gpus {len(handles)}", flush=True)
+say(f"monitor start gpus {len(handles)}")
 for n in range(args.samples):
     used, bad = 0, []
     for h in handles:
@@ -48,7 +60,7 @@ for n in range(args.samples):
                 bad.append(f"{what} rc {rc}")
         used += mem.used >> 20
     if bad or not 0 < temp.value < 120:
-        print(f"sample {n} FAILED {' '.join(bad)} temperature {temp.value}", flush=True)
+        say(f"sample {n} FAILED {' '.join(bad)} temperature {temp.value}")
     else:
-        print(f"sample {n} gpus {len(handles)} used_mib {used} ok", flush=True)
+        say(f"sample {n} gpus {len(handles)} used_mib {used} ok")
     time.sleep(args.interval_ms / 1000)
