@@ -41,12 +41,13 @@ impl Cluster {
 
     /// A cluster of two nodes of one CPU each, `nodea` and `nodeb`: the two `hosts`, each
     /// with its own slurmd (its own network namespace, and a UTS namespace with the node's
-    /// name), the controller on `nodea`. One partition, `batch`, of both, and `settings`.
-    fn two_nodes(h: &Hiber, hosts: &Hosts, settings: &str) -> Cluster {
+    /// name), the controller on `nodea`. Its `partitions` name both as `{nodes}`.
+    fn two_nodes(h: &Hiber, hosts: &Hosts, settings: &str, partitions: &str) -> Cluster {
         let nodes = format!(
-            "NodeName=nodea NodeAddr={} CPUs=1 State=UNKNOWN\nNodeName=nodeb NodeAddr={} CPUs=1 State=UNKNOWN\n{settings}\n\
-             PartitionName=batch Nodes=nodea,nodeb Default=YES MaxTime=INFINITE State=UP",
-            hosts.a_addr, hosts.b_addr
+            "NodeName=nodea NodeAddr={} CPUs=1 State=UNKNOWN\nNodeName=nodeb NodeAddr={} CPUs=1 State=UNKNOWN\n{settings}\n{}",
+            hosts.a_addr,
+            hosts.b_addr,
+            partitions.replace("{nodes}", "nodea,nodeb")
         );
         let conf = Cluster::configure(h, &format!("nodea({})", hosts.a_addr), &nodes);
         let spawn = |ns: &str, node: &str, daemon: &str| {
@@ -58,7 +59,11 @@ impl Cluster {
         };
         let daemons = vec![spawn(&hosts.a, "nodea", "slurmctld -c"), spawn(&hosts.a, "nodea", "slurmd"), spawn(&hosts.b, "nodeb", "slurmd")];
         let c = Cluster { daemons, conf, ns: Some(hosts.a.clone()) };
-        wait("both Slurm nodes to be idle", Duration::from_secs(60), || c.run("sinfo", &["-h", "-N", "-o", "%T"]).split_whitespace().eq(["idle", "idle"]));
+        // A line per node and partition.
+        wait("both Slurm nodes to be idle", Duration::from_secs(60), || {
+            let states = c.run("sinfo", &["-h", "-N", "-o", "%N %T"]);
+            ["nodea idle", "nodeb idle"].iter().all(|n| states.contains(n)) && states.lines().all(|l| l.ends_with(" idle"))
+        });
         c
     }
 
@@ -308,24 +313,13 @@ fn a_job_killed_in_its_checkpoint_starts_again_from_scratch_and_says_so() {
     assert_eq!(progress_in(second), reference, "the second start ran the whole program");
 }
 
-/// A job of two nodes (#38): `srun hiber-slurm -- PROGRAM` runs one task on each of two
-/// Slurm nodes, each node a host of its own (a network namespace with its address, veth
-/// between them, and its own slurmd), and each task's program a job of its node's hiber.
-/// The two programs talk over TCP between the nodes every step (`fixtures/slurm_pair.py`).
-/// At the time limit's warning (`--signal=USR1@45`, to both tasks) the two are checkpointed
-/// as one cut through `hiber coordinate`, which task 0 runs on its node; task 0 requeues the
-/// job once both images are complete; Slurm starts it again and both are restored together,
-/// their connection with them. The program's output is the uninterrupted trajectory, each
-/// step once, and both tasks end agreeing.
-#[test]
-fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_both() {
-    let h = Hiber::new("slurm-nodes");
-    let hosts = Hosts::new();
-    let cluster = Cluster::two_nodes(&h, &hosts, QUICK_REQUEUE);
+/// The two-task program of the tests of two nodes (`fixtures/slurm_pair.py`, `steps` steps)
+/// and its uninterrupted trajectory (the two tasks on this host, over loopback): the
+/// program's path and port, and the trajectory.
+fn pair_program(steps: &str) -> (PathBuf, String, Vec<(u64, String)>) {
     let pair = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/slurm_pair.py");
-    let steps = "400";
-    let port = (30000 + std::process::id() % 1000).to_string();
-    // The uninterrupted trajectory: the two tasks on this host, over loopback.
+    static PORTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let port = (30000 + (std::process::id() % 1000) * 4 + PORTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)).to_string();
     let tasks: Vec<_> = (0..2)
         .map(|t| {
             Command::new("python3")
@@ -340,24 +334,22 @@ fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_b
     let outs: Vec<_> = tasks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     let reference = progress_in(&String::from_utf8_lossy(&outs[0].stdout));
     assert!(outs.iter().all(|o| o.status.success()) && reference.len().to_string() == steps, "the reference run");
+    (pair, port, reference)
+}
 
-    let out = h.scratch.join("nodes.out");
-    let script = format!(
-        "#!/bin/bash\n#SBATCH -N 2 --requeue --time=1 --signal=USR1@45 --open-mode=append -o {}\nsrun {} -- python3 {} {steps} 100 {port}\n",
-        out.display(),
-        helper().display(),
-        pair.display()
-    );
-    let id = submit(&h, &cluster, "nodes.sh", &script, &[]);
+/// Waits (10 minutes at most) for both tasks of two-node job `id` to say that their program
+/// ended, then checks what each said at each start against Slurm's restart count, and the
+/// trajectory against `reference`. Returns the job's output.
+fn check_two_node_cycles(h: &Hiber, cluster: &Cluster, id: &str, out: &Path, reference: &[(u64, String)]) -> String {
     let start = std::time::Instant::now();
-    while !(0..2).all(|t| read(&out).contains(&format!("hiber-slurm[{t}]: the program ended"))) {
+    while !(0..2).all(|t| read(out).contains(&format!("hiber-slurm[{t}]: the program ended"))) {
         if start.elapsed() > Duration::from_secs(600) {
-            panic!("timed out waiting for job {id} to end\njob output:\n{}\n{}", read(&out), cluster.run("scontrol", &["show", "job", &id]));
+            panic!("timed out waiting for job {id} to end\njob output:\n{}\n{}", read(out), cluster.run("scontrol", &["show", "job", id]));
         }
         std::thread::sleep(Duration::from_millis(250));
     }
-    let text = read(&out);
-    let context = || format!("{text}\n{}", cluster.run("scontrol", &["show", "job", &id]));
+    let text = read(out);
+    let context = || format!("{text}\n{}", cluster.run("scontrol", &["show", "job", id]));
     assert!(text.contains("task 0 of 2 on nodea") && text.contains("task 1 of 2 on nodeb"), "a task on each node: {}", context());
     let mut restarts = None;
     for t in 0..2 {
@@ -380,9 +372,76 @@ fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_b
         assert!(restarts.is_none_or(|r| r == starts.len() - 1), "both tasks started as often: {}", context());
         restarts = Some(starts.len() - 1);
     }
-    let job = cluster.run("scontrol", &["show", "job", &id]);
+    let job = cluster.run("scontrol", &["show", "job", id]);
     assert!(job.contains(&format!("Restarts={}", restarts.unwrap())), "Slurm started the job as often as the tasks said: {}", context());
     assert!(text.contains("verify ok both tasks"), "both tasks replayed the run and agree: {}", context());
     assert_eq!(progress_in(&text), reference, "Slurm's output holds the uninterrupted trajectory, each step once");
     wait("the job's images to go", Duration::from_secs(10), || !h.scratch.join("images").join(format!("job-{id}")).exists());
+    text
+}
+
+/// A job of two nodes (#38): `srun hiber-slurm -- PROGRAM` runs one task on each of two
+/// Slurm nodes, each node a host of its own (a network namespace with its address, veth
+/// between them, and its own slurmd), and each task's program a job of its node's hiber.
+/// The two programs talk over TCP between the nodes every step (`fixtures/slurm_pair.py`).
+/// At the time limit's warning (`--signal=USR1@45`, to both tasks) the two are checkpointed
+/// as one cut through `hiber coordinate`, which task 0 runs on its node; task 0 requeues the
+/// job once both images are complete; Slurm starts it again and both are restored together,
+/// their connection with them. The program's output is the uninterrupted trajectory, each
+/// step once, and both tasks end agreeing.
+#[test]
+fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_both() {
+    let h = Hiber::new("slurm-nodes");
+    let hosts = Hosts::new();
+    let cluster = Cluster::two_nodes(&h, &hosts, QUICK_REQUEUE, "PartitionName=batch Nodes={nodes} Default=YES MaxTime=INFINITE State=UP");
+    let (pair, port, reference) = pair_program("400");
+    let out = h.scratch.join("nodes.out");
+    let script = format!(
+        "#!/bin/bash\n#SBATCH -N 2 --requeue --time=1 --signal=USR1@45 --open-mode=append -o {}\nsrun {} -- python3 {} 400 100 {port}\n",
+        out.display(),
+        helper().display(),
+        pair.display()
+    );
+    let id = submit(&h, &cluster, "nodes.sh", &script, &[]);
+    check_two_node_cycles(&h, &cluster, &id, &out, &reference);
+}
+
+/// Preemption of a job of two nodes: the same two-node job in a `low` partition (a grace
+/// time of 60 s), preempted by a `high` job that needs both nodes. Slurm sends SIGTERM to
+/// both tasks at once: they are cut as one, task 0 requeues the job, the preemptor runs,
+/// and the job is restored on both nodes once they are free, to the end of the
+/// uninterrupted trajectory.
+#[test]
+fn a_preempted_job_of_two_nodes_is_cut_as_one_in_its_grace_time_and_resumes_after_the_preemptor() {
+    let h = Hiber::new("slurm-nodes-preempt");
+    let hosts = Hosts::new();
+    let cluster = Cluster::two_nodes(
+        &h,
+        &hosts,
+        &format!("{QUICK_REQUEUE}\nPreemptType=preempt/partition_prio\nPreemptMode=REQUEUE"),
+        "PartitionName=low Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60\n\
+         PartitionName=high Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2",
+    );
+    let (pair, port, reference) = pair_program("300");
+    let out = h.scratch.join("low.out");
+    let script = format!(
+        "#!/bin/bash\n#SBATCH -p low -N 2 --requeue --open-mode=append -o {}\nsrun {} -- python3 {} 300 100 {port}\n",
+        out.display(),
+        helper().display(),
+        pair.display()
+    );
+    let id = submit(&h, &cluster, "low.sh", &script, &[]);
+    wait("the low job's program to reach step 50", Duration::from_secs(120), || progress_in(&read(&out)).len() >= 50);
+    let high_out = h.scratch.join("high.out");
+    let high = submit(&h, &cluster, "high.sh", &format!("#!/bin/bash\n#SBATCH -p high -N 2 -o {}\necho preemptor ran; sleep 3\n", high_out.display()), &[]);
+    let text = check_two_node_cycles(&h, &cluster, &id, &out, &reference);
+    for t in 0..2 {
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("hiber-slurm[{t}]: SIGTERM: checkpointing"))),
+            "task {t} checkpointed on the preemption's SIGTERM: {text}"
+        );
+    }
+    assert_eq!(read(&high_out).trim(), "preemptor ran");
+    let high_job = cluster.run("scontrol", &["show", "job", &high]);
+    assert!(high_job.contains("JobState=COMPLETED"), "{high_job}");
 }
