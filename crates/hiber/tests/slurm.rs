@@ -41,13 +41,13 @@ impl Cluster {
 
     /// A cluster of two nodes of one CPU each, `nodea` and `nodeb`: the two `hosts`, each
     /// with its own slurmd (its own network namespace, and a UTS namespace with the node's
-    /// name), the controller on `nodea`. Its `partitions` name both as `{nodes}`.
+    /// name), the controller on `nodea`. Its `partitions` name both as `{node}`.
     fn two_nodes(h: &Hiber, hosts: &Hosts, settings: &str, partitions: &str) -> Cluster {
         let nodes = format!(
             "NodeName=nodea NodeAddr={} CPUs=1 State=UNKNOWN\nNodeName=nodeb NodeAddr={} CPUs=1 State=UNKNOWN\n{settings}\n{}",
             hosts.a_addr,
             hosts.b_addr,
-            partitions.replace("{nodes}", "nodea,nodeb")
+            partitions.replace("{node}", "nodea,nodeb")
         );
         let conf = Cluster::configure(h, &format!("nodea({})", hosts.a_addr), &nodes);
         let spawn = |ns: &str, node: &str, daemon: &str| {
@@ -243,10 +243,17 @@ fn a_batch_job_is_checkpointed_at_its_time_limit_requeued_and_restored() {
 /// A one-node cluster whose `low` partition (the default; its jobs have `grace_s` seconds
 /// once preempted) is preempted by jobs of its `high` one, requeued.
 fn preempting_cluster(h: &Hiber, grace_s: u32) -> Cluster {
-    Cluster::start(
-        h,
-        &format!("{QUICK_REQUEUE}\nPreemptType=preempt/partition_prio\nPreemptMode=REQUEUE"),
-        &format!(
+    let (settings, partitions) = preemption(grace_s);
+    Cluster::start(h, &settings, &partitions)
+}
+
+/// The settings and partitions (naming the nodes `{node}`) of a cluster whose `low`
+/// partition (the default; `grace_s` seconds once preempted) is preempted by jobs of its
+/// `high` one, requeued.
+fn preemption(grace_s: u32) -> (String, String) {
+    (
+        format!("{QUICK_REQUEUE}\nPreemptType=preempt/partition_prio\nPreemptMode=REQUEUE"),
+        format!(
             "PartitionName=low Nodes={{node}} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_s}\n\
              PartitionName=high Nodes={{node}} MaxTime=INFINITE State=UP PriorityTier=2"
         ),
@@ -393,7 +400,7 @@ fn check_two_node_cycles(h: &Hiber, cluster: &Cluster, id: &str, out: &Path, ref
 fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_both() {
     let h = Hiber::new("slurm-nodes");
     let hosts = Hosts::new();
-    let cluster = Cluster::two_nodes(&h, &hosts, QUICK_REQUEUE, "PartitionName=batch Nodes={nodes} Default=YES MaxTime=INFINITE State=UP");
+    let cluster = Cluster::two_nodes(&h, &hosts, QUICK_REQUEUE, "PartitionName=batch Nodes={node} Default=YES MaxTime=INFINITE State=UP");
     let (pair, port, reference) = pair_program("400");
     let out = h.scratch.join("nodes.out");
     let script = format!(
@@ -415,13 +422,8 @@ fn a_job_of_two_nodes_is_cut_as_one_at_its_time_limit_requeued_and_restored_on_b
 fn a_preempted_job_of_two_nodes_is_cut_as_one_in_its_grace_time_and_resumes_after_the_preemptor() {
     let h = Hiber::new("slurm-nodes-preempt");
     let hosts = Hosts::new();
-    let cluster = Cluster::two_nodes(
-        &h,
-        &hosts,
-        &format!("{QUICK_REQUEUE}\nPreemptType=preempt/partition_prio\nPreemptMode=REQUEUE"),
-        "PartitionName=low Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60\n\
-         PartitionName=high Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2",
-    );
+    let (settings, partitions) = preemption(60);
+    let cluster = Cluster::two_nodes(&h, &hosts, &settings, &partitions);
     let (pair, port, reference) = pair_program("300");
     let out = h.scratch.join("low.out");
     let script = format!(
